@@ -1,0 +1,61 @@
+"""Triton helpers shared by the forward and backward kernels.
+
+Both passes must agree bit for bit on which (query, key) pairs are visible and
+which probabilities dropout keeps, so those two rules live here and nowhere
+else. ``flashfuse.reference`` re-implements the same rules in PyTorch.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _visible(
+    offs_m,
+    offs_n,
+    N,
+    M,
+    DIAG_OFFSET,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_WINDOW_LEFT: tl.constexpr,
+    HAS_WINDOW_RIGHT: tl.constexpr,
+):
+    """(BLOCK_M, BLOCK_N) bool tile: query i may look at key j.
+
+    Out-of-range rows and columns are invisible. With a window, key j is
+    visible to query i when
+    ``i + DIAG_OFFSET - WINDOW_LEFT <= j <= i + DIAG_OFFSET + WINDOW_RIGHT``
+    (a causal mask is ``WINDOW_RIGHT = 0`` with no left bound).
+    """
+    i = offs_m[:, None]
+    j = offs_n[None, :]
+    vis = (i < N) & (j < M)
+    if HAS_WINDOW_RIGHT:
+        vis = vis & (j <= i + DIAG_OFFSET + WINDOW_RIGHT)
+    if HAS_WINDOW_LEFT:
+        vis = vis & (j >= i + DIAG_OFFSET - WINDOW_LEFT)
+    return vis
+
+
+@triton.jit
+def _dropout_keep(seed, offs_m, offs_n, bh, threshold):
+    """(BLOCK_M, BLOCK_N) bool tile: dropout keeps probability (i, j).
+
+    One Philox4x32-10 call with counter ``(j >> 2, i, bh, 0)`` yields four
+    words; key j takes word ``j & 3``. A word r keeps when
+    ``(r >> 8) >= threshold`` with ``threshold = round(p * 2**24)``, so the
+    keep rate is 1 - p to within 2**-24. The stream depends only on the seed
+    and the element's coordinates, so the backward regenerates the forward's
+    mask exactly, whatever the tiling.
+    """
+    i = offs_m[:, None]
+    j = offs_n[None, :]
+    c0 = (j >> 2).to(tl.uint32) + (i * 0).to(tl.uint32)
+    c1 = i.to(tl.uint32) + (j * 0).to(tl.uint32)
+    c2 = (c0 * 0) + bh.to(tl.uint32)
+    c3 = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    lane = j & 3
+    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return (r >> 8).to(tl.int32) >= threshold

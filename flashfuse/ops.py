@@ -1,0 +1,406 @@
+"""The flashfuse operators, registered with ``torch.library``.
+
+Three ops live in the ``flashfuse`` namespace:
+
+``flashfuse::attention``
+    The public op, with the arguments of
+    ``torch.nn.functional.scaled_dot_product_attention`` plus a window and a
+    causal alignment. A composite: it checks and normalises its arguments,
+    draws the dropout seed, and calls ``_attention_forward``. Being composite,
+    it stays a single node in Dynamo graphs (which the graph pass emits) and is
+    decomposed by AOTAutograd into the two private ops.
+``flashfuse::_attention_forward`` / ``flashfuse::_attention_backward``
+    Opaque ops with fake implementations and autograd. They dispatch to the
+    Triton kernels for CUDA tensors (and for CPU tensors under
+    ``TRITON_INTERPRET=1``) and to the blockwise PyTorch implementation for
+    CPU tensors otherwise.
+
+Everything that can be checked without the data is checked here, once, so the
+kernels can assume valid input.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+try:  # Triton is a dependency, but a CPU-only install without it should still run.
+    import triton  # noqa: F401
+
+    from . import kernels as _kernels
+except ImportError:  # pragma: no cover - exercised only without triton
+    _kernels = None
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# float64 runs on the blockwise CPU path only (it exists for gradcheck).
+CPU_ONLY_DTYPES = (torch.float64,)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+ALIGNMENTS = ("top_left", "bottom_right")
+
+_ATTENTION_SCHEMA = (
+    "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+    "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+    "*, int? window_left=None, int? window_right=None, str alignment=\"top_left\") -> Tensor"
+)
+
+_lib = torch.library.Library("flashfuse", "FRAGMENT")
+_lib.define(_ATTENTION_SCHEMA)
+
+
+# --------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_inputs(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    enable_gqa: bool,
+    window_left: int | None,
+    window_right: int | None,
+    alignment: str,
+) -> None:
+    """Raise ``ValueError`` naming the problem and the fix for any input the
+    op cannot compute exactly. Runs on real and fake tensors alike."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flashfuse.attention: {name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"flashfuse.attention: {name} must be 4-D (batch, heads, seq_len, head_dim), "
+                f"got shape {tuple(t.shape)}; add a heads dimension with .unsqueeze(1) or "
+                "reshape (B, N, H*D) inputs to (B, H, N, D)"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(
+            "flashfuse.attention: query, key and value must share a dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}; cast them to one dtype first"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            "flashfuse.attention: query, key and value must be on one device, got "
+            f"{query.device}, {key.device}, {value.device}"
+        )
+    device_type = query.device.type
+    if device_type not in ("cuda", "cpu", "meta"):
+        raise ValueError(
+            f"flashfuse.attention: tensors on {device_type!r} are not supported; use CUDA or CPU tensors"
+        )
+    allowed = SUPPORTED_DTYPES + (CPU_ONLY_DTYPES if device_type != "cuda" else ())
+    if query.dtype not in allowed:
+        raise ValueError(
+            f"flashfuse.attention: dtype {query.dtype} is not supported on {device_type}; "
+            f"supported: {_dtype_names(allowed)}"
+        )
+    B, Hq, N, D = query.shape
+    Bk, Hkv, M, Dk = key.shape
+    Bv, Hv, Mv, Dv = value.shape
+    if Bk != B or Bv != B:
+        raise ValueError(
+            f"flashfuse.attention: batch sizes differ: query {B}, key {Bk}, value {Bv}"
+        )
+    if Hv != Hkv or Mv != M:
+        raise ValueError(
+            "flashfuse.attention: key and value must have the same heads and sequence length, "
+            f"got key {tuple(key.shape)} and value {tuple(value.shape)}"
+        )
+    if Dk != D:
+        raise ValueError(
+            f"flashfuse.attention: query and key head dims differ ({D} vs {Dk}); "
+            "the scores q @ k^T need equal head dims"
+        )
+    for name, d in (("query/key", D), ("value", Dv)):
+        if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
+            raise ValueError(
+                f"flashfuse.attention: {name} head dim {d} is not supported; "
+                f"supported head dims are {MIN_HEAD_DIM} to {MAX_HEAD_DIM} (any value in between)"
+            )
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"flashfuse.attention: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})"
+        )
+    if Hq != Hkv and not enable_gqa:
+        raise ValueError(
+            f"flashfuse.attention: query has {Hq} heads but key/value have {Hkv}; "
+            "pass enable_gqa=True for grouped-query attention"
+        )
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError("flashfuse.attention: attn_mask must be a Tensor or None")
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise ValueError(
+                f"flashfuse.attention: attn_mask dtype {attn_mask.dtype} is not supported; "
+                "use a bool mask (True takes part) or a floating mask added to the scores"
+            )
+        if attn_mask.device != query.device:
+            raise ValueError(
+                f"flashfuse.attention: attn_mask is on {attn_mask.device} but query is on {query.device}"
+            )
+        target = (B, Hq, N, M)
+        shape = tuple(attn_mask.shape)
+        if len(shape) > 4 or any(
+            s != 1 and s != t for s, t in zip(reversed(shape), reversed(target))
+        ):
+            raise ValueError(
+                f"flashfuse.attention: attn_mask of shape {shape} does not broadcast to "
+                f"(batch, heads, query_len, key_len) = {target}"
+            )
+    if not (0.0 <= dropout_p <= 1.0) or math.isnan(dropout_p):
+        raise ValueError(f"flashfuse.attention: dropout_p must be in [0, 1], got {dropout_p}")
+    for name, w in (("window_left", window_left), ("window_right", window_right)):
+        if w is not None and w < 0:
+            raise ValueError(f"flashfuse.attention: {name} must be None or >= 0, got {w}")
+    if alignment not in ALIGNMENTS:
+        raise ValueError(
+            f"flashfuse.attention: alignment must be one of {ALIGNMENTS}, got {alignment!r}"
+        )
+
+
+# --------------------------------------------------------------------------
+# The public composite op
+# --------------------------------------------------------------------------
+
+def _attention_composite(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    alignment: str = "top_left",
+) -> Tensor:
+    check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if is_causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
+    seed = None
+    if 0.0 < dropout_p < 1.0:
+        # Drawn from PyTorch's generator so torch.manual_seed reproduces a run;
+        # a device tensor so CUDA graphs and Inductor's RNG handling see it.
+        seed = torch.randint(2**62, (), dtype=torch.int64, device=query.device)
+    out, _ = torch.ops.flashfuse._attention_forward(
+        query,
+        key,
+        value,
+        attn_mask,
+        seed,
+        dropout_p if seed is not None else 0.0,
+        float(scale),
+        window_left,
+        window_right,
+        alignment == "bottom_right",
+    )
+    if dropout_p >= 1.0:
+        # Everything dropped: zeros that still carry (zero) gradients.
+        out = out * 0.0
+    return out
+
+
+_lib.impl("attention", _attention_composite, "CompositeImplicitAutograd")
+
+
+# --------------------------------------------------------------------------
+# Private ops: forward and backward
+# --------------------------------------------------------------------------
+
+def _use_triton(t: Tensor) -> bool:
+    if _kernels is None:
+        return False
+    if t.device.type == "cuda":
+        return True
+    # Kernels are built for the interpreter only if TRITON_INTERPRET=1 was set
+    # when they were imported; the variable is re-read here so tests can switch
+    # a process to the fast blockwise path by setting it to 0.
+    return _kernels.BUILT_FOR_INTERPRETER and os.environ.get("TRITON_INTERPRET") == "1" and t.dtype in SUPPORTED_DTYPES
+
+
+def _empty_out(q: Tensor, v: Tensor) -> Tensor:
+    B, Hq, N, _ = q.shape
+    Dv = v.shape[-1]
+    # (B, N, H, Dv) in memory: the usual out.transpose(1, 2).reshape(B, N, H*Dv) is free.
+    return q.new_empty(B, N, Hq, Dv).transpose(1, 2)
+
+
+@torch.library.custom_op("flashfuse::_attention_forward", mutates_args=())
+def _attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    seed: Tensor | None,
+    dropout_p: float,
+    scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    bottom_right: bool,
+) -> tuple[Tensor, Tensor]:
+    """Flash-attention forward. Returns ``out`` (B, Hq, N, Dv) and the per-row
+    log-sum-exp ``lse`` (B, Hq, N) float32, natural log, +inf for rows that see
+    no key. Arguments are already checked by ``flashfuse::attention``."""
+    B, Hq, N, _ = q.shape
+    M = k.shape[2]
+    if N == 0 or M == 0:
+        out = _empty_out(q, v).zero_()
+        lse = torch.full((B, Hq, N), math.inf, dtype=torch.float32, device=q.device)
+        return out, lse
+    impl = _kernels.attention_forward if _use_triton(q) else reference.blockwise_forward
+    return impl(
+        q, k, v, attn_mask, seed,
+        dropout_p=dropout_p, scale=scale, window_left=window_left,
+        window_right=window_right, bottom_right=bottom_right,
+    )
+
+
+@_attention_forward.register_fake
+def _(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
+    B, Hq, N, _ = q.shape
+    return _empty_out(q, v), q.new_empty((B, Hq, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashfuse::_attention_backward", mutates_args=())
+def _attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    seed: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    bottom_right: bool,
+    mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Flash-attention backward: ``dq``, ``dk``, ``dv`` (``empty_like`` their
+    inputs) and ``dmask`` (the mask's shape and dtype when ``mask_grad``, else
+    an empty tensor). Probabilities are recomputed from ``lse``."""
+    N = q.shape[2]
+    M = k.shape[2]
+    if N == 0 or M == 0:
+        dmask = _empty_dmask(attn_mask, q, mask_grad).zero_()
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+    impl = _kernels.attention_backward if _use_triton(q) else reference.blockwise_backward
+    dq, dk, dv, dmask = impl(
+        grad_out, q, k, v, attn_mask, seed, out, lse,
+        dropout_p=dropout_p, scale=scale, window_left=window_left,
+        window_right=window_right, bottom_right=bottom_right, mask_grad=mask_grad,
+    )
+    if dmask is None:
+        dmask = _empty_dmask(attn_mask, q, False)
+    return dq, dk, dv, dmask
+
+
+def _empty_dmask(attn_mask: Tensor | None, q: Tensor, mask_grad: bool) -> Tensor:
+    if mask_grad and attn_mask is not None:
+        return torch.empty(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device)
+    return q.new_empty(0)
+
+
+@_attention_backward.register_fake
+def _(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left,
+      window_right, bottom_right, mask_grad):
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        _empty_dmask(attn_mask, q, mask_grad),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
+    ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
+    dropout_p, scale, window_left, window_right, bottom_right = ctx.params
+    mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = torch.ops.flashfuse._attention_backward(
+        grad_out, q, k, v, attn_mask, seed, out, lse,
+        dropout_p, scale, window_left, window_right, bottom_right, mask_grad,
+    )
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+
+
+_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    alignment: str = "top_left",
+) -> Tensor:
+    """Exact attention ``softmax(query @ key^T * scale + mask) @ value``,
+    computed by a flash kernel: the (N, M) score matrix never reaches memory.
+
+    Arguments mean what they mean in
+    ``torch.nn.functional.scaled_dot_product_attention``:
+
+    Args:
+        query: (B, Hq, N, D) queries. fp16, bf16 or fp32 (float64 on CPU);
+            any strides. D between 16 and 256.
+        key: (B, Hkv, M, D) keys; Hq must be a multiple of Hkv.
+        value: (B, Hkv, M, Dv) values; Dv between 16 and 256, may differ from D.
+        attn_mask: optional mask broadcastable to (B, Hq, N, M). Bool: True
+            means the pair takes part. Floating: added to the scaled scores
+            (a learned bias gets its gradient, summed over broadcast
+            dimensions). Broadcast dimensions are never expanded in memory.
+        dropout_p: probability of dropping an attention weight, applied
+            whenever it is > 0 (pass 0.0 in evaluation). The mask is drawn
+            from PyTorch's generator (``torch.manual_seed`` reproduces it) and
+            regenerated in the backward, never stored.
+        is_causal: query i sees keys j <= i (top-left aligned, as in SDPA;
+            see ``alignment``). Same as ``window_right=0``.
+        scale: factor applied to ``query @ key^T``; default 1/sqrt(D).
+        enable_gqa: must be True when Hq != Hkv (grouped-query attention:
+            query head h uses key/value head h // (Hq // Hkv)).
+        window_left: keyword-only; if given, query i sees no key before
+            i + offset - window_left (sliding-window attention).
+        window_right: keyword-only; if given, query i sees no key after
+            i + offset + window_right.
+        alignment: keyword-only; where the causal diagonal and the window
+            sit when N != M. ``"top_left"`` (offset 0, SDPA's ``is_causal``)
+            or ``"bottom_right"`` (offset M - N: the last query sees the last
+            key, as when decoding with a KV cache).
+
+    Returns:
+        (B, Hq, N, Dv) tensor in the inputs' dtype. A row that sees no key at
+        all (everything masked) is 0, where eager softmax would give NaN.
+    """
+    return torch.ops.flashfuse.attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        window_left=window_left, window_right=window_right, alignment=alignment,
+    )

@@ -1,0 +1,36 @@
+"""Test-wide setup.
+
+Without a GPU the Triton kernels are tested through Triton's interpreter, which
+must be switched on before any kernel is defined, hence before flashfuse is
+imported. Tests that want the fast blockwise CPU path instead set
+TRITON_INTERPRET=0 for their duration (the op re-reads it at call time).
+"""
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _has_cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _has_cuda = False
+
+if not _has_cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def blockwise_cpu(monkeypatch):
+    """Run the op's CPU tensors through the blockwise PyTorch path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")

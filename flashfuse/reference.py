@@ -291,3 +291,311 @@ def dropout_keep_mask(
     words = words.reshape(B, H, r1 - r0, 4 * (quad1 - quad0))
     words = words[..., j0 - 4 * quad0 : j1 - 4 * quad0]
     return (words >> 8) >= threshold
+
+
+# ---------------------------------------------------------------------------
+# blockwise CPU implementation
+# ---------------------------------------------------------------------------
+
+# Tile sizes of the blockwise path. Keys are processed KEY_BLOCK at a time and
+# queries in chunks sized so that one (B, Hq, rows, keys) float32 temporary
+# holds about TILE_ELEMENTS elements: memory stays linear in N and M while each
+# step is one large batched matmul. Module-level so tests can shrink them.
+KEY_BLOCK = 512
+TILE_ELEMENTS = 1 << 22
+MIN_QUERY_ROWS = 16
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> Tuple[int, int, int, int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-d; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, Hq, N, D = q.shape
+    Bk, Hkv, M, Dk = k.shape
+    if Bk != B or Dk != D or v.shape[0] != B or v.shape[1] != Hkv or v.shape[2] != M:
+        raise ValueError(
+            f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    return B, Hq, Hkv, N, M, D, v.shape[3]
+
+
+def _mask_as_4d(attn_mask: Tensor) -> Tensor:
+    """View of a broadcastable mask with exactly four dimensions."""
+    if attn_mask.dim() < 4:
+        return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if attn_mask.dim() > 4:
+        if any(s != 1 for s in attn_mask.shape[:-4]):
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to 4-d")
+        return attn_mask.reshape(attn_mask.shape[-4:])
+    return attn_mask
+
+
+def _seed_value(seed, dropout_p: float) -> Optional[int]:
+    if dropout_p <= 0.0:
+        return None
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs a seed")
+    return int(seed)
+
+
+def _key_band(i0, i1, N, M, window_left, window_right, bottom_right) -> Tuple[int, int]:
+    """Key range [lo, hi) holding every key visible to some query in [i0, i1)."""
+    off = (M - N) if bottom_right else 0
+    lo = 0 if window_left is None else max(0, i0 + off - window_left)
+    hi = M if window_right is None else min(M, i1 - 1 + off + window_right + 1)
+    return lo, max(lo, hi)
+
+
+def _tile_fully_visible(i0, i1, j0, j1, N, M, window_left, window_right, bottom_right) -> bool:
+    """True when every (query, key) pair of the tile passes the window rule."""
+    off = (M - N) if bottom_right else 0
+    right_ok = window_right is None or j1 - 1 <= i0 + off + window_right
+    left_ok = window_left is None or j0 >= i1 - 1 + off - window_left
+    return right_ok and left_ok
+
+
+class _Tiler:
+    """Shared per-tile work of the forward and backward passes.
+
+    Holds float32 (float64 for float64 inputs) copies of q (pre-scaled,
+    grouped as (B, Hkv, G, N, D) for GQA), k and v, and computes masked score
+    tiles. K/V are never repeated per
+    query head: a query chunk of all G heads sharing a key/value head is
+    flattened to (B, Hkv, G * rows, D) and multiplied once.
+    """
+
+    def __init__(self, q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
+        self.B, self.Hq, self.Hkv, self.N, self.M, self.D, self.Dv = _check_shapes(q, k, v)
+        self.G = self.Hq // self.Hkv
+        # float32 accumulation like the kernels; float64 inputs (gradcheck)
+        # are computed in float64 throughout.
+        self.acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.D)
+        # Pre-scaling q once folds the scale into every score tile for free.
+        self.q_scaled = (q.to(self.acc_dtype) * self.scale).reshape(self.B, self.Hkv, self.G, self.N, self.D)
+        self.k = k.to(self.acc_dtype)
+        self.v = v.to(self.acc_dtype)
+        self.mask = None
+        if attn_mask is not None:
+            self.mask = _mask_as_4d(attn_mask).expand(self.B, self.Hq, self.N, self.M)
+        self.dropout_p = float(dropout_p)
+        self.seed = _seed_value(seed, self.dropout_p)
+        self.drop_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1.0 else 0.0
+        self.window_left, self.window_right, self.bottom_right = window_left, window_right, bottom_right
+        key_block = max(1, min(self.M, KEY_BLOCK))
+        rows = TILE_ELEMENTS // max(1, self.B * self.Hq * key_block)
+        self.key_block = key_block
+        self.query_rows = max(1, min(self.N, max(MIN_QUERY_ROWS, rows)))
+
+    def query_chunks(self):
+        for i0 in range(0, self.N, self.query_rows):
+            yield i0, min(self.N, i0 + self.query_rows)
+
+    def key_tiles(self, i0, i1):
+        lo, hi = _key_band(i0, i1, self.N, self.M, self.window_left, self.window_right, self.bottom_right)
+        for j0 in range(lo, hi, self.key_block):
+            yield j0, min(hi, j0 + self.key_block)
+
+    def grouped_rows(self, t: Tensor, i0: int, i1: int) -> Tensor:
+        """(B, Hkv, G, N, X) -> rows [i0, i1) as (B, Hkv, G * rows, X)."""
+        return t[:, :, :, i0:i1].reshape(self.B, self.Hkv, self.G * (i1 - i0), t.shape[-1])
+
+    def scores(self, q_rows: Tensor, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+        """(B, Hq, rows, keys) scaled scores plus mask, -inf where invisible."""
+        n, m = i1 - i0, j1 - j0
+        s = torch.matmul(q_rows, self.k[:, :, j0:j1].transpose(-1, -2)).view(self.B, self.Hq, n, m)
+        if self.mask is not None:
+            tile = self.mask[:, :, i0:i1, j0:j1]
+            if tile.dtype == torch.bool:
+                s.masked_fill_(~tile, float("-inf"))
+            else:
+                s.add_(tile)
+        if not _tile_fully_visible(i0, i1, j0, j1, self.N, self.M,
+                                   self.window_left, self.window_right, self.bottom_right):
+            vis = visibility_mask(
+                self.N, self.M, window_left=self.window_left, window_right=self.window_right,
+                bottom_right=self.bottom_right, rows=(i0, i1), cols=(j0, j1), device=s.device,
+            )
+            s.masked_fill_(~vis, float("-inf"))
+        return s
+
+    def keep(self, i0: int, i1: int, j0: int, j1: int, device) -> Optional[Tensor]:
+        """Dropout keep tile (B, Hq, rows, keys), or None without dropout."""
+        if self.seed is None:
+            return None
+        return dropout_keep_mask(
+            self.seed, self.B, self.Hq, self.N, self.M, self.dropout_p, device,
+            rows=(i0, i1), cols=(j0, j1),
+        )
+
+
+def blockwise_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    seed: Optional[Tensor],
+    *,
+    dropout_p: float,
+    scale: Optional[float],
+    window_left: Optional[int],
+    window_right: Optional[int],
+    bottom_right: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Attention forward in tiles with an online softmax (no (N, M) tensor).
+
+    Args:
+        q: queries (B, Hq, N, D), any strides.
+        k: keys (B, Hkv, M, D); ``Hq % Hkv == 0``.
+        v: values (B, Hkv, M, Dv).
+        attn_mask: None, bool (True takes part) or floating (added to the
+            scaled scores), broadcastable to (B, Hq, N, M).
+        seed: None, or an int64 0-d tensor keying the dropout stream.
+        dropout_p: dropout probability (0 disables dropout).
+        scale: multiplier of q·k (None: ``1 / sqrt(D)``).
+        window_left: left bound of the visibility window (None: none).
+        window_right: right bound of the visibility window (None: none; 0: causal).
+        bottom_right: diagonal offset ``M - N`` instead of 0.
+
+    Returns:
+        ``out`` (B, Hq, N, Dv) in q's dtype, laid out as
+        ``empty(B, N, Hq, Dv).transpose(1, 2)``; ``lse`` float32 (B, Hq, N),
+        natural log, +inf for rows with no visible key.
+    """
+    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right)
+    B, Hq, Hkv, G, N, Dv = t.B, t.Hq, t.Hkv, t.G, t.N, t.Dv
+    out = torch.empty(B, N, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    for i0, i1 in t.query_chunks():
+        n = i1 - i0
+        q_rows = t.grouped_rows(t.q_scaled, i0, i1)
+        row_max = torch.full((B, Hq, n), float("-inf"), dtype=t.acc_dtype, device=q.device)
+        row_sum = torch.zeros(B, Hq, n, dtype=t.acc_dtype, device=q.device)
+        acc = torch.zeros(B, Hkv, G * n, Dv, dtype=t.acc_dtype, device=q.device)
+        for j0, j1 in t.key_tiles(i0, i1):
+            s = t.scores(q_rows, i0, i1, j0, j1)
+            new_max = torch.maximum(row_max, s.amax(dim=-1))
+            # A row with nothing visible so far keeps max -inf; shift it by 0
+            # instead so exp gives 0 rather than NaN.
+            shift = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
+            p = torch.exp(s - shift.unsqueeze(-1))
+            alpha = torch.exp(row_max - shift)
+            row_sum = row_sum * alpha + p.sum(dim=-1)
+            keep = t.keep(i0, i1, j0, j1, q.device)
+            if keep is not None:
+                p.masked_fill_(~keep, 0.0)
+            acc = acc * alpha.reshape(B, Hkv, G * n, 1) + torch.matmul(
+                p.view(B, Hkv, G * n, j1 - j0), t.v[:, :, j0:j1]
+            )
+            row_max = new_max
+        empty = row_sum == 0
+        inv = t.drop_scale / torch.where(empty, torch.ones_like(row_sum), row_sum)
+        out[:, :, i0:i1] = acc.view(B, Hq, n, Dv) * inv.unsqueeze(-1)
+        lse[:, :, i0:i1] = torch.where(
+            empty, torch.full_like(row_sum, float("inf")), row_max + torch.log(row_sum)
+        )
+    return out, lse
+
+
+def blockwise_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    seed: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    *,
+    dropout_p: float,
+    scale: Optional[float],
+    window_left: Optional[int],
+    window_right: Optional[int],
+    bottom_right: bool,
+    mask_grad: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Attention backward in tiles, recomputing probabilities from ``lse``.
+
+    Args:
+        grad_out: gradient of the output (B, Hq, N, Dv), any strides.
+        q, k, v, attn_mask, seed: the forward's inputs (see ``blockwise_forward``).
+        out: the forward's output (B, Hq, N, Dv).
+        lse: the forward's float32 log-sum-exp (B, Hq, N).
+        dropout_p, scale, window_left, window_right, bottom_right: as in the forward.
+        mask_grad: also return the gradient of a floating ``attn_mask``.
+
+    Returns:
+        ``(dq, dk, dv, dmask)``: ``empty_like`` q, k, v filled with their
+        gradients; ``dmask`` has the mask's own shape and dtype (summed over
+        its broadcast dimensions) when ``mask_grad``, else None.
+    """
+    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right)
+    B, Hq, Hkv, G, N, M, D, Dv = t.B, t.Hq, t.Hkv, t.G, t.N, t.M, t.D, t.Dv
+    dev = q.device
+    if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
+        raise ValueError("mask_grad needs a floating attn_mask")
+    grad_out32 = grad_out.to(t.acc_dtype)
+    # delta_i = sum_j P_ij dP_ij = dO_i . O_i (with dropout, O already holds
+    # the kept, rescaled probabilities, so the identity still holds).
+    delta = (grad_out32 * out.to(t.acc_dtype)).sum(dim=-1)
+    grad_out_g = grad_out32.reshape(B, Hkv, G, N, Dv)
+    lse32 = lse.to(t.acc_dtype)
+    dk_acc = torch.zeros(B, Hkv, M, D, dtype=t.acc_dtype, device=dev)
+    dv_acc = torch.zeros(B, Hkv, M, Dv, dtype=t.acc_dtype, device=dev)
+    dq = torch.empty_like(q)
+    mask4 = dmask_acc = None
+    if mask_grad:
+        mask4 = _mask_as_4d(attn_mask)
+        dmask_acc = torch.zeros(mask4.shape, dtype=t.acc_dtype, device=attn_mask.device)
+    for i0, i1 in t.query_chunks():
+        n = i1 - i0
+        q_rows = t.grouped_rows(t.q_scaled, i0, i1)
+        do_rows = t.grouped_rows(grad_out_g, i0, i1)
+        lse_rows = lse32[:, :, i0:i1].unsqueeze(-1)
+        delta_rows = delta[:, :, i0:i1].unsqueeze(-1)
+        dq_rows = torch.zeros(B, Hkv, G * n, D, dtype=t.acc_dtype, device=dev)
+        for j0, j1 in t.key_tiles(i0, i1):
+            m = j1 - j0
+            s = t.scores(q_rows, i0, i1, j0, j1)
+            # Empty rows have lse = +inf, so p = exp(-inf) = 0 there: no NaN.
+            p = torch.exp(s - lse_rows)
+            dp = torch.matmul(do_rows, t.v[:, :, j0:j1].transpose(-1, -2)).view(B, Hq, n, m)
+            keep = t.keep(i0, i1, j0, j1, dev)
+            if keep is not None:
+                p_dropped = p.masked_fill(~keep, 0.0) * t.drop_scale
+                dp = dp.masked_fill_(~keep, 0.0) * t.drop_scale
+            else:
+                p_dropped = p
+            dv_acc[:, :, j0:j1] += torch.matmul(
+                p_dropped.view(B, Hkv, G * n, m).transpose(-1, -2), do_rows
+            )
+            ds = p * (dp - delta_rows)  # gradient w.r.t. the scaled, masked scores
+            if dmask_acc is not None:
+                _accumulate_mask_grad(dmask_acc, ds, i0, i1, j0, j1)
+            ds_g = ds.view(B, Hkv, G * n, m)
+            dq_rows += torch.matmul(ds_g, t.k[:, :, j0:j1])
+            # q_rows already carries the scale, so this is scale * dS^T q.
+            dk_acc[:, :, j0:j1] += torch.matmul(ds_g.transpose(-1, -2), q_rows)
+        dq[:, :, i0:i1] = (dq_rows * t.scale).view(B, Hq, n, D)
+    dk = torch.empty_like(k)
+    dk.copy_(dk_acc)
+    dv = torch.empty_like(v)
+    dv.copy_(dv_acc)
+    dmask = None
+    if dmask_acc is not None:
+        dmask = dmask_acc.reshape(attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dmask
+
+
+def _accumulate_mask_grad(dmask_acc: Tensor, ds: Tensor, i0: int, i1: int, j0: int, j1: int) -> None:
+    """Add a (B, Hq, rows, keys) score-gradient tile into the 4-d mask gradient,
+    summing over the mask's broadcast (size-1) dimensions."""
+    sum_dims = [d for d in range(4) if dmask_acc.shape[d] == 1 and ds.shape[d] != 1]
+    if sum_dims:
+        ds = ds.sum(dim=sum_dims, keepdim=True)
+    rows = slice(0, 1) if dmask_acc.shape[2] == 1 else slice(i0, i1)
+    cols = slice(0, 1) if dmask_acc.shape[3] == 1 else slice(j0, j1)
+    dmask_acc[:, :, rows, cols] += ds

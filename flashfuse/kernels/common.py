@@ -49,8 +49,16 @@ def _dropout_keep(seed, offs_m, offs_n, bh, threshold):
     and the element's coordinates, so the backward regenerates the forward's
     mask exactly, whatever the tiling.
     """
-    i = offs_m[:, None]
-    j = offs_n[None, :]
+    return _dropout_keep_at(seed, offs_m[:, None], offs_n[None, :], bh, threshold)
+
+
+@triton.jit
+def _dropout_keep_at(seed, i, j, bh, threshold):
+    """Dropout's keep rule for broadcastable 2-D index tiles ``i`` (queries)
+    and ``j`` (keys), e.g. ``i = offs_m[None, :]``, ``j = offs_n[:, None]``
+    for a transposed (BLOCK_N, BLOCK_M) tile. Same stream as ``_dropout_keep``,
+    which is this with ``i = offs_m[:, None]``, ``j = offs_n[None, :]``.
+    """
     c0 = (j >> 2).to(tl.uint32) + (i * 0).to(tl.uint32)
     c1 = i.to(tl.uint32) + (j * 0).to(tl.uint32)
     c2 = (c0 * 0) + bh.to(tl.uint32)

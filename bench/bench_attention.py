@@ -1,0 +1,247 @@
+"""Attention kernel benchmark: flashfuse's op against PyTorch's attention.
+
+Providers: ``flashfuse`` (torch.ops.flashfuse.attention), ``sdpa`` (default
+dispatch), ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient`` (one SDPA
+backend forced with ``sdpa_kernel``), ``flex`` (compiled FlexAttention, block
+mask built once) and ``naive`` (eager matmul-softmax-matmul, only where it
+fits in memory).
+
+For every configuration and provider it measures forward, backward and
+forward+backward: median milliseconds, TFLOP/s and peak memory.
+
+Default sweep: bf16, B*N = 16k tokens, H*D = 2048, D in {64, 128},
+N in {1k, 4k, 16k}, causal and not; then feature rows (masks, grouped heads,
+dropout, bottom-right causal, fp16/fp32) and a host-overhead row.
+
+    python bench/bench_attention.py                 # the default sweep
+    python bench/bench_attention.py --d 128 --n 4096 --providers flashfuse,sdpa
+    python bench/bench_attention.py --smoke --out /tmp/x   # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import common
+import torch
+from common import AttnCase
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+SMOKE_PROVIDERS = ["flashfuse", "sdpa", "sdpa_flash", "sdpa_efficient", "naive"]
+
+
+def parse_args():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=150)
+    p.add_argument("--providers", default=None,
+                   help=f"comma-separated subset of {','.join(common.ATTENTION_PROVIDERS)}")
+    p.add_argument("--d", default=None, help="comma-separated head dims (default 64,128)")
+    p.add_argument("--n", default=None, help="comma-separated sequence lengths (default 1024,4096,16384)")
+    p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--dtype", default="bf16", choices=list(common.DTYPES))
+    p.add_argument("--tokens", type=int, default=None, help="B*N per configuration (default 16384)")
+    p.add_argument("--hidden", type=int, default=None, help="H*D per configuration (default 2048)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of fwd,bwd,fwd+bwd")
+    p.add_argument("--no-features", action="store_true", help="skip the feature rows")
+    p.add_argument("--no-host", action="store_true", help="skip the host-overhead row")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup (ms)")
+    p.add_argument("--rep-ms", type=float, default=30.0, help="do_bench measurement time (ms)")
+    return p.parse_args()
+
+
+def ints(text: str | None, default: list[int]) -> list[int]:
+    return default if text is None else [int(x) for x in text.split(",") if x]
+
+
+def sweep_cases(args, dtype) -> list[AttnCase]:
+    """The main sweep, D=128 first so that a run cut short by its budget has
+    the most common head dim."""
+    if args.smoke:
+        ds, ns, tokens, hidden = ints(args.d, [32]), ints(args.n, [64]), args.tokens or 128, args.hidden or 64
+    else:
+        ds, ns = ints(args.d, [128, 64]), ints(args.n, [1024, 4096, 16384])
+        tokens, hidden = args.tokens or 16384, args.hidden or 2048
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    cases = []
+    for D in ds:
+        for N in ns:
+            for causal in causals:
+                cases.append(AttnCase(B=max(1, tokens // N), Hq=max(1, hidden // D), N=N, D=D,
+                                      dtype=dtype, causal=causal))
+    return cases
+
+
+def feature_cases(smoke: bool) -> list[tuple[str, AttnCase]]:
+    """One row per feature on a fixed base shape (B=4, H=16, N=4k, D=128 bf16)."""
+    base = AttnCase(B=1, Hq=4, N=64, D=32) if smoke else AttnCase(B=4, Hq=16, N=4096, D=128)
+    n_short = base.N // 4
+    return [
+        ("bool padding mask (B,1,1,N)", base.with_(mask="bool_pad")),
+        ("float mask (B,1,N,N)", base.with_(mask="float")),
+        ("GQA Hq=4*Hkv", base.with_(Hkv=base.Hq // 4)),
+        ("dropout 0.1", base.with_(dropout=0.1)),
+        ("causal bottom-right N<M", base.with_(N=n_short, M=base.N, causal=True, bottom_right=True)),
+        ("fp16", base.with_(dtype=torch.float16)),
+        ("fp32", base.with_(dtype=torch.float32)),
+    ]
+
+
+def measure_case(results, section, label, case, providers, modes, device, args, budget):
+    """All providers and modes of one case; every failure becomes a row."""
+    for provider in providers:
+        base_row = dict(section=section, feature=label, provider=provider, **case.columns())
+        if budget.exceeded():
+            for mode in modes:
+                results.add(**base_row, mode=mode, status="skipped", error="time budget")
+            continue
+        q = k = v = mask = fn = None
+        try:
+            torch.manual_seed(0)
+            q, k, v, mask = common.make_inputs(case, device)
+            fn = common.build_attention(provider, case, mask, device)
+        except Exception as exc:  # unsupported provider or OOM while building
+            status = "skipped" if isinstance(exc, common.Unsupported) else "error"
+            for mode in modes:
+                results.add(**base_row, mode=mode, status=status, error=common.short_error(exc))
+            del q, k, v, mask, fn
+            common.free_memory(collect=True)
+            continue
+        for mode in modes:
+            step = None
+            try:
+                step, grads = common.attention_step(fn, q, k, v, mode)
+                step()  # warm-up: compiles, autotunes
+                common.sync(device)
+                peak, extra = common.peak_memory_mib(step, device, grads)
+                ms = common.bench_ms(step, device, args.warmup_ms, args.rep_ms, grads)
+                results.add(**base_row, mode=mode, status="ok", ms=ms,
+                            tflops=common.tflops(case.flops(mode), ms),
+                            peak_mem_mib=peak, extra_mem_mib=extra)
+                failed = False
+            except Exception as exc:
+                results.add(**base_row, mode=mode, status="error", error=common.short_error(exc))
+                failed = True
+            del step
+            for t in (q, k, v):
+                t.grad = None
+            common.free_memory(collect=failed)
+        del q, k, v, mask, fn
+        common.free_memory()
+
+
+def host_overhead(results, device, smoke, budget):
+    """Per-call time of a tiny attention (B=1, H=8, N=128, D=64): the op and
+    SDPA, each eager and inside a function compiled with default
+    torch.compile. At this size the GPU work is a few microseconds, so the
+    number is what the host spends dispatching the call."""
+    import flashfuse
+    import torch.nn.functional as F
+
+    case = AttnCase(B=1, Hq=8, N=128, D=64)
+    torch.manual_seed(0)
+    q, k, v, _ = common.make_inputs(case, device, requires_grad=False)
+
+    def ff(q, k, v):
+        return flashfuse.attention(q, k, v)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    calls = 50 if smoke else 500
+    variants = [("flashfuse", "eager", ff), ("sdpa", "eager", sdpa)]
+    # Default backend (Inductor) on GPU; the CPU smoke run stays in seconds with aot_eager.
+    backend = "aot_eager" if smoke else "inductor"
+    variants += [("flashfuse", "torch.compile", torch.compile(ff, backend=backend)),
+                 ("sdpa", "torch.compile", torch.compile(sdpa, backend=backend))]
+    for provider, how, f in variants:
+        row = dict(section="host", feature=f"host overhead ({how})", provider=provider, mode="fwd",
+                   **case.columns())
+        if budget.exceeded():
+            results.add(**row, status="skipped", error="time budget")
+            continue
+        try:
+            for _ in range(3):  # compile and warm up
+                f(q, k, v)
+            us = common.per_call_us(lambda: f(q, k, v), device, calls)
+            results.add(**row, status="ok", us_per_call=us, ms=us / 1e3)
+        except Exception as exc:
+            results.add(**row, status="error", error=common.short_error(exc))
+
+
+def report(results, out_dir, no_plot):
+    rows = results.rows
+    sweep = [r for r in rows if r["section"] == "sweep" and r["mode"] in ("fwd", "fwd+bwd")]
+    if sweep:
+        t, h = common.pivot(sweep, ["D", "N", "causal", "mode"], "provider", lambda r: common.cell(r, "tflops", 0))
+        common.print_table(t, h, "Sweep: TFLOP/s (higher is better)")
+    feats = [r for r in rows if r["section"] == "feature" and r["mode"] in ("fwd", "fwd+bwd")]
+    if feats:
+        t, h = common.pivot(feats, ["feature", "mode"], "provider", lambda r: common.cell(r, "tflops", 0))
+        common.print_table(t, h, "Features (B=4, H=16, N=4k, D=128 unless stated): TFLOP/s")
+        t, h = common.pivot(feats, ["feature", "mode"], "provider", lambda r: common.cell(r, "peak_mem_mib", 0))
+        common.print_table(t, h, "Features: peak memory (MiB)")
+    host = [r for r in rows if r["section"] == "host"]
+    if host:
+        t, h = common.pivot(host, ["feature"], "provider", lambda r: common.cell(r, "us_per_call", 1))
+        common.print_table(t, h, "Host overhead: microseconds per call (B=1, H=8, N=128, D=64)")
+    if no_plot or not sweep:
+        return
+    panels = {}
+    for mode in ("fwd", "fwd+bwd"):
+        for D in sorted({r["D"] for r in sweep}):
+            for causal in (False, True):
+                series = {}
+                for r in sweep:
+                    if r["mode"] == mode and r["D"] == D and r["causal"] == causal and r["status"] == "ok":
+                        xs, ys = series.setdefault(r["provider"], ([], []))
+                        xs.append(r["N"])
+                        ys.append(r["tflops"])
+                panels[f"{mode}, D={D}, {'causal' if causal else 'non-causal'}"] = series
+    ncols = 2 * len({r["D"] for r in sweep})
+    path = common.plot_panels(os.path.join(out_dir, "attention_tflops.png"), panels, "sequence length N",
+                              "TFLOP/s", ncols=ncols, title=f"attention, {rows[0]['gpu']}")
+    if path:
+        print(f"plot: {path}")
+
+
+def main():
+    args = parse_args()
+    if args.smoke:
+        args.warmup_ms, args.rep_ms = min(args.warmup_ms, 2.0), min(args.rep_ms, 5.0)
+    common.quiet_warnings()
+    common.interrupt_on_sigterm()
+    device = common.pick_device(args)
+    dtype = common.DTYPES[args.dtype]
+    default_providers = SMOKE_PROVIDERS if args.smoke else common.ATTENTION_PROVIDERS
+    providers = args.providers.split(",") if args.providers else default_providers
+    unknown = set(providers) - set(common.ATTENTION_PROVIDERS)
+    if unknown:
+        raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {common.ATTENTION_PROVIDERS}")
+    modes = [m for m in args.modes.split(",") if m]
+    results = common.Results(args.out, "attention.csv", common.env_info(device))
+    budget = common.Budget(args.budget_s)
+    t0 = time.perf_counter()
+    try:
+        cases = sweep_cases(args, dtype)
+        # D=128 sweep, then features and host overhead, then the other head dims.
+        first = [c for c in cases if c.D == cases[0].D]
+        rest = [c for c in cases if c.D != cases[0].D]
+        for case in first:
+            measure_case(results, "sweep", "", case, providers, modes, device, args, budget)
+        if not args.no_features:
+            for label, case in feature_cases(args.smoke):
+                measure_case(results, "feature", label, case, providers, modes, device, args, budget)
+        if not args.no_host:
+            host_overhead(results, device, args.smoke, budget)
+        for case in rest:
+            measure_case(results, "sweep", "", case, providers, modes, device, args, budget)
+    except KeyboardInterrupt:
+        print("interrupted: reporting what was measured")
+    finally:
+        print(f"\n{len(results.rows)} rows in {time.perf_counter() - t0:.0f} s -> {results.path}")
+        report(results, args.out, args.no_plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,668 @@
+"""Helpers shared by the flashfuse benchmark scripts.
+
+Everything the scripts have in common lives here so that they measure the same
+way: argument parsing, device and version information, timing (Triton's
+``do_bench`` median on GPU, a wall-clock median on CPU), peak memory, FLOP
+counting, the attention providers being compared, error rows, incremental CSV
+writing, the printed tables and the plots.
+
+The scripts are run as ``python bench/<script>.py``; Python then puts ``bench/``
+on ``sys.path`` and ``import common`` finds this module. This module in turn
+puts the repository root on ``sys.path`` so that ``import flashfuse`` works
+from a source checkout that is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import math
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, replace
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+DEFAULT_OUT = os.path.join(REPO_ROOT, "bench", "results")
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+# --------------------------------------------------------------------------
+# Command line, device, environment
+# --------------------------------------------------------------------------
+
+def base_parser(description: str, budget_s: float) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with the options every script shares."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", default=DEFAULT_OUT, help="directory for CSV and PNG outputs (default: bench/results)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, finishes in seconds (for tests)")
+    p.add_argument("--device", default=None, help="device to run on (default: cuda, or cpu with --smoke)")
+    p.add_argument(
+        "--budget-s", type=float, default=budget_s,
+        help=f"stop starting new measurements after this many seconds, recording the rest as "
+             f"skipped (default {budget_s:g}; 0 = no limit)",
+    )
+    p.add_argument("--no-plot", action="store_true", help="do not draw PNG plots")
+    return p
+
+
+def pick_device(args) -> torch.device:
+    """The device the run uses: ``--device``, else CPU for ``--smoke``, else CUDA."""
+    name = args.device or ("cpu" if args.smoke else "cuda")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run on a GPU machine, or pass --smoke (or --device cpu) for a CPU run")
+    if args.smoke:
+        # Tiny CPU ops are dominated by thread start-up and contention; one
+        # thread keeps a smoke run in seconds even on a busy machine.
+        torch.set_num_threads(1)
+    return dev
+
+
+def env_info(device: torch.device) -> dict:
+    """Columns that every CSV row carries: what ran, on which versions, when."""
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+    else:
+        gpu = f"cpu ({platform.machine()})"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {
+        "gpu": gpu,
+        "torch_version": torch.__version__,
+        "triton_version": triton_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def interrupt_on_sigterm() -> None:
+    """Turn SIGTERM (sent by ``timeout`` in run_gpu.sh) into KeyboardInterrupt so
+    a script cut short still prints its table and draws its plot."""
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
+def quiet_warnings() -> None:
+    """Silence the per-call warnings of forced SDPA backends (their reasons end
+    up in the error column anyway) and other chatter that would bury the table."""
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class Budget:
+    """Wall-clock budget for a whole script; ``seconds <= 0`` means unlimited."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        if self.seconds <= 0:
+            return math.inf
+        return self.seconds - self.elapsed()
+
+    def exceeded(self) -> bool:
+        return self.left() <= 0
+
+
+# --------------------------------------------------------------------------
+# Errors and memory
+# --------------------------------------------------------------------------
+
+class Unsupported(Exception):
+    """A provider cannot run a configuration (known in advance); gives a skip row."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def short_error(exc: BaseException) -> str:
+    """One line for the CSV: 'OOM', or the exception type and first message line."""
+    if is_oom(exc):
+        return "OOM"
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}"[:200]
+
+
+def free_memory(collect: bool = False) -> None:
+    """Return cached GPU blocks after a measurement. ``collect`` also runs the
+    garbage collector, needed after an exception (its traceback holds tensors
+    in reference cycles) but too slow (~0.5 s with torch loaded) for every row."""
+    if collect:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clear_grads(tensors) -> None:
+    for t in tensors or ():
+        t.grad = None
+
+
+def peak_memory_mib(fn, device: torch.device, grad_to_none=None) -> tuple[float, float]:
+    """Run ``fn`` once; return (peak allocated MiB during the call, peak minus
+    what was allocated just before it). NaN on CPU, where PyTorch keeps no
+    allocator statistics. Measured apart from timing because ``do_bench``
+    allocates its own cache-flush buffer."""
+    if device.type != "cuda":
+        fn()
+        return math.nan, math.nan
+    _clear_grads(grad_to_none)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return peak / 2**20, (peak - before) / 2**20
+
+
+# --------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------
+
+def bench_ms(fn, device: torch.device, warmup_ms: float = 10, rep_ms: float = 30, grad_to_none=None) -> float:
+    """Median milliseconds of one call of ``fn``.
+
+    CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls,
+    gradients of ``grad_to_none`` reset so backward does not accumulate).
+    CPU: wall-clock median of at least 3 calls, about ``rep_ms`` in total.
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        _clear_grads(grad_to_none)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def wall_ms(fn, device: torch.device, reps: int, before=None) -> float:
+    """Median wall-clock milliseconds of ``reps`` synchronised calls of ``fn``
+    (``before`` runs untimed ahead of each). For calls too long for
+    ``do_bench``'s repeated runs, and for whole training steps, where host
+    time is part of what is measured."""
+    times = []
+    for _ in range(max(1, reps)):
+        if before is not None:
+            before()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def per_call_us(fn, device: torch.device, calls: int) -> float:
+    """Microseconds per call over ``calls`` back-to-back calls with one
+    synchronisation at the end: the throughput a host-bound loop gets."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+# --------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------
+
+def visible_pairs(N: int, M: int, causal: bool = False, bottom_right: bool = False) -> float:
+    """Number of (query, key) pairs attention computes.
+
+    Non-causal: N*M. Causal: query i sees keys j <= i + off (off = M - N for
+    bottom-right alignment, else 0), counted in the continuous approximation
+    FlashAttention's benchmarks use, so square causal is exactly N*M/2.
+    """
+    if not causal:
+        return float(N * M)
+    off = M - N if bottom_right else 0
+
+    def ramp_integral(x: float) -> float:  # integral over [0, x] of clamp(t, 0, M)
+        if x <= 0:
+            return 0.0
+        if x <= M:
+            return x * x / 2
+        return M * M / 2 + M * (x - M)
+
+    return ramp_integral(N + off) - ramp_integral(off)
+
+
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def attention_flops(B: int, H: int, N: int, M: int, D: int, Dv: int, causal: bool = False,
+                    bottom_right: bool = False, mode: str = "fwd") -> float:
+    """FLOPs of attention: forward 2*pairs*D (Q K^T) + 2*pairs*Dv (P V) per
+    batch and head; backward counted as 2.5x forward (the FlashAttention
+    convention); masks and dropout counted as dense work."""
+    fwd = 2.0 * B * H * visible_pairs(N, M, causal, bottom_right) * (D + Dv)
+    return fwd * MODE_FLOP_FACTOR[mode]
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else math.nan
+
+
+# --------------------------------------------------------------------------
+# Results: incremental CSV, tables
+# --------------------------------------------------------------------------
+
+class Results:
+    """Rows of one script; the CSV is rewritten after every row so that a run
+    cut short keeps what it measured."""
+
+    def __init__(self, out_dir: str, filename: str, env: dict):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, filename)
+        self.env = env
+        self.rows: list[dict] = []
+
+    def add(self, **row) -> dict:
+        full = {**row, **self.env}
+        self.rows.append(full)
+        self._write()
+        return full
+
+    def _write(self) -> None:
+        columns: list[str] = []
+        for r in self.rows:
+            for c in r:
+                if c not in columns:
+                    columns.append(c)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            w.writeheader()
+            for r in self.rows:
+                w.writerow({c: _csv_value(r.get(c, "")) for c in columns})
+        os.replace(tmp, self.path)
+
+
+def _csv_value(v):
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    if isinstance(v, torch.dtype):
+        return DTYPE_NAMES.get(v, str(v))
+    return v
+
+
+def fmt(v, digits: int = 1) -> str:
+    """A table cell: numbers rounded, NaN as '-'."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def cell(row: dict, key: str, digits: int = 1) -> str:
+    """A table cell for a measurement row: the value when it ran, else its status."""
+    if row.get("status", "ok") != "ok":
+        err = row.get("error", "")
+        return "OOM" if err == "OOM" else row["status"]
+    return fmt(row.get(key), digits)
+
+
+def print_table(rows: list[list], headers: list[str], title: str | None = None) -> None:
+    from tabulate import tabulate
+
+    if title:
+        print(f"\n{title}")
+    print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+
+
+def pivot(rows: list[dict], row_keys: list[str], col_key: str, value) -> tuple[list[list], list[str]]:
+    """Turn measurement rows into a table: one line per distinct ``row_keys``
+    tuple, one column per distinct ``col_key`` value, cells ``value(row)``."""
+    cols: list = []
+    lines: dict = {}
+    for r in rows:
+        c = r[col_key]
+        if c not in cols:
+            cols.append(c)
+        key = tuple(r[k] for k in row_keys)
+        lines.setdefault(key, {})[c] = value(r)
+    table = [list(map(str, k)) + [line.get(c, "") for c in cols] for k, line in lines.items()]
+    return table, list(row_keys) + [str(c) for c in cols]
+
+
+# --------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------
+
+def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = True,
+                logy: bool = False, ncols: int = 2, title: str | None = None) -> str | None:
+    """Draw a grid of line plots: ``panels`` maps a panel title to
+    ``{series name: (xs, ys)}``. Returns the path written, or None when
+    matplotlib is missing or there is nothing to draw."""
+    panels = {t: s for t, s in panels.items() if any(len(xs) for xs, _ in s.values())}
+    if not panels:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot drawn")
+        return None
+    n = len(panels)
+    ncols = min(ncols, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
+    for ax, (ptitle, series) in zip(axes.flat, panels.items()):
+        for name, (xs, ys) in series.items():
+            if len(xs):
+                ax.plot(xs, ys, marker="o", markersize=3, label=name)
+        if logx:
+            ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(ptitle, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------
+# Attention configurations and providers
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttnCase:
+    """One attention configuration. ``M``, ``Hkv`` and ``Dv`` default to ``N``,
+    ``Hq`` and ``D``. ``mask`` is 'none', 'bool_pad' (a (B,1,1,M) bool mask
+    hiding the last quarter of the keys) or 'float' (a (B,1,N,M) additive
+    mask). ``bottom_right`` aligns the causal diagonal to the last key."""
+
+    B: int
+    Hq: int
+    N: int
+    D: int
+    M: int | None = None
+    Hkv: int | None = None
+    Dv: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    causal: bool = False
+    bottom_right: bool = False
+    mask: str = "none"
+    dropout: float = 0.0
+
+    @property
+    def m(self) -> int:
+        return self.N if self.M is None else self.M
+
+    @property
+    def hkv(self) -> int:
+        return self.Hq if self.Hkv is None else self.Hkv
+
+    @property
+    def dv(self) -> int:
+        return self.D if self.Dv is None else self.Dv
+
+    @property
+    def gqa(self) -> bool:
+        return self.hkv != self.Hq
+
+    def flops(self, mode: str) -> float:
+        return attention_flops(self.B, self.Hq, self.N, self.m, self.D, self.dv, self.causal, self.bottom_right, mode)
+
+    def columns(self) -> dict:
+        """The case as CSV columns."""
+        return {
+            "dtype": DTYPE_NAMES.get(self.dtype, str(self.dtype)),
+            "B": self.B, "Hq": self.Hq, "Hkv": self.hkv, "N": self.N, "M": self.m,
+            "D": self.D, "Dv": self.dv, "causal": self.causal,
+            "alignment": "bottom_right" if self.bottom_right else "top_left",
+            "mask": self.mask, "dropout": self.dropout,
+        }
+
+    def with_(self, **kw) -> "AttnCase":
+        return replace(self, **kw)
+
+
+def make_inputs(case: AttnCase, device: torch.device, requires_grad: bool = True):
+    """Fresh random q, k, v (randn: zeros would let kernels skip work or hit
+    degenerate softmax) and the case's mask (None, bool or float)."""
+    B, Hq, Hkv, N, M = case.B, case.Hq, case.hkv, case.N, case.m
+    kw = dict(device=device, dtype=case.dtype, requires_grad=requires_grad)
+    q = torch.randn(B, Hq, N, case.D, **kw)
+    k = torch.randn(B, Hkv, M, case.D, **kw)
+    v = torch.randn(B, Hkv, M, case.dv, **kw)
+    mask = None
+    if case.mask == "bool_pad":
+        mask = torch.ones(B, 1, 1, M, dtype=torch.bool, device=device)
+        mask[..., M - M // 4:] = False  # padding: the last quarter of the keys
+    elif case.mask == "float":
+        mask = torch.randn(B, 1, N, M, dtype=case.dtype, device=device)
+    elif case.mask != "none":
+        raise ValueError(f"unknown mask kind {case.mask!r}")
+    return q, k, v, mask
+
+
+def causal_visibility(case: AttnCase, device: torch.device) -> torch.Tensor:
+    """(N, M) bool: True where key j is visible to query i under the case's causal alignment."""
+    off = case.m - case.N if case.bottom_right else 0
+    return torch.ones(case.N, case.m, dtype=torch.bool, device=device).tril(diagonal=off)
+
+
+ATTENTION_PROVIDERS = ["flashfuse", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "naive"]
+
+_SDPA_BACKENDS = {
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+}
+
+_compiled_flex = None
+
+
+def _flex_attention():
+    """flex_attention compiled once per process (dynamic=False: one static
+    kernel per shape, as recommended for benchmarking it)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def naive_bytes(case: AttnCase) -> float:
+    """Rough memory of the naive implementation's (N, M) tensors during
+    forward+backward: scores, masked scores, probabilities, dropped
+    probabilities and their gradients, about six score-sized tensors."""
+    elem = torch.finfo(case.dtype).bits // 8
+    return 6.0 * case.B * case.Hq * case.N * case.m * elem
+
+
+def build_attention(provider: str, case: AttnCase, mask, device: torch.device):
+    """A function ``fn(q, k, v) -> out`` computing the case's attention with
+    ``provider``. Everything that is set up once (compiled kernels, block
+    masks, SDPA's explicit masks) is built here, outside any timing. Raises
+    ``Unsupported`` for combinations a provider cannot express."""
+    p = case.dropout
+    align = "bottom_right" if case.bottom_right else "top_left"
+
+    if provider == "flashfuse":
+        import flashfuse
+
+        def fn(q, k, v):
+            return flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=case.causal,
+                                       enable_gqa=case.gqa, alignment=align)
+        return fn
+
+    if provider == "sdpa" or provider in _SDPA_BACKENDS:
+        # SDPA's is_causal is top-left; other alignments get an explicit mask
+        # with the same visibility.
+        sdpa_mask, sdpa_causal = mask, case.causal
+        if case.causal and ((case.bottom_right and case.N != case.m) or mask is not None):
+            vis = causal_visibility(case, device)
+            if mask is None:
+                sdpa_mask = vis
+            elif mask.dtype == torch.bool:
+                sdpa_mask = mask & vis
+            else:
+                sdpa_mask = mask.masked_fill(~vis, float("-inf"))
+            sdpa_causal = False
+        kw = dict(attn_mask=sdpa_mask, dropout_p=p, is_causal=sdpa_causal)
+        if case.gqa:
+            kw["enable_gqa"] = True
+        if provider == "sdpa":
+            def fn(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+            return fn
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, _SDPA_BACKENDS[provider])
+
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+        return fn
+
+    if provider == "flex":
+        if p > 0:
+            raise Unsupported("flex_attention has no dropout")
+        from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+        mods = []
+        if case.causal:
+            off = case.m - case.N if case.bottom_right else 0
+
+            def causal_mod(b, h, q_idx, kv_idx):
+                return q_idx + off >= kv_idx
+            mods.append(causal_mod)
+        score_mod = None
+        if mask is not None and mask.dtype == torch.bool:
+            def pad_mod(b, h, q_idx, kv_idx):
+                return mask[b, 0, 0, kv_idx]
+            mods.append(pad_mod)
+        elif mask is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + mask[b, 0, q_idx, kv_idx]
+        block_mask = None
+        if mods:
+            mod = mods[0] if len(mods) == 1 else and_masks(*mods)
+            per_batch = mask is not None and mask.dtype == torch.bool
+            block_mask = create_block_mask(mod, case.B if per_batch else None, None, case.N, case.m,
+                                           device=device)
+        flex = _flex_attention()
+
+        def fn(q, k, v):
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=case.gqa)
+        return fn
+
+    if provider == "naive":
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            if naive_bytes(case) > 0.85 * total:
+                raise Unsupported(f"naive needs ~{naive_bytes(case) / 2**30:.0f} GiB")
+        vis = causal_visibility(case, device) if case.causal else None
+        scale = 1.0 / math.sqrt(case.D)
+        rep = case.Hq // case.hkv
+
+        def fn(q, k, v):
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            s = (q @ k.transpose(-2, -1)) * scale
+            if mask is not None:
+                s = s + mask if mask.dtype != torch.bool else s.masked_fill(~mask, float("-inf"))
+            if vis is not None:
+                s = s.masked_fill(~vis, float("-inf"))
+            a = torch.softmax(s, dim=-1)
+            if p > 0:
+                a = F.dropout(a, p=p, training=True)
+            return a @ v
+        return fn
+
+    raise ValueError(f"unknown provider {provider!r}; choose from {ATTENTION_PROVIDERS}")
+
+
+def attention_step(fn, q, k, v, mode: str):
+    """The callable to time for ``mode`` and the tensors whose gradients must
+    be reset between calls.
+
+    fwd: forward with inputs that require grad (as in training).
+    bwd: backward alone, through a graph built once and kept (retain_graph).
+    fwd+bwd: forward then backward.
+    """
+    inputs = [q, k, v]
+    if mode == "fwd":
+        return (lambda: fn(q, k, v)), None
+    out = fn(q, k, v)
+    dout = torch.randn_like(out)
+    if mode == "bwd":
+        return (lambda: out.backward(dout, retain_graph=True)), inputs
+    if mode == "fwd+bwd":
+        del out
+        return (lambda: fn(q, k, v).backward(dout)), inputs
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+# --------------------------------------------------------------------------
+# Model helpers: the flashfuse backend and its rewrite count
+# --------------------------------------------------------------------------
+
+def count_attention_nodes(gm) -> int:
+    """Number of ``flashfuse.attention`` calls in an FX graph module."""
+    target = torch.ops.flashfuse.attention
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.target is target or node.target is target.default):
+            n += 1
+    return n

@@ -1,0 +1,125 @@
+"""The ``torch.compile`` backend: rewrite attention, then compile the rest.
+
+Usage::
+
+    model = torch.compile(model, backend=flashfuse.backend)   # or backend="flashfuse"
+    model = torch.compile(model, backend=flashfuse.make_backend(compiler="aot_eager"))
+
+The backend receives the FX graph Dynamo traced, rewrites every attention it
+can prove into ``torch.ops.flashfuse.attention`` (see :mod:`flashfuse.fx`),
+and hands the graph to a compiler: Inductor by default. The rewrite runs
+before AOTAutograd, so training uses the op's own flash backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.fx
+
+from .fx.match import Candidate
+from .fx.rewrite import FlashAttentionPass
+
+log = logging.getLogger("flashfuse")
+
+Compiler = Union[str, Callable[[torch.fx.GraphModule, list], Callable]]
+
+
+def _compiler_fn(compiler: Compiler, options: Optional[dict]) -> Callable:
+    if callable(compiler):
+        return compiler
+    if not isinstance(compiler, str):
+        raise TypeError(f"flashfuse: compiler must be a name or a callable, got {type(compiler).__name__}")
+    if compiler == "inductor":
+
+        def inductor(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=options or None)
+
+        return inductor
+    if compiler == "eager":
+        if options:
+            raise ValueError("flashfuse: options are only understood by the inductor compiler")
+        return lambda gm, example_inputs: gm.forward
+    if compiler == "flashfuse":
+        raise ValueError("flashfuse: the compiler after the rewrite cannot be flashfuse itself")
+    if options:
+        raise ValueError("flashfuse: options are only understood by the inductor compiler")
+    # Any other registered torch.compile backend ("aot_eager", "cudagraphs", ...).
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(compiler)
+
+
+class Backend:
+    """A ``torch.compile`` backend: the flashfuse rewrite, then ``compiler``.
+
+    Instances are made by :func:`make_backend`; ``flashfuse.backend`` is the
+    default one (Inductor).
+    """
+
+    def __init__(self, compiler: Compiler = "inductor", options: Optional[dict] = None, record: bool = False):
+        self.compiler = compiler
+        self.options = dict(options) if options else None
+        self._compile = _compiler_fn(compiler, self.options)
+        self.record = record
+        # With record=True: the candidates of every graph compiled so far.
+        self.candidates: list[Candidate] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        cands = FlashAttentionPass(example_inputs)(gm)
+        n = sum(c.rewritten for c in cands)
+        if cands:
+            log.info("flashfuse: %d of %d attention candidates rewritten", n, len(cands))
+        if self.record:
+            self.candidates.extend(cands)
+        return self._compile(gm, list(example_inputs))
+
+    def __repr__(self) -> str:
+        name = self.compiler if isinstance(self.compiler, str) else getattr(self.compiler, "__name__", "custom")
+        return f"flashfuse.make_backend(compiler={name!r})"
+
+
+def make_backend(compiler: Compiler = "inductor", *, options: Optional[dict] = None, record: bool = False) -> Backend:
+    """Build a ``torch.compile`` backend that rewrites attention, then compiles.
+
+    Args:
+        compiler: what compiles the graph after the rewrite: ``"inductor"``
+            (default), ``"eager"`` (run the rewritten graph as is, for
+            debugging), ``"aot_eager"`` (AOTAutograd without code generation,
+            for debugging training), any other registered ``torch.compile``
+            backend name, or a callable ``(gm, example_inputs) -> callable``.
+        options: Inductor config patches for this backend only (e.g.
+            ``{"max_autotune": True}``); nothing global is changed.
+        record: keep every candidate found in ``backend.candidates`` (what
+            was rewritten and why not), for tests and debugging.
+    """
+    return Backend(compiler, options=options, record=record)
+
+
+#: The default backend: rewrite attention, then Inductor.
+backend = make_backend()
+
+
+def _register() -> None:
+    """Make ``torch.compile(..., backend="flashfuse")`` work once flashfuse is
+    imported, and stay compatible with the ``torch_dynamo_backends`` entry
+    point (which imports this module and registers ``backend`` itself)."""
+    try:
+        from torch._dynamo.backends import registry
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return
+    compiler_fns = getattr(registry, "_COMPILER_FNS", {})
+    backends = getattr(registry, "_BACKENDS", {})
+    if "flashfuse" in compiler_fns or backends.get("flashfuse") is not None:
+        return  # registered already, or the entry point is about to do it
+    try:
+        registry.register_backend(compiler_fn=backend, name="flashfuse")
+    except AssertionError:  # registered concurrently under the same name
+        pass
+
+
+_register()

@@ -1,0 +1,1036 @@
+"""Finding attention in a Dynamo FX graph, structurally.
+
+Every softmax over the last dim is a candidate. From it the finder walks
+
+* forward through probability transforms (casts, dropout) to a product
+  ``probs @ v`` (matmul, ``@``, bmm or einsum), and
+* backward through score transforms (casts, scaling, additive masks,
+  ``masked_fill``/``where`` with -inf or a very negative value) to a product
+  ``q @ k^T`` (matmul, bmm, baddbmm or einsum),
+
+and then proves, from the example values Dynamo recorded on the nodes, that
+the pieces fit the op: shapes, broadcasting, dtypes, head sizes. Anything it
+does not understand stops the walk with a reason and the graph is left as it
+is. There is no list of known attention spellings: each step is one small
+rule about one operation.
+
+Correctness does not depend on recognising a transposed key: for a score
+product ``a @ b`` the op's key is ``b.transpose(-2, -1)``, whatever ``b`` is;
+a transpose already in the graph is merely peeled so no extra view is added.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx
+
+from . import nodes as N
+from .masks import Band, MaskEvaluator
+from .match import Candidate, MaskTerm, Operand, Plan
+
+# Head sizes and dtypes the op supports.
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A masked_fill value v removes a position when exp(v - row max) is 0 in
+# float32 for any realistic score: exp(-1e4) underflows by thousands of
+# orders of magnitude.
+HIDE_THRESHOLD = -1e4
+
+
+class NoMatch(Exception):
+    """The graph around a softmax must stay as it is; the message says why."""
+
+
+def find(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = None) -> list[Candidate]:
+    """All softmax candidates of ``gm``, each with a plan or a reason."""
+    constants = _constants(gm, example_inputs)
+    evaluator = MaskEvaluator(constants)
+    out = []
+    for node in list(gm.graph.nodes):
+        if N.kind(node, gm) != "softmax":
+            continue
+        cand = Candidate(softmax=node)
+        try:
+            _analyse(cand, gm, evaluator)
+        except NoMatch as e:
+            cand.plan = None
+            cand.reason = str(e)
+        out.append(cand)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# constants: buffers and graph attributes whose values may be read
+
+
+def _is_buffer_placeholder(node: torch.fx.Node) -> bool:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    name = ""
+    if source is not None:
+        try:
+            name = source.name() if callable(getattr(source, "name", None)) else str(source.name)
+        except Exception:  # noqa: BLE001 - naming a source is best effort
+            name = str(source)
+    if "_buffers" in name:
+        return True
+    return bool(re.search(r"(^|_)buffers_", str(node.target)))
+
+
+def _constants(gm: torch.fx.GraphModule, example_inputs) -> dict:
+    consts: dict = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if example_inputs is not None and len(example_inputs) == len(placeholders):
+        for node, value in zip(placeholders, example_inputs):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                if _is_buffer_placeholder(node):
+                    consts[node] = value
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                value = gm
+                for part in node.target.split("."):
+                    value = getattr(value, part)
+            except AttributeError:
+                continue
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                consts[node] = value
+    return consts
+
+
+# ---------------------------------------------------------------------------
+# the walk
+
+
+def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator) -> None:
+    sm = cand.softmax
+    if sm.op == "call_module":
+        mod = gm.get_submodule(sm.target)
+        x, dim, sm_dtype = sm.args[0], mod.dim, None
+    else:
+        x = N.arg(sm, 0, "input")
+        dim = N.arg(sm, 1, "dim")
+        sm_dtype = N.arg(sm, 3 if N.describe(sm).endswith("functional.softmax") else 2, "dtype")
+    xv = N.tensor_val(x)
+    if xv is None or xv.dim() < 2:
+        raise NoMatch("softmax input is not a tensor of rank >= 2")
+    if not isinstance(dim, int) or dim not in (-1, xv.dim() - 1):
+        raise NoMatch(f"softmax over dim {dim}, not the last (key) dim")
+    if sm_dtype is not None and not (isinstance(sm_dtype, torch.dtype) and sm_dtype.is_floating_point):
+        raise NoMatch("softmax dtype is not a floating dtype")
+
+    pv, dropout_p, probs_chain, p_operand = _walk_probs(sm, gm)
+    cand.output = pv
+    qk, transforms, scores_chain = _walk_scores(x, sm)
+    cand.scores = qk
+    cand.replaced = [qk, *scores_chain, sm, *probs_chain, pv]
+
+    # The op must run where the products ran: every chain tensor on one device.
+    dev = N.tensor_val(sm).device
+    for n in cand.replaced:
+        t = N.tensor_val(n)
+        if t is None or t.device != dev:
+            raise NoMatch("a tensor of the pattern lives on another device")
+    if dev.type not in ("cpu", "cuda"):
+        raise NoMatch(f"device {dev.type} is not supported by the op")
+    _check_no_mutation_between(qk, pv, set(cand.replaced))
+
+    # Every transform keeps the product's shape: a mask that broadcasts the
+    # scores to a larger tensor is not an attention mask.
+    scores_shape = N.shape(qk)
+    for n in scores_chain + [sm] + probs_chain:
+        if not _same_shape(N.shape(n), scores_shape):
+            raise NoMatch(f"{N.describe(n)} changes the shape of the scores")
+
+    q_op, k_op, pre, kind_qk = _score_operands(qk)
+    transforms = pre + transforms
+    v_op, out_steps, batch_names = _value_operand(pv, p_operand, kind_qk)
+    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
+    cand.plan = plan
+
+
+def _same_shape(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(N.known_eq(x, y) for x, y in zip(a, b))
+
+
+def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
+    """From the softmax forward to ``probs @ v``. Returns the product node,
+    dropout probability, the transform nodes and the operand position."""
+    cur = sm
+    chain: list[torch.fx.Node] = []
+    dropout_p = 0.0
+    seen_dropout = False
+    while True:
+        users = N.real_users(cur)
+        if len(users) != 1:
+            if not users:
+                raise NoMatch("the probabilities are not used")
+            raise NoMatch("the probabilities have other users (returned or reused)")
+        u = users[0]
+        k = N.kind(u, gm)
+        if k in N.CAST_KINDS or k in ("contiguous", "clone"):
+            t = N.tensor_val(u)
+            if t is None or not t.dtype.is_floating_point:
+                raise NoMatch(f"{N.describe(u)} turns the probabilities into a non-float tensor")
+            if k in ("to", "type") and u.args[0] is not cur:
+                raise NoMatch(f"{N.describe(u)} reads the probabilities in an unexpected position")
+            chain.append(u)
+            cur = u
+            continue
+        if k == "dropout":
+            if u.args[0] is not cur if u.args else u.kwargs.get("input") is not cur:
+                raise NoMatch("dropout reads the probabilities in an unexpected position")
+            if u.op == "call_module":
+                mod = gm.get_submodule(u.target)
+                p, training = mod.p, mod.training
+            else:
+                p = N.arg(u, 1, "p", 0.5)
+                training = N.arg(u, 2, "training", None)
+                if training is None:
+                    training = N.arg(u, 2, "train", True)
+            if not isinstance(training, bool):
+                raise NoMatch("dropout's training flag is not a compile-time constant")
+            if training:
+                pn = N.number(p)
+                if pn is None:
+                    raise NoMatch("dropout probability is not a compile-time constant")
+                if seen_dropout and pn > 0:
+                    raise NoMatch("two dropouts on the probabilities")
+                if not 0.0 <= pn < 1.0:
+                    raise NoMatch(f"dropout probability {pn} is not in [0, 1)")
+                if pn > 0:
+                    seen_dropout = True
+                    dropout_p = pn
+            chain.append(u)
+            cur = u
+            continue
+        if k in ("matmul", "bmm"):
+            if len(u.args) >= 2 and u.args[0] is cur and u.args[1] is not cur:
+                return u, dropout_p, chain, 0
+            raise NoMatch("the probabilities are not the left operand of the product with v")
+        if k == "einsum":
+            ops = _einsum_operands(u)
+            if ops is not None and len(ops[1]) == 2 and ops[1][0] is cur and ops[1][1] is not cur:
+                return u, dropout_p, chain, 0
+            raise NoMatch("the probabilities go into an einsum that is not probs x v")
+        raise NoMatch(f"the probabilities go into {N.describe(u)}, not a product with v")
+
+
+def _other_users_inplace(cur: torch.fx.Node, consumer: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """An in-place op that mutates ``cur`` before ``consumer`` reads it, as in
+    ``s.masked_fill_(m, -inf); p = s.softmax(-1)``. Raises on any other user."""
+    others = [u for u in N.real_users(cur) if u is not consumer]
+    if not others:
+        return None
+    if len(others) == 1:
+        u = others[0]
+        if N.is_inplace(u) and u.args and u.args[0] is cur and not N.real_users(u):
+            # It must run before the consumer reads the tensor.
+            for n in cur.graph.nodes:
+                if n is u:
+                    return u
+                if n is consumer:
+                    break
+    raise NoMatch("the scores have other users (returned or reused)")
+
+
+def _walk_scores(x: torch.fx.Node, consumer: torch.fx.Node) -> tuple:
+    """From the softmax input back to the q @ k^T product.
+
+    Returns (product node, transforms in the order they apply, chain nodes).
+    A transform is ("scale", op, factor), ("add", term node, negate, alpha),
+    ("fill", cond node, hide_where_true, value) or ("noop",).
+    """
+    outer: list[tuple] = []  # collected from the softmax inward
+    chain: list[torch.fx.Node] = []
+    cur = x
+    while True:
+        if not isinstance(cur, torch.fx.Node):
+            raise NoMatch("the scores are not computed in the graph")
+        side = _other_users_inplace(cur, consumer)
+        if side is not None:
+            # The in-place op runs after ``cur`` is computed: it applies last.
+            t, inp = _transform(side, cur)
+            if inp is not cur:
+                raise NoMatch(f"{N.describe(side)} mutates the scores unexpectedly")
+            if t is not None:
+                outer.append(t)
+            chain.append(side)
+        if N.kind(cur) in N.PRODUCT_KINDS:
+            return cur, list(reversed(outer)), chain
+        t, inp = _transform(cur, None)
+        chain.append(cur)
+        if t is not None:
+            outer.append(t)
+        consumer, cur = cur, inp
+
+
+def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tuple:
+    """Classify one score transform: (transform or None, its scores input).
+    ``known_chain`` is the scores input when it is already known (in-place
+    ops found as side users)."""
+    k = N.kind(node)
+    base = k[:-1] if k and k.endswith("_") else k
+    sv = N.tensor_val(node)
+    if k in N.CAST_KINDS or k in ("contiguous", "clone"):
+        if sv is None or not sv.dtype.is_floating_point:
+            raise NoMatch(f"{N.describe(node)} casts the scores to a non-float dtype")
+        return None, node.args[0]
+    if base == "mul":
+        a, b = node.args[0], node.args[1]
+        for chain_arg, other in ((a, b), (b, a)):
+            if known_chain is not None and chain_arg is not known_chain:
+                continue
+            ct = N.tensor_val(chain_arg)
+            if isinstance(chain_arg, torch.fx.Node) and ct is not None and ct.dim() > 0 and N.is_scalar_like(other):
+                return ("scale", "mul", _factor(other)), chain_arg
+        raise NoMatch("the scores are multiplied by a tensor")
+    if base == "div":
+        if N.arg(node, 2, "rounding_mode") is not None:
+            raise NoMatch("the scores are divided with a rounding mode")
+        a, b = node.args[0], node.args[1]
+        if (known_chain is None or a is known_chain) and N.is_scalar_like(b) and isinstance(a, torch.fx.Node):
+            return ("scale", "div", _factor(b)), a
+        raise NoMatch("the scores are divided by a tensor, or divide something")
+    if base in ("add", "sub"):
+        a, b = node.args[0], node.args[1]
+        alpha = N.number(node.kwargs.get("alpha", 1))
+        if alpha is None:
+            raise NoMatch("add with a non-constant alpha")
+        if known_chain is not None:
+            options = [(a, b)] if a is known_chain else []
+        else:
+            options = [(a, b)]
+            if base == "add" and alpha == 1:
+                options.append((b, a))
+            # Prefer the operand that leads back to a product (the scores).
+            options.sort(key=lambda o: not _leads_to_product(o[0]))
+        for chain_arg, other in options:
+            if not isinstance(chain_arg, torch.fx.Node) or N.tensor_val(chain_arg) is None:
+                continue
+            if N.tensor_val(chain_arg).dim() == 0:
+                continue
+            if isinstance(other, (int, float)) and not isinstance(other, bool):
+                if not math.isfinite(other):
+                    raise NoMatch("an infinite constant is added to the scores")
+                return ("noop",), chain_arg  # softmax ignores a constant shift
+            ov = N.val(other)
+            if isinstance(ov, (torch.SymInt, torch.SymFloat)):
+                return ("noop",), chain_arg
+            if isinstance(other, torch.fx.Node) and isinstance(ov, torch.Tensor):
+                if ov.dim() == 0:
+                    raise NoMatch("a 0-d tensor is added to the scores")
+                return ("add", other, base == "sub", alpha), chain_arg
+        raise NoMatch(f"{N.describe(node)} combines the scores in a way that is not understood")
+    if base == "masked_fill":
+        chain_arg, cond, value = node.args[0], N.arg(node, 1, "mask"), N.arg(node, 2, "value")
+        v = N.number(value)
+        if v is None:
+            raise NoMatch("masked_fill with a value that is not a compile-time constant")
+        return ("fill", cond, True, v), chain_arg
+    if base == "where":
+        if len(node.args) < 3:
+            raise NoMatch("torch.where with one argument")
+        cond, a, b = node.args[:3]
+        a_chain = isinstance(a, torch.fx.Node) and not N.is_scalar_like(a)
+        b_chain = isinstance(b, torch.fx.Node) and not N.is_scalar_like(b)
+        if a_chain and not b_chain:
+            v = N.number(b)
+            if v is None:
+                raise NoMatch("torch.where with a non-constant fill value")
+            return ("fill", cond, False, v), a
+        if b_chain and not a_chain:
+            v = N.number(a)
+            if v is None:
+                raise NoMatch("torch.where with a non-constant fill value")
+            return ("fill", cond, True, v), b
+        raise NoMatch("torch.where mixes the scores with another tensor")
+    raise NoMatch(f"{N.describe(node)} between the q·kᵀ product and the softmax is not understood")
+
+
+def _leads_to_product(x: Any, depth: int = 12) -> bool:
+    """Cheap look-back: does ``x`` reach a product through score-like ops?"""
+    cur = x
+    for _ in range(depth):
+        if not isinstance(cur, torch.fx.Node):
+            return False
+        k = N.kind(cur)
+        if k in N.PRODUCT_KINDS:
+            return True
+        if not cur.args or not isinstance(cur.args[0], torch.fx.Node):
+            return False
+        if k in ("where",):
+            cur = cur.args[1] if isinstance(cur.args[1], torch.fx.Node) else cur.args[2]
+        else:
+            cur = cur.args[0]
+    return False
+
+
+def _factor(x: Any):
+    """A scale factor: a float when constant, else the node itself."""
+    n = N.number(x)
+    if n is not None:
+        return n
+    if isinstance(x, torch.fx.Node):
+        return x
+    raise NoMatch(f"scale {x!r} is not understood")
+
+
+def _check_no_mutation_between(first: torch.fx.Node, last: torch.fx.Node, chain: set) -> None:
+    """The op runs at ``last``; any in-place op after ``first`` might have
+    changed q, k or a mask in between, so refuse."""
+    inside = False
+    for n in first.graph.nodes:
+        if n is first:
+            inside = True
+            continue
+        if n is last:
+            return
+        if inside and n not in chain and N.is_inplace(n):
+            raise NoMatch(f"in-place {N.describe(n)} between the two products")
+
+
+# ---------------------------------------------------------------------------
+# operands
+
+
+def _einsum_operands(node: torch.fx.Node):
+    if not node.args or not isinstance(node.args[0], str):
+        return None
+    ops = node.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    return node.args[0].replace(" ", ""), tuple(ops)
+
+
+def _parse_einsum(eq: str, n_ops: int):
+    if "..." in eq or "->" not in eq:
+        raise NoMatch("einsum with an ellipsis or an implicit output")
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != n_ops:
+        raise NoMatch("einsum operand count")
+    for t in terms + [out]:
+        if len(set(t)) != len(t) or not t.isalpha():
+            raise NoMatch("einsum with repeated subscripts")
+    return terms, out
+
+
+def _peel_scalar_and_transpose(x: Any) -> tuple:
+    """Peel constant scalar mul/div, contiguous and last-two-dims transposes.
+    Returns (node, scale factor, number of transposes mod 2)."""
+    scale, flips = 1.0, 0
+    while isinstance(x, torch.fx.Node):
+        k = N.kind(x)
+        t = N.tensor_val(x)
+        if t is None:
+            break
+        if k in ("mul", "div") and len(x.args) == 2:
+            a, b = x.args
+            if k == "mul" and N.number(a) is not None and isinstance(b, torch.fx.Node):
+                a, b = b, a
+            c = N.number(b)
+            if c is None or not isinstance(a, torch.fx.Node) or c == 0 or "rounding_mode" in x.kwargs:
+                break
+            at = N.tensor_val(a)
+            if at is None or at.dtype != t.dtype:
+                break
+            scale = scale * c if k == "mul" else scale / c
+            x = a
+            continue
+        if k == "contiguous":
+            x = x.args[0]
+            continue
+        if _swaps_last_two(x):
+            flips ^= 1
+            x = x.args[0]
+            continue
+        break
+    return x, scale, flips
+
+
+def _swaps_last_two(x: torch.fx.Node) -> bool:
+    """``x`` is its input with exactly the last two dims swapped."""
+    k = N.kind(x)
+    t = N.tensor_val(x)
+    if t is None or t.dim() < 2:
+        return False
+    nd = t.dim()
+    if k == "mT":
+        return True
+    if k == "T":
+        return nd == 2
+    if k == "transpose":
+        d0, d1 = N.arg(x, 1, "dim0"), N.arg(x, 2, "dim1")
+        if not isinstance(d0, int) or not isinstance(d1, int):
+            return False
+        return {d0 % nd, d1 % nd} == {nd - 2, nd - 1}
+    if k == "permute":
+        dims = x.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = tuple(dims[0])
+        if "dims" in x.kwargs:
+            dims = tuple(x.kwargs["dims"])
+        if len(dims) != nd or not all(isinstance(d, int) for d in dims):
+            return False
+        dims = [d % nd for d in dims]
+        return dims == list(range(nd - 2)) + [nd - 1, nd - 2]
+    return False
+
+
+def _score_operands(qk: torch.fx.Node) -> tuple:
+    """q (..., N, D) and k (..., M, D) operands of the score product, with the
+    batch dims of the scores in order, and any transforms the product itself
+    applies (baddbmm's alpha and bias)."""
+    k = N.kind(qk)
+    pre: list[tuple] = []
+    if k in ("matmul", "bmm", "baddbmm"):
+        if k == "baddbmm":
+            bias, a, b = qk.args[0], qk.args[1], qk.args[2]
+            beta = N.number(qk.kwargs.get("beta", qk.args[3] if len(qk.args) > 3 else 1))
+            alpha = N.number(qk.kwargs.get("alpha", qk.args[4] if len(qk.args) > 4 else 1))
+            if beta is None or alpha is None:
+                raise NoMatch("baddbmm with non-constant beta/alpha")
+            pre.append(("scale", "mul", alpha))
+            if beta != 0:
+                if not isinstance(bias, torch.fx.Node):
+                    pre.append(("noop",))
+                else:
+                    pre.append(("add", bias, False, beta))
+        else:
+            a, b = qk.args[0], qk.args[1]
+        av, bv = N.tensor_val(a), N.tensor_val(b)
+        if av is None or bv is None or av.dim() < 2 or bv.dim() < 2:
+            raise NoMatch("the score product has an operand of rank < 2")
+        # On the q side transposes may only be peeled when they cancel out.
+        qn, qs, qflips = _peel_scalar_and_transpose(a)
+        if qflips:
+            qn, qs = _peel_scalar_only(a)
+        kn, ks, flips = _peel_scalar_and_transpose(b)
+        if qs != 1.0:
+            pre.insert(0, ("scale", "mul", qs))
+        if ks != 1.0:
+            pre.insert(0, ("scale", "mul", ks))
+        q_op = Operand(qn)
+        k_op = Operand(kn) if flips else Operand(kn, [("transpose", -2, -1)])
+        nb = max(av.dim(), bv.dim()) - 2
+        if nb > 2:
+            raise NoMatch("scores with more than two batch dims")
+        q_op = _pad_batch(q_op, av.dim(), nb)
+        k_op = _pad_batch(k_op, bv.dim(), nb)
+        return q_op, k_op, pre, ("matmul", nb)
+    if k == "einsum":
+        eq, ops = _einsum_operands(qk)
+        if len(ops) != 2:
+            raise NoMatch("einsum for the scores does not have two operands")
+        (ta, tb), to = _parse_einsum(eq, 2)
+        if len(to) < 2:
+            raise NoMatch("einsum scores of rank < 2")
+        n_l, m_l = to[-2], to[-1]
+        contracted = [c for c in ta if c in tb and c not in to]
+        if len(contracted) != 1 or n_l not in ta or n_l in tb or m_l not in tb or m_l in ta:
+            raise NoMatch(f"einsum '{eq}' is not a q·kᵀ product")
+        d_l = contracted[0]
+        batch = to[:-2]
+        if set(ta) - set(batch) != {n_l, d_l} or set(tb) - set(batch) != {m_l, d_l}:
+            raise NoMatch(f"einsum '{eq}' sums over more than the head dim")
+        if len(batch) > 2:
+            raise NoMatch("scores with more than two batch dims")
+        q_op = _einsum_to(ops[0], ta, list(batch) + [n_l, d_l])
+        k_op = _einsum_to(ops[1], tb, list(batch) + [m_l, d_l])
+        q_op = _pad_batch(q_op, len(batch) + 2, len(batch))
+        k_op = _pad_batch(k_op, len(batch) + 2, len(batch))
+        return q_op, k_op, pre, ("einsum", len(batch))
+    raise NoMatch(f"{N.describe(qk)} is not a score product")
+
+
+def _peel_scalar_only(x: Any) -> tuple:
+    scale = 1.0
+    while isinstance(x, torch.fx.Node) and N.kind(x) in ("mul", "div") and len(x.args) == 2:
+        a, b = x.args
+        if N.kind(x) == "mul" and N.number(a) is not None and isinstance(b, torch.fx.Node):
+            a, b = b, a
+        c = N.number(b)
+        if c is None or c == 0 or not isinstance(a, torch.fx.Node) or "rounding_mode" in x.kwargs:
+            break
+        if N.tensor_val(a) is None or N.tensor_val(a).dtype != N.tensor_val(x).dtype:
+            break
+        scale = scale * c if N.kind(x) == "mul" else scale / c
+        x = a
+    return x, scale
+
+
+def _einsum_to(node: Any, have: str, want: list) -> Operand:
+    """Operand with subscripts ``have`` laid out as ``want`` (missing batch
+    letters become size-1 dims)."""
+    if not isinstance(node, torch.fx.Node) or N.tensor_val(node) is None:
+        raise NoMatch("einsum operand is not a tensor")
+    extra = [c for c in have if c not in want]
+    if extra:
+        raise NoMatch("einsum operand has a letter that is summed away")
+    op = Operand(node)
+    letters = list(have)
+    perm = [letters.index(c) for c in want if c in letters]
+    if perm != list(range(len(perm))):
+        op = op.then(("permute", tuple(perm)))
+    present = [c for c in want if c in letters]
+    for pos, c in enumerate(want):
+        if c not in letters:
+            op = op.then(("unsqueeze", pos))
+            present.insert(pos, c)
+    return op
+
+
+def _pad_batch(op: Operand, ndim: int, nb: int) -> Operand:
+    """Right-align an operand with ``ndim - 2`` batch dims to two batch dims."""
+    for _ in range(2 - (ndim - 2)):
+        op = op.then(("unsqueeze", 0))
+    return op
+
+
+def _value_operand(pv: torch.fx.Node, p_pos: int, kind_qk: tuple) -> tuple:
+    """v (B?, H?, M, Dv) operand and the steps that turn the op's
+    (B, H, N, Dv) result into ``pv``'s tensor."""
+    k = N.kind(pv)
+    if k in ("matmul", "bmm"):
+        v = pv.args[1]
+        vv, pvv = N.tensor_val(v), N.tensor_val(pv)
+        if vv is None or vv.dim() < 2:
+            raise NoMatch("v has rank < 2")
+        nb = pvv.dim() - 2
+        if nb > 2:
+            raise NoMatch("output with more than two batch dims")
+        v_op = _pad_batch(Operand(v), vv.dim(), nb)
+        out_steps = [("squeeze", 0)] * (2 - nb)
+        return v_op, out_steps, None
+    # einsum: probabilities carry the score layout (batch..., n, m).
+    eq, ops = _einsum_operands(pv)
+    (tp, tv), to = _parse_einsum(eq, 2)
+    if len(tp) < 2:
+        raise NoMatch("einsum probabilities of rank < 2")
+    n_l, m_l, batch = tp[-2], tp[-1], list(tp[:-2])
+    if m_l not in tv or m_l in to or n_l not in to or n_l in tv:
+        raise NoMatch(f"einsum '{eq}' is not probs x v")
+    e_ls = [c for c in tv if c not in tp]
+    if len(e_ls) != 1 or e_ls[0] not in to:
+        raise NoMatch(f"einsum '{eq}' does not keep exactly one value dim")
+    e_l = e_ls[0]
+    if set(to) != set(batch) | {n_l, e_l} or not set(tv) <= set(batch) | {m_l, e_l}:
+        raise NoMatch(f"einsum '{eq}' mixes batch dims")
+    if len(batch) > 2:
+        raise NoMatch("output with more than two batch dims")
+    v_op = _pad_batch(_einsum_to(ops[1], tv, batch + [m_l, e_l]), len(batch) + 2, len(batch))
+    canon = batch + [n_l, e_l]
+    out_steps: list = [("squeeze", 0)] * (2 - len(batch))
+    perm = tuple(canon.index(c) for c in to)
+    if perm != tuple(range(len(perm))):
+        out_steps.append(("permute", perm))
+    return v_op, out_steps, batch
+
+
+# ---------------------------------------------------------------------------
+# shapes, GQA, scale and masks -> plan
+
+
+def apply_steps(value: torch.Tensor, steps) -> torch.Tensor:
+    """Replay view steps on an example value (fake tensors are fine)."""
+    for step in steps:
+        name = step[0]
+        if name == "transpose":
+            value = value.transpose(step[1], step[2])
+        elif name == "permute":
+            value = value.permute(*step[1])
+        elif name == "unsqueeze":
+            value = value.unsqueeze(step[1])
+        elif name == "squeeze":
+            value = value.squeeze(step[1])
+        elif name == "to":
+            value = value.to(step[1])
+        elif name == "not":
+            value = value.logical_not()
+        else:
+            raise ValueError(f"unknown view step {name}")
+    return value
+
+
+def _operand_val(op: Operand) -> torch.Tensor:
+    t = N.tensor_val(op.node)
+    if t is None:
+        raise NoMatch("an operand has no recorded example value")
+    try:
+        return apply_steps(t, op.steps)
+    except Exception as e:  # noqa: BLE001 - a step the shapes do not allow
+        raise NoMatch(f"operand views do not apply: {e}") from None
+
+
+def _repeat_source(op: Operand) -> Optional[tuple]:
+    """If the operand is a head-repeated tensor (repeat_kv's expand+reshape,
+    or repeat_interleave on the head dim) whose head ``h`` reads source head
+    ``h // n_rep``, return (source operand, n_rep)."""
+    if op.steps:
+        return None
+    node = op.node
+    k = N.kind(node)
+    t = N.tensor_val(node)
+    if t is None or t.dim() != 4:
+        return None
+    if k == "repeat_interleave":
+        reps = N.arg(node, 1, "repeats")
+        dim = N.arg(node, 2, "dim")
+        src = node.args[0]
+        sv = N.tensor_val(src)
+        r = N.const_int(N.val(reps)) if not isinstance(reps, torch.fx.Node) or N.tensor_val(reps) is None else None
+        if sv is None or sv.dim() != 4 or r is None or r < 1 or dim not in (1, -3):
+            return None
+        return Operand(src), r
+    if k in ("reshape", "view"):
+        ex = node.args[0]
+        if N.kind(ex) != "expand":
+            return None
+        et = N.tensor_val(ex)
+        un = ex.args[0]
+        ut = N.tensor_val(un)
+        if et is None or ut is None or et.dim() != 5 or ut.dim() != 5:
+            return None
+        src = _unsqueezed_at_2(un)
+        if src is None:
+            return None
+        st = N.tensor_val(src)
+        b, hkv, r, m, d = et.shape
+        if not (N.known_eq(ut.shape[2], 1) and all(N.known_eq(x, y) for x, y in zip(st.shape, (b, hkv, m, d)))):
+            return None
+        if not all(N.known_eq(x, y) for x, y in zip(t.shape, (b, hkv * r, m, d))):
+            return None
+        rc = N.const_int(r)
+        if rc is None:
+            return None
+        return Operand(src), rc
+    return None
+
+
+def _unsqueezed_at_2(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    k = N.kind(node)
+    t = N.tensor_val(node)
+    src = node.args[0] if node.args else None
+    st = N.tensor_val(src) if isinstance(src, torch.fx.Node) else None
+    if t is None or st is None or st.dim() != 4:
+        return None
+    if k == "unsqueeze" and N.arg(node, 1, "dim") in (2, -3):
+        return src
+    if k == "getitem":
+        idx = node.args[1]
+        if not isinstance(idx, tuple):
+            return None
+        full = slice(None, None, None)
+        items = list(idx) + [full] * (5 - len(idx))
+        if len(items) == 5 and items[2] is None and all(
+            isinstance(i, slice) and i == full for j, i in enumerate(items) if j != 2
+        ):
+            return src
+        if idx and idx[-1] is Ellipsis:
+            return None
+    if k in ("view", "reshape"):
+        if all(N.known_eq(x, y) for x, y in zip(t.shape, (st.shape[0], st.shape[1], 1, st.shape[2], st.shape[3]))):
+            return src
+    return None
+
+
+def _bcast(a, b, what: str):
+    if N.known_eq(a, 1):
+        return b
+    if N.known_eq(b, 1) or N.known_eq(a, b):
+        return a
+    raise NoMatch(f"{what} sizes do not provably match")
+
+
+def _check_head_dim(d, what: str) -> None:
+    c = N.const_int(d)
+    if c is None:
+        # A symbolic head size: decide by guarding on the range, so a later
+        # call with an unsupported size recompiles without the rewrite.
+        try:
+            ok = bool(d >= MIN_HEAD_DIM) and bool(d <= MAX_HEAD_DIM)
+        except Exception:  # noqa: BLE001 - guard not possible here
+            raise NoMatch(f"{what} head size is symbolic") from None
+        if not ok:
+            raise NoMatch(f"{what} head size is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+        return
+    if not MIN_HEAD_DIM <= c <= MAX_HEAD_DIM:
+        raise NoMatch(f"{what} head size {c} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+
+
+def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks) -> Plan:
+    qv, kv, vv = _operand_val(q_op), _operand_val(k_op), _operand_val(v_op)
+    out_t = N.tensor_val(cand.output)
+    scores_t = N.tensor_val(cand.scores)
+    for t, name in ((qv, "q"), (kv, "k"), (vv, "v")):
+        if t.dim() != 4:
+            raise NoMatch(f"{name} is not 4-D after normalisation")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise NoMatch(f"{name} has dtype {t.dtype}, not supported by the op")
+    if out_t.dtype not in SUPPORTED_DTYPES:
+        raise NoMatch(f"the output dtype {out_t.dtype} is not supported")
+    _check_head_dim(qv.shape[-1], "q/k")
+    _check_head_dim(vv.shape[-1], "v")
+    if not N.known_eq(kv.shape[-2], vv.shape[-2]):
+        raise NoMatch("k and v lengths do not provably match")
+
+    # Batch and head dims: B, H of the output; q follows, k/v share heads.
+    B = _bcast(_bcast(qv.shape[0], kv.shape[0], "batch"), vv.shape[0], "batch")
+    Hs = _bcast(qv.shape[1], kv.shape[1], "head")
+    H = _bcast(Hs, vv.shape[1], "head")
+    facts = cand.facts
+
+    expands: list[tuple] = []
+    vals = {"q": qv, "k": kv, "v": vv}
+
+    def ref(dim: int, target):
+        c = N.const_int(target)
+        if c is not None:
+            return c
+        for name, t in vals.items():
+            if N.known_eq(t.shape[dim], target):
+                return (name, dim)
+        raise NoMatch("a broadcast size has no operand to take it from")
+
+    for name, t in vals.items():
+        if not N.known_eq(t.shape[0], B):
+            expands.append((name, 0, ref(0, B)))
+    if not N.known_eq(qv.shape[1], H):
+        expands.append(("q", 1, ref(1, H)))
+
+    # Grouped heads: fold repeat_kv / repeat_interleave of both k and v.
+    enable_gqa = False
+    kr, vr = _repeat_source(k_op), _repeat_source(v_op)
+    if kr and vr and kr[1] == vr[1] and kr[1] > 1:
+        ksrc, vsrc = _operand_val(kr[0]), _operand_val(vr[0])
+        if N.known_eq(ksrc.shape[1], vsrc.shape[1]) and N.known_eq(kv.shape[1], vv.shape[1]):
+            if not N.known_eq(qv.shape[1], H):
+                raise NoMatch("grouped heads with a broadcast query")
+            k_op, v_op, kv, vv = kr[0], vr[0], ksrc, vsrc
+            enable_gqa = True
+            facts["gqa"] = f"{_fmt(H)}q/{_fmt(kv.shape[1])}kv (repeat folded)"
+    hk, hv = kv.shape[1], vv.shape[1]
+    if not enable_gqa:
+        if N.known_eq(hk, H) and N.known_eq(hv, H):
+            pass
+        elif N.known_eq(hk, 1) and N.known_eq(hv, 1):
+            if not N.known_eq(H, 1):
+                enable_gqa = True
+                facts["gqa"] = f"{_fmt(H)}q/1kv (broadcast)"
+        else:
+            # One of k/v broadcasts over the heads of the other.
+            for name, h in (("k", hk), ("v", hv)):
+                if N.known_eq(h, 1):
+                    expands.append((name, 1, ref(1, H)))
+                elif not N.known_eq(h, H):
+                    raise NoMatch("k and v head counts do not provably match")
+
+    # Scale and masks, in the order the graph applies them.
+    scale = 1.0
+    q_factors: list = []
+    additive: list[MaskTerm] = []
+    hides: list[tuple] = []  # (cond node, hide_where_true, value, const factor after)
+    for t in transforms:
+        if t[0] == "noop":
+            continue
+        if t[0] == "scale":
+            _, op, f = t
+            if isinstance(f, float):
+                c = f if op == "mul" else 1.0 / f if f != 0 else math.inf
+                if not math.isfinite(c) or c == 0:
+                    raise NoMatch("the scores are scaled by 0 or infinity")
+                if c < 0 and hides:
+                    raise NoMatch("a negative scale after a masked_fill")
+                scale *= c
+                for term in additive:
+                    term.factors.append(("mul", c))
+                hides = [(h[0], h[1], h[2], h[3] * c) for h in hides]
+            else:
+                fv = N.val(f)
+                if isinstance(fv, torch.Tensor) and hides:
+                    raise NoMatch("a tensor scale after a masked_fill (its sign is unknown)")
+                if isinstance(fv, torch.Tensor) and not fv.dtype.is_floating_point:
+                    raise NoMatch("the scores are scaled by a non-float tensor")
+                q_factors.append((op, f))
+                for term in additive:
+                    term.factors.append((op, f))
+                hides = [(h[0], h[1], h[2], None if math.isfinite(h[2]) else h[3]) for h in hides]
+        elif t[0] == "add":
+            _, node, negate, alpha = t
+            term = MaskTerm(node, [], negate)
+            if alpha != 1:
+                term.factors.append(("mul", float(alpha)))
+            additive.append(term)
+        elif t[0] == "fill":
+            _, cond, hide_true, value = t
+            if math.isnan(value) or (math.isinf(value) and value > 0):
+                raise NoMatch(f"masked_fill with {value}")
+            hides.append((cond, hide_true, value, 1.0))
+        else:  # pragma: no cover - _transform only makes the kinds above
+            raise NoMatch(f"internal: unknown transform {t[0]}")
+
+    N_, M_ = scores_t.shape[-2], scores_t.shape[-1]
+    bands: list[Band] = []
+    hide_ops: list[Operand] = []
+    mask_kinds: list[str] = []
+    for cond, hide_true, value, factor in hides:
+        if not math.isinf(value):
+            if factor is None or value * factor > HIDE_THRESHOLD:
+                raise NoMatch(f"masked_fill with {value:g} does not remove positions (only -inf or <= {HIDE_THRESHOLD:g} do)")
+        cv = N.tensor_val(cond)
+        if cv is None or cv.dtype != torch.bool:
+            raise NoMatch("masked_fill/where condition is not a bool tensor")
+        _check_mask_shape(cond, scores_t)
+        band = _visible_band(masks(cond), cond, hide_true, N_, M_)
+        if band is not None:
+            bands.append(band)
+            continue
+        hide_ops.append(Operand(cond) if hide_true else Operand(cond, [("not",)]))
+        mask_kinds.append("bool")
+    kept_terms: list[MaskTerm] = []
+    for term in additive:
+        tv = N.tensor_val(term.node)
+        _check_mask_shape(term.node, scores_t)
+        band = None
+        if tv.dtype.is_floating_point and not term.negate:
+            band = _additive_band(masks(term.node), term, N_, M_)
+        if band is not None:
+            bands.append(band)
+            continue
+        kept_terms.append(term)
+        mask_kinds.append("additive")
+
+    window_left = window_right = None
+    alignment = "top_left"
+    if bands:
+        band = bands[0]
+        for other in bands[1:]:
+            from .masks import conjoin
+
+            both = conjoin(band, other)
+            if both is None:
+                raise NoMatch("two window masks that cannot be combined")
+            band = both
+        window = _band_to_window(band, N_, M_)
+        if window is None:
+            raise NoMatch("internal: a recognised band has no window form")
+        window_left, window_right, alignment = window
+
+    # Dtypes: the op runs in one dtype; the result is cast to eager's.
+    dtypes = {qv.dtype, kv.dtype, vv.dtype}
+    compute_dtype = None
+    if len(dtypes) > 1:
+        compute_dtype = qv.dtype
+        for dt in dtypes:
+            compute_dtype = torch.promote_types(compute_dtype, dt)
+
+    plan = Plan(
+        query=q_op, key=k_op, value=v_op, scale=scale, q_factors=q_factors,
+        additive=kept_terms, hide=hide_ops, window_left=window_left,
+        window_right=window_right, alignment=alignment, enable_gqa=enable_gqa,
+        dropout_p=dropout_p, out_steps=out_steps, out_dtype=out_t.dtype,
+        expand=expands, compute_dtype=compute_dtype, op_dtype=compute_dtype or qv.dtype,
+    )
+    # Facts for explain.
+    facts["scale"] = _fmt_scale(scale, q_factors)
+    if plan.is_causal:
+        facts["causal"] = "top-left" if alignment == "top_left" else "bottom-right"
+    elif window_left is not None or window_right is not None:
+        facts["window"] = f"({_fmt(window_left)}, {_fmt(window_right)}) {alignment}"
+    facts["mask"] = "+".join(sorted(set(mask_kinds))) or "none"
+    facts["dropout"] = dropout_p
+    facts.setdefault("gqa", "")
+    return plan
+
+
+def _check_mask_shape(node: torch.fx.Node, scores_t: torch.Tensor) -> None:
+    t = N.tensor_val(node)
+    if t is None:
+        raise NoMatch("a mask has no recorded example value")
+    if t.dim() > scores_t.dim():
+        raise NoMatch("a mask has more dims than the scores")
+    for ms, ss in zip(reversed(t.shape), reversed(scores_t.shape)):
+        if not (N.known_eq(ms, ss) or N.known_eq(ms, 1)):
+            raise NoMatch("a mask does not provably broadcast to the scores")
+
+
+def _visible_band(v, cond, hide_true: bool, n, m) -> Optional[Band]:
+    """The visible band when the hidden positions form the complement of one."""
+    if not isinstance(v, Band) or v.trivial or not isinstance(v.inside, bool):
+        return None
+    if not _band_dims_full(cond, n, m):
+        return None
+    # Positions where cond is True are hidden when hide_true.
+    visible = v.map(lambda x: (not x) if hide_true else x).normalized()
+    if visible.inside is not True or visible.outside is not False:
+        return None
+    return visible if _band_to_window(visible, n, m) is not None else None
+
+
+def _additive_band(v, term: MaskTerm, n, m) -> Optional[Band]:
+    """An additive mask that is 0 (or any constant) on a band and -inf (or a
+    value that removes positions) elsewhere."""
+    if not isinstance(v, Band) or v.trivial:
+        return None
+    if not _band_dims_full(term.node, n, m):
+        return None
+    factor = 1.0
+    for op, f in term.factors:
+        if not isinstance(f, float):
+            return None
+        factor = factor * f if op == "mul" else factor / f
+    try:
+        inside, outside = float(v.inside) * factor, float(v.outside) * factor
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(inside) or not (outside == -math.inf or outside <= HIDE_THRESHOLD):
+        return None
+    if math.isfinite(outside) and outside - inside > HIDE_THRESHOLD:
+        return None
+    visible = Band(v.lo, v.hi, True, False, v.ndim)
+    return visible if _band_to_window(visible, n, m) is not None else None
+
+
+def _band_dims_full(node, n, m) -> bool:
+    s = N.shape(node)
+    return s is not None and len(s) >= 2 and N.known_eq(s[-2], n) and N.known_eq(s[-1], m)
+
+
+def _band_to_window(band: Band, n, m) -> Optional[tuple]:
+    """(window_left, window_right, alignment) with ``lo <= j - i <= hi``."""
+    offsets = [("top_left", 0)]
+    if not N.known_eq(n, m):
+        offsets.append(("bottom_right", m - n))
+    for alignment, off in offsets:
+        wr = wl = None
+        ok = True
+        if band.hi is not None:
+            wr = N.const_int(band.hi - off) if not isinstance(band.hi - off, int) else band.hi - off
+            ok = ok and wr is not None and wr >= 0
+        if band.lo is not None:
+            wl = N.const_int(off - band.lo) if not isinstance(off - band.lo, int) else off - band.lo
+            ok = ok and wl is not None and wl >= 0
+        if ok:
+            return wl, wr, alignment
+    return None
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    c = N.const_int(x)
+    return str(c) if c is not None else str(x)
+
+
+def _fmt_scale(scale: float, q_factors) -> str:
+    parts = [f"{scale:.6g}"] if (scale != 1.0 or not q_factors) else []
+    for op, f in q_factors:
+        name = f.name if isinstance(f, torch.fx.Node) else repr(f)
+        parts.append(("*" if op == "mul" else "/") + name)
+    return " ".join(parts)

@@ -1,0 +1,349 @@
+"""Hugging Face ``transformers`` integration: flashfuse as an attention implementation.
+
+Importing this module registers flashfuse with ``transformers``' attention
+registries, after which any model whose attention goes through
+``ALL_ATTENTION_FUNCTIONS`` (all current decoder, encoder and encoder-decoder
+models) can run on ``torch.ops.flashfuse.attention``::
+
+    import flashfuse.hf  # registers "ffuse"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="ffuse")
+    # or: SomeConfig(..., attn_implementation="ffuse"), model.set_attn_implementation("ffuse")
+
+Why the name is ``"ffuse"`` and not ``"flashfuse"``: ``transformers`` treats
+every implementation name that contains the substring ``"flash"`` as a
+flash-attention-2/3/4 kernel (``is_flash_attention_requested``) and tries to
+import one at model construction, which fails. :data:`ATTN_IMPLEMENTATION`
+holds the name.
+
+Two functions are registered under the name:
+
+* :func:`flashfuse_mask` (``AttentionMaskInterface``) builds the mask each layer
+  receives. Wherever the pattern is exactly "causal, optionally a sliding
+  window, no padding" (or "everything visible") it returns ``None``, so the
+  kernel gets ``is_causal`` / a window and skips masked key blocks instead of
+  reading a mask. Otherwise (padding, packed sequences, chunked attention,
+  custom mask functions, static caches) it returns transformers' compact
+  boolean mask, broadcastable to (batch, 1, q_len, kv_len).
+* :func:`flashfuse_attention_forward` (``AttentionInterface``) turns a layer's
+  ``(query, key, value, mask, **kwargs)`` into one call of the op and returns
+  ``(output, None)`` with the output in (batch, q_len, heads, head_dim) layout.
+
+This module imports ``transformers``; ``import flashfuse`` alone never does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+    from transformers.utils.import_utils import is_tracing
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "flashfuse.hf needs the `transformers` package (version 5 or newer, for its "
+        "AttentionInterface / AttentionMaskInterface registries): pip install 'transformers>=5'"
+    ) from exc
+
+from . import ops as _ops  # noqa: F401  (importing registers torch.ops.flashfuse.attention)
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "flashfuse_attention_forward",
+    "flashfuse_mask",
+    "register",
+]
+
+#: The ``attn_implementation`` value that selects flashfuse. It must not contain
+#: "flash" (see the module docstring).
+ATTN_IMPLEMENTATION = "ffuse"
+
+# The op, looked up once; a module attribute so tests can wrap it to observe calls.
+_attention_op = torch.ops.flashfuse.attention
+
+_MIN_HEAD_DIM, _MAX_HEAD_DIM = _ops.MIN_HEAD_DIM, _ops.MAX_HEAD_DIM
+
+
+# --------------------------------------------------------------------------
+# Mask construction
+# --------------------------------------------------------------------------
+
+def _is_exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting()) if is_exporting is not None else False
+
+
+def _keys_all_valid(attention_mask: Tensor | None, kv_length: int, kv_offset) -> bool:
+    """True when the 2D padding mask marks every key of this layer as a real token.
+
+    Reading the mask's values is data-dependent, so under tracing (compile,
+    export, jit, fx) the answer is a conservative False, as in transformers.
+    """
+    if attention_mask is None:
+        return True
+    if isinstance(kv_offset, Tensor) or is_tracing(attention_mask):
+        return False
+    keys = attention_mask[:, kv_offset : kv_offset + kv_length]
+    # Positions beyond the 2D mask count as padding, as transformers pads them with False.
+    return keys.shape[-1] == kv_length and bool(keys.all())
+
+
+def _window_is_sliding(config, local_size: int | None) -> bool:
+    """Whether ``local_size`` is the config's sliding window (which the kernel
+    can express) rather than a chunk size (Llama 4's chunked attention, which
+    it cannot)."""
+    if local_size is None:
+        return True
+    if config is None:
+        return False
+    return (
+        getattr(config, "sliding_window", None) == local_size
+        and getattr(config, "attention_chunk_size", None) != local_size
+    )
+
+
+def flashfuse_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=causal_mask_function,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    config=None,
+    **kwargs,
+) -> Tensor | None:
+    """The ``AttentionMaskInterface`` entry for flashfuse.
+
+    Returns ``None`` when :func:`flashfuse_attention_forward` can rebuild the
+    pattern from its own arguments, which lets the kernel skip whole key blocks:
+
+    * causal (``allow_is_causal_skip``: transformers vouches that the pattern is
+      the plain causal or sliding-window one), no padding among the keys, and
+      the queries are the last ``q_length`` positions of the keys (the usual
+      prefill and KV-cache decoding). The attention function then uses a
+      bottom-right aligned causal diagonal and, for a sliding layer, the window.
+    * bidirectional (``allow_is_bidirectional_skip``), no padding, and no
+      window that cuts anything off.
+
+    Everything else gets transformers' boolean mask (True takes part) from
+    ``sdpa_mask``, which broadcasts over heads and, without padding, over the
+    batch too.
+    """
+    keys_valid = None
+    if allow_is_causal_skip and not _is_exporting() and not isinstance(q_offset, Tensor):
+        # Query i sits at absolute position q_offset + i and key j at kv_offset + j;
+        # bottom-right alignment (query i sees keys j <= i + kv_length - q_length)
+        # is right exactly when these two offsets agree.
+        aligned = q_offset - kv_offset == kv_length - q_length
+        window_ok = local_size is None or kv_length < local_size or _window_is_sliding(config, local_size)
+        if aligned and window_ok:
+            keys_valid = _keys_all_valid(attention_mask, kv_length, kv_offset)
+            if keys_valid:
+                return None
+    if allow_is_bidirectional_skip and not _is_exporting() and (local_size is None or kv_length < local_size):
+        if keys_valid is None:
+            keys_valid = _keys_all_valid(attention_mask, kv_length, kv_offset)
+        if keys_valid:
+            return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        config=config,
+        **kwargs,
+    )
+
+
+# --------------------------------------------------------------------------
+# The attention function
+# --------------------------------------------------------------------------
+
+def _sliding_window(module, kwargs: dict) -> int | None:
+    """The sliding window of this layer, or None for full attention.
+
+    Most models pass it as the ``sliding_window`` argument (as flash-attention-2
+    needs it; ``None`` there means a full-attention layer). For the few that only
+    encode it in the mask, fall back to the layer's type in the config, the
+    module's own attribute, then the config's window.
+    """
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
+        if layer_types[layer_idx] != "sliding_attention":
+            return None
+        return getattr(config, "sliding_window", None)
+    if getattr(module, "sliding_window", None) is not None:
+        return module.sliding_window
+    return getattr(config, "sliding_window", None) if config is not None else None
+
+
+def _check_supported(module, query: Tensor, key: Tensor, value: Tensor, kwargs: dict) -> None:
+    """Raise for features a fused kernel cannot serve, naming the way out."""
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+        raise ValueError(
+            "flashfuse: output_attentions=True cannot be served by a fused attention kernel, "
+            "which never materialises the attention probabilities. Load the model with "
+            "attn_implementation='eager' (or call model.set_attn_implementation('eager')) "
+            "to get attention weights."
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            "flashfuse: attention logit soft-capping (softcap, e.g. Gemma 2) is not supported; "
+            "use attn_implementation='eager' for this model."
+        )
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError(
+            "flashfuse: attention sinks (s_aux, e.g. gpt-oss) are not supported; "
+            "use attn_implementation='eager' for this model."
+        )
+    d, dv = query.shape[-1], value.shape[-1]
+    if not (_MIN_HEAD_DIM <= d <= _MAX_HEAD_DIM and _MIN_HEAD_DIM <= dv <= _MAX_HEAD_DIM):
+        raise ValueError(
+            f"flashfuse: head dim {d} (values: {dv}) is outside the supported range "
+            f"{_MIN_HEAD_DIM}..{_MAX_HEAD_DIM}; use attn_implementation='sdpa' for this model."
+        )
+    if query.shape[1] % key.shape[1] != 0:
+        raise ValueError(
+            f"flashfuse: {query.shape[1]} query heads are not a multiple of "
+            f"{key.shape[1]} key/value heads"
+        )
+
+
+def _with_position_bias(position_bias: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Fold a relative-position bias (T5 style) and the mask into one additive mask.
+
+    The op adds a floating mask to the scores, so the bias keeps its gradient;
+    causality still comes from ``is_causal``, so no causal mask is built here.
+    """
+    if attention_mask is None:
+        return position_bias
+    if attention_mask.dtype == torch.bool:
+        return position_bias.masked_fill(~attention_mask, float("-inf"))
+    return position_bias + attention_mask
+
+
+def flashfuse_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """The ``AttentionInterface`` entry for flashfuse.
+
+    Args:
+        module: the calling attention layer (read for ``training``,
+            ``is_causal``, ``sliding_window``, ``layer_idx`` and ``config``).
+        query: (batch, q_heads, q_len, head_dim).
+        key, value: (batch, kv_heads, kv_len, head_dim); grouped heads are
+            passed to the kernel as they are, never repeated.
+        attention_mask: ``None`` (see :func:`flashfuse_mask`), a boolean mask
+            (True takes part) or an additive floating mask, broadcastable to
+            (batch, q_heads, q_len, kv_len). A given mask is taken to hold the
+            whole pattern: no causal diagonal or window is added to it.
+        dropout: attention dropout probability, applied only while
+            ``module.training`` (as eager attention does).
+        scaling: score scale; default ``head_dim ** -0.5``.
+        is_causal: overrides ``module.is_causal`` (default True).
+        position_bias: optional additive bias (T5-style relative positions).
+        **kwargs: ``sliding_window`` (a key at distance >= sliding_window behind
+            the query is not seen, as in transformers' masks), and flags that are
+            checked (``output_attentions``, ``softcap``, ``s_aux``).
+
+    Returns:
+        ``(output, None)``, output of shape (batch, q_len, q_heads, head_dim).
+    """
+    _check_supported(module, query, key, value, kwargs)
+
+    if query.shape[0] != key.shape[0] and query.shape[0] == 1:
+        # Learned queries shared across the batch (SDPA broadcasts them).
+        query = query.expand(key.shape[0], *query.shape[1:])
+
+    kv_length = key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_length:
+        # Some callers hand over a mask sized for a longer cache; its first
+        # kv_length columns are the keys, as in eager attention.
+        attention_mask = attention_mask[..., :kv_length]
+
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window_left = None
+    if attention_mask is None and causal:
+        # No mask means flashfuse_mask vouched for the plain pattern: causal with
+        # the queries at the end of the keys (prefill or KV-cache decoding), plus
+        # the layer's sliding window if it has one.
+        sliding_window = _sliding_window(module, kwargs)
+        if sliding_window is not None and sliding_window > 0:
+            window_left = sliding_window - 1  # transformers: kv > q - sliding_window
+    else:
+        # A mask from transformers already holds the causal diagonal and window
+        # at the right offsets (static caches included); adding ours could only
+        # disagree with it.
+        causal = False
+
+    if position_bias is not None:
+        attention_mask = _with_position_bias(position_bias, attention_mask)
+
+    training = getattr(module, "training", True)
+    dropout_p = float(dropout) if training else 0.0
+
+    out = _attention_op(
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout_p,
+        bool(causal),
+        scaling,
+        query.shape[1] != key.shape[1],
+        window_left=window_left,
+        alignment="bottom_right",
+    )
+    # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
+    # contiguous() is then free and gives callers the layout they expect.
+    return out.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------
+
+def register(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register flashfuse's attention and mask functions under ``name``.
+
+    Done once on import under :data:`ATTN_IMPLEMENTATION`; call again to add
+    another name. The name must not contain "flash", which transformers
+    reserves for flash-attention kernels. Returns ``name``.
+    """
+    if "flash" in name:
+        raise ValueError(
+            f"attn_implementation name {name!r} contains 'flash', which transformers takes to "
+            "mean a flash-attention-2/3/4 kernel and tries to import; pick another name, "
+            f"e.g. {ATTN_IMPLEMENTATION!r}"
+        )
+    AttentionInterface.register(name, flashfuse_attention_forward)
+    AttentionMaskInterface.register(name, flashfuse_mask)
+    return name
+
+
+register()

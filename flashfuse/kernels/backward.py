@@ -1,0 +1,609 @@
+"""Triton backward kernels for flash attention, and their launcher.
+
+FlashAttention-2 style and deterministic (no atomics). Three kernels:
+
+* ``_bwd_preprocess``: ``delta = rowsum(dO * O)`` in float32, (B, Hq, N).
+* ``_bwd_dkdv``: one program per (key block, kv head, batch). It loops over
+  the query heads of its GQA group and over the query blocks whose causal /
+  window band meets the key block, recomputes the probabilities from ``lse``
+  and accumulates dK and dV in float32. It also produces the gradient of a
+  learned float mask when asked, since it sees every query row of its keys.
+* ``_bwd_dq``: one program per (query block, q head, batch), looping over the
+  visible key blocks and accumulating dQ.
+
+Conventions (shapes, mask, visibility, dropout, lse) are those of the forward,
+see ARCHITECTURE.md. With ``s = scale * q.k + mask`` and ``P = exp(s - lse)``:
+``dP = dO V^T`` (times keep / (1 - p) under dropout), ``dS = P * (dP - delta)``,
+``dQ = scale * dS K``, ``dK = scale * dS^T Q``, ``dV = (P * keep / (1 - p))^T dO``
+and ``d(mask) = dS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _dropout_keep, _dropout_keep_at, _visible
+
+__all__ = ["attention_backward"]
+
+_LOG2E = 1.4426950408889634
+
+# Cap on the float32 dS buffer for a mask that broadcasts over the batch
+# (module-level so tests can shrink it); a non-broadcast batch needs no cap,
+# the buffer is then at most the mask's own size expanded over the heads.
+_DMASK_BUFFER_BYTES = 1 << 30
+
+# mask kinds (constexpr)
+_NO_MASK, _BOOL_MASK, _FLOAT_MASK = 0, 1, 2
+
+
+# --------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N"])
+def _bwd_preprocess(
+    O, DO, DELTA,
+    s_ob, s_oh, s_on, s_od,
+    s_dob, s_doh, s_don, s_dod,
+    N, D_V,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (float32)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    H = tl.num_programs(1)
+    m0 = pid_m.to(tl.int64) * BLOCK_M
+    rm = tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_DV)
+    ok = ((m0 + rm) < N)[:, None] & (rd < D_V)[None, :]
+    o = tl.load(O + (b * s_ob + h * s_oh + m0 * s_on) + rm[:, None] * s_on + rd[None, :] * s_od,
+                mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + (b * s_dob + h * s_doh + m0 * s_don) + rm[:, None] * s_don + rd[None, :] * s_dod,
+                 mask=ok, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    tl.store(DELTA + (b * H + h) * N + m0 + rm, delta, mask=(m0 + rm) < N)
+
+
+@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "N_BUCKET", "M_BUCKET", "B_OFF"])
+def _bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, MASK, SEED, DK, DV, DMASK,
+    s_qb, s_qh, s_qn, s_qd,
+    s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd,
+    s_dob, s_doh, s_don, s_dod,
+    s_lb, s_lh, s_ln,
+    s_mb, s_mh, s_mn, s_mm,
+    s_dkb, s_dkh, s_dkn, s_dkd,
+    s_dvb, s_dvh, s_dvn, s_dvd,
+    s_gb, s_gh, s_gn, s_gm,
+    H, G, N, M, D_QK, D_V,
+    qk_scale, scale, inv_keep, threshold,
+    DIAG_OFF, WL, WR,
+    N_BUCKET, M_BUCKET, B_OFF,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dK, dV (and dmask) for one key block of one (batch, kv head).
+
+    Works on transposed (BLOCK_N, BLOCK_M) score tiles so that both dots that
+    reduce over query rows (dV += P^T dO, dK += dS^T Q) take their register
+    operand untransposed. dmask is written into a float32 buffer indexed
+    (b, h, i, j), with i collapsed to 0 when the mask broadcasts over queries
+    (DMASK_ROWSUM: summed here over all query rows) and the block's columns
+    summed into column n0 when it broadcasts over keys (DMASK_COLSUM).
+    """
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    rn = tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    rdv = tl.arange(0, BLOCK_DV)
+    offs_n = n0 + rn
+    n_ok = offs_n < M
+    dtype = Q.dtype.element_ty
+
+    # K and V tiles stay in registers for the whole program.
+    n0l = n0.to(tl.int64)
+    k_base = K + b * s_kb + hk.to(tl.int64) * s_kh + n0l * s_kn
+    v_base = V + b * s_vb + hk.to(tl.int64) * s_vh + n0l * s_vn
+    k = tl.load(k_base + rn[:, None] * s_kn + rd[None, :] * s_kd,
+                mask=n_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
+    v = tl.load(v_base + rn[:, None] * s_vn + rdv[None, :] * s_vd,
+                mask=n_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
+    # UPCAST (interpreter with bfloat16 only): the interpreter mis-computes
+    # bfloat16 dots, so operands go to float32 after loading; P and dS are
+    # still rounded to bfloat16 (.to(dtype)) first, so the products match
+    # the compiled kernel's. Without UPCAST the extra casts are no-ops.
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+
+    # Query rows that can see some key of [n0, n0 + BLOCK_N):
+    # j <= i + off + WR  <=>  i >= j - off - WR;  j >= i + off - WL  <=>  i <= j - off + WL.
+    lo = 0
+    hi = N
+    if HAS_WR:
+        lo = tl.maximum(n0 - DIAG_OFF - WR, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_WL:
+        hi = tl.minimum(n0 + BLOCK_N - DIAG_OFF + WL, N)
+
+    for g in range(0, G):
+        h = hk * G + g
+        hl = h.to(tl.int64)
+        q_ptrs = Q + b * s_qb + hl * s_qh + rm[:, None] * s_qn + rd[None, :] * s_qd
+        do_ptrs = DO + b * s_dob + hl * s_doh + rm[:, None] * s_don + rdv[None, :] * s_dod
+        lse_ptr = LSE + b * s_lb + hl * s_lh
+        delta_ptr = DELTA + (b * H + hl) * N
+        if MASK_KIND != 0:
+            mask_base = MASK + b * s_mb + hl * s_mh + n0l * s_mm
+        if MASK_GRAD:
+            g_base = DMASK + b * s_gb + hl * s_gh
+            if DMASK_ROWSUM:
+                col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        bh = (b + B_OFF) * H + hl  # global batch index: the dropout stream's key
+        for start_m in range(lo, hi, BLOCK_M):
+            sml = tl.cast(start_m, tl.int64)
+            offs_m = start_m + rm
+            m_ok = offs_m < N
+            q = tl.load(q_ptrs + sml * s_qn, mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
+            do = tl.load(do_ptrs + sml * s_don, mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
+            # A row with no visible key has lse = +inf (or -inf from some
+            # producers); either way its probabilities must be exactly 0.
+            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+            delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
+
+            # sT[j, i] in log2 units
+            sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+            if MASK_KIND == 2:
+                mT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                             mask=n_ok[:, None] & m_ok[None, :], other=0.0)
+                sT = sT + mT.to(tl.float32) * 1.4426950408889634
+            pT = tl.exp2(sT - lse[None, :])
+            if MASK_KIND == 1:
+                bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                             mask=n_ok[:, None] & m_ok[None, :], other=0)
+                pT = tl.where(bT != 0, pT, 0.0)
+            # Element-wise visibility only on blocks that cross an edge of the
+            # band or of the tensor. The transposed tile is _visible with the
+            # roles of queries and keys swapped (offset negated, windows
+            # exchanged), which is the same integer test.
+            edge = (start_m + BLOCK_M > N) | (n0 + BLOCK_N > M)
+            if HAS_WR:
+                edge = edge | (n0 + BLOCK_N - 1 > start_m + DIAG_OFF + WR)
+            if HAS_WL:
+                edge = edge | (n0 < start_m + BLOCK_M - 1 + DIAG_OFF - WL)
+            if edge:
+                visT = _visible(offs_n, offs_m, M, N, -DIAG_OFF, WR, WL, HAS_WR, HAS_WL)
+                pT = tl.where(visT, pT, 0.0)
+
+            dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+            if HAS_DROPOUT:
+                keepT = _dropout_keep_at(seed, offs_m[None, :], offs_n[:, None], bh, threshold)
+                pdT = tl.where(keepT, pT * inv_keep, 0.0)
+                dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+            else:
+                pdT = pT
+            dv += tl.dot(pdT.to(dtype).to(q.dtype), do, input_precision=PREC)
+            dsT = pT * (dpT - delta[None, :])
+            dk += tl.dot(dsT.to(dtype).to(q.dtype), q, input_precision=PREC)
+
+            if MASK_GRAD:
+                if DMASK_ROWSUM:
+                    col_acc += tl.sum(dsT, axis=1)
+                elif DMASK_COLSUM:
+                    tl.store(g_base + offs_m.to(tl.int64) * s_gn + n0l * s_gm,
+                             tl.sum(dsT, axis=0), mask=m_ok)
+                else:
+                    tl.store(g_base + sml * s_gn + n0l * s_gm
+                             + rn[:, None] * s_gm + rm[None, :] * s_gn,
+                             dsT, mask=n_ok[:, None] & m_ok[None, :])
+        if MASK_GRAD:
+            if DMASK_ROWSUM:
+                if DMASK_COLSUM:
+                    tl.store(g_base + n0l * s_gm, tl.sum(col_acc, axis=0))
+                else:
+                    tl.store(g_base + offs_n.to(tl.int64) * s_gm, col_acc, mask=n_ok)
+
+    dk_ptrs = DK + b * s_dkb + hk.to(tl.int64) * s_dkh + n0l * s_dkn + rn[:, None] * s_dkn + rd[None, :] * s_dkd
+    dv_ptrs = DV + b * s_dvb + hk.to(tl.int64) * s_dvh + n0l * s_dvn + rn[:, None] * s_dvn + rdv[None, :] * s_dvd
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=n_ok[:, None] & (rd < D_QK)[None, :])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (rdv < D_V)[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "N_BUCKET", "M_BUCKET"])
+def _bwd_dq(
+    Q, K, V, DO, LSE, DELTA, MASK, SEED, DQ,
+    s_qb, s_qh, s_qn, s_qd,
+    s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd,
+    s_dob, s_doh, s_don, s_dod,
+    s_lb, s_lh, s_ln,
+    s_mb, s_mh, s_mn, s_mm,
+    s_dqb, s_dqh, s_dqn, s_dqd,
+    H, G, N, M, D_QK, D_V,
+    qk_scale, scale, inv_keep, threshold,
+    DIAG_OFF, WL, WR,
+    N_BUCKET, M_BUCKET,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dQ for one query block of one (batch, q head)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    hl = h.to(tl.int64)
+    hk = (h // G).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    m0l = m0.to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    rdv = tl.arange(0, BLOCK_DV)
+    offs_m = m0 + rm
+    m_ok = offs_m < N
+    dtype = Q.dtype.element_ty
+
+    q = tl.load(Q + b * s_qb + hl * s_qh + m0l * s_qn + rm[:, None] * s_qn + rd[None, :] * s_qd,
+                mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
+    do = tl.load(DO + b * s_dob + hl * s_doh + m0l * s_don + rm[:, None] * s_don + rdv[None, :] * s_dod,
+                 mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + b * s_lb + hl * s_lh + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + (b * H + hl) * N + offs_m, mask=m_ok, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    bh = b * H + hl
+
+    # Keys visible to some query of [m0, m0 + BLOCK_M).
+    lo = 0
+    hi = M
+    if HAS_WL:
+        lo = tl.maximum(m0 + DIAG_OFF - WL, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_WR:
+        hi = tl.minimum(m0 + BLOCK_M + DIAG_OFF + WR, M)
+
+    # K^T and V^T tiles (BLOCK_D, BLOCK_N) read through transposed pointers.
+    kT_ptrs = K + b * s_kb + hk * s_kh + rn[None, :] * s_kn + rd[:, None] * s_kd
+    vT_ptrs = V + b * s_vb + hk * s_vh + rn[None, :] * s_vn + rdv[:, None] * s_vd
+    if MASK_KIND != 0:
+        mask_base = MASK + b * s_mb + hl * s_mh + m0l * s_mn + rm[:, None] * s_mn + rn[None, :] * s_mm
+    for start_n in range(lo, hi, BLOCK_N):
+        snl = tl.cast(start_n, tl.int64)
+        offs_n = start_n + rn
+        n_ok = offs_n < M
+        kT = tl.load(kT_ptrs + snl * s_kn, mask=n_ok[None, :] & (rd < D_QK)[:, None], other=0.0)
+        vT = tl.load(vT_ptrs + snl * s_vn, mask=n_ok[None, :] & (rdv < D_V)[:, None], other=0.0)
+        if UPCAST:
+            kT = kT.to(tl.float32)
+            vT = vT.to(tl.float32)
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        if MASK_KIND == 2:
+            mt = tl.load(mask_base + snl * s_mm, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+            s = s + mt.to(tl.float32) * 1.4426950408889634
+        p = tl.exp2(s - lse[:, None])
+        if MASK_KIND == 1:
+            bt = tl.load(mask_base + snl * s_mm, mask=m_ok[:, None] & n_ok[None, :], other=0)
+            p = tl.where(bt != 0, p, 0.0)
+        edge = (m0 + BLOCK_M > N) | (start_n + BLOCK_N > M)
+        if HAS_WR:
+            edge = edge | (start_n + BLOCK_N - 1 > m0 + DIAG_OFF + WR)
+        if HAS_WL:
+            edge = edge | (start_n < m0 + BLOCK_M - 1 + DIAG_OFF - WL)
+        if edge:
+            vis = _visible(offs_m, offs_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PREC)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, offs_m, offs_n, bh, threshold)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(dtype).to(q.dtype), tl.trans(kT), input_precision=PREC)
+
+    tl.store(DQ + b * s_dqb + hl * s_dqh + m0l * s_dqn + rm[:, None] * s_dqn + rd[None, :] * s_dqd,
+             (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (rd < D_QK)[None, :])
+
+
+# --------------------------------------------------------------------------
+# tuning
+# --------------------------------------------------------------------------
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    """CPU tensors can only run through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type != "cuda"
+
+
+def _max_shared_mem(device: torch.device) -> int:
+    try:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return int(triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+    except Exception:  # conservative Hopper-class default
+        return 227 * 1024
+
+
+def _prune(kind: str):
+    """early_config_prune: drop configs whose tiles cannot fit in shared
+    memory or whose float32 accumulators would spill heavily."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        bd, bdv = args["BLOCK_D"], args["BLOCK_DV"]
+        q = args["Q"]
+        elt = q.element_size()
+        smem_cap = _max_shared_mem(q.device)
+        kept = []
+        for c in configs:
+            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+            threads = 32 * c.num_warps
+            if kind == "dkdv":
+                resident, streamed, acc = bn * (bd + bdv), bm * (bd + bdv), bn * (bd + bdv)
+            else:
+                resident, streamed, acc = bm * (bd + bdv), bn * (bd + bdv), bm * bd
+            smem = elt * (resident + c.num_stages * streamed + 2 * bm * bn)
+            regs = acc / threads + (resident * elt / 4) / threads
+            if smem <= smem_cap and regs <= 192:
+                kept.append(c)
+        if not kept:  # smallest tile as the fallback
+            kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_warps))]
+        return kept
+
+    return prune
+
+
+def _cfg(bm, bn, w, s):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+
+
+# dK/dV programs keep a key block resident and stream query blocks: wide
+# BLOCK_N, narrow BLOCK_M. dQ is the mirror image.
+_DKDV_CONFIGS = [
+    _cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3),
+    _cfg(32, 64, 8, 2), _cfg(16, 32, 4, 2), _cfg(32, 32, 4, 2),
+]
+_DQ_CONFIGS = [
+    _cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 3), _cfg(64, 64, 4, 3),
+    _cfg(64, 32, 8, 2), _cfg(32, 16, 4, 2), _cfg(32, 32, 4, 2),
+]
+_KEY = ["N_BUCKET", "M_BUCKET", "BLOCK_D", "BLOCK_DV", "HAS_WL", "HAS_WR", "MASK_KIND",
+        "HAS_DROPOUT", "PREC"]
+
+_bwd_dkdv_tuned = triton.autotune(
+    configs=_DKDV_CONFIGS,
+    key=_KEY + ["MASK_GRAD", "DMASK_ROWSUM", "DMASK_COLSUM"],
+    prune_configs_by={"early_config_prune": _prune("dkdv")},
+)(_bwd_dkdv)
+_bwd_dq_tuned = triton.autotune(
+    configs=_DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune("dq")},
+)(_bwd_dq)
+
+# Under the interpreter: one small fixed tile, for CI speed.
+_INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _bucket(n: int) -> int:
+    """Power-of-two bucket of a sequence length (autotune key), capped so
+    very long sequences share one tuning."""
+    return min(triton.next_power_of_2(max(n, 1)), 1 << 14)
+
+
+# --------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------
+
+
+def _dmask_layout(mask: torch.Tensor, B: int, Hq: int, N: int, M: int):
+    """Buffer shape for dS over the mask and the reduction flags.
+
+    Returns (buffer_shape, rowsum, colsum): rowsum when the mask broadcasts
+    over queries (the kernel sums over rows), colsum when it broadcasts over
+    keys (the kernel sums each key block's columns into its first column).
+    """
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    rowsum = shape[2] == 1 and N > 1
+    colsum = shape[3] == 1 and M > 1
+    return (B, Hq, 1 if rowsum else N, M), rowsum, colsum
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    dropout_p: float,
+    scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    bottom_right: bool,
+    mask_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of flash attention with respect to q, k, v and a float mask.
+
+    Args:
+        grad_out: (B, Hq, N, Dv) gradient of the output, any strides.
+        q: (B, Hq, N, D) queries; fp16, bf16 or fp32; any strides.
+        k: (B, Hkv, M, D) keys, Hq % Hkv == 0 (query head h uses h // (Hq // Hkv)).
+        v: (B, Hkv, M, Dv) values.
+        attn_mask: None, bool (True takes part) or floating (added to the
+            scaled scores), broadcastable to (B, Hq, N, M).
+        seed: int64 0-d tensor on q's device, the forward's dropout seed
+            (unused, may be None, when dropout_p == 0).
+        out: (B, Hq, N, Dv) forward output.
+        lse: (B, Hq, N) float32 natural-log log-sum-exp from the forward;
+            +inf for rows with no visible key.
+        dropout_p: dropout probability used in the forward.
+        scale: multiplier of q.k.
+        window_left, window_right: visibility band (None = unbounded);
+            causal is window_right = 0.
+        bottom_right: align the band's diagonal to the bottom-right corner
+            (offset M - N) instead of the top-left.
+        mask_grad: also return the gradient of the float ``attn_mask``.
+
+    Returns:
+        (dq, dk, dv, dmask): ``empty_like`` of q, k, v; dmask is None unless
+        ``mask_grad``, else the mask's own shape and dtype, summed over the
+        dimensions where the mask broadcasts.
+    """
+    B, Hq, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    Dv = v.shape[3]
+    G = Hq // Hkv
+    device = q.device
+    if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():
+        raise ValueError(f"mask_grad needs a floating attn_mask, got {attn_mask.dtype}")
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_DV = max(16, triton.next_power_of_2(Dv))
+
+    # mask through its expanded view: broadcast dims have stride 0
+    if attn_mask is None:
+        mask_kind, mask_arg, mask_strides = _NO_MASK, q, (0, 0, 0, 0)
+    else:
+        mask_kind = _BOOL_MASK if attn_mask.dtype == torch.bool else _FLOAT_MASK
+        mask_arg = attn_mask.expand(B, Hq, N, M)
+        if mask_kind == _BOOL_MASK:
+            mask_arg = mask_arg.view(torch.uint8)  # same strides; read as bytes
+        mask_strides = mask_arg.stride()
+
+    do_grad = bool(mask_grad) and attn_mask is not None and mask_kind == _FLOAT_MASK
+    chunk = B
+    if do_grad:
+        gshape, rowsum, colsum = _dmask_layout(attn_mask, B, Hq, N, M)
+        if attn_mask.dim() < 4 or attn_mask.shape[0] == 1:
+            per_batch = 4 * math.prod(gshape[1:])
+            chunk = max(1, min(B, _DMASK_BUFFER_BYTES // per_batch))
+            gshape = (chunk,) + tuple(gshape[1:])
+        # zeros: blocks outside the band are skipped and never written
+        gbuf = torch.zeros(gshape, device=device, dtype=torch.float32)
+        g_strides = gbuf.stride()
+    else:
+        rowsum = colsum = False
+        gbuf, g_strides = q, (0, 0, 0, 0)
+
+    has_dropout = dropout_p > 0.0
+    if has_dropout:
+        threshold = int(round(dropout_p * 2 ** 24))
+        inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
+        seed_arg = seed
+    else:
+        threshold, inv_keep, seed_arg = 0, 1.0, q
+
+    # Clamping keeps the band arithmetic inside int32 and changes nothing:
+    # a bound beyond N + M excludes no key.
+    lim = 2 * (N + M) + 1
+    has_wl, has_wr = window_left is not None, window_right is not None
+    wl = max(-lim, min(lim, int(window_left))) if has_wl else 0
+    wr = max(-lim, min(lim, int(window_right))) if has_wr else 0
+    diag_off = M - N if bottom_right else 0
+
+    if q.dtype == torch.float32:
+        prec = "tf32" if (q.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    else:
+        prec = "ieee"
+
+    common_scalars = (Hq, G, N, M, D, Dv,
+                      scale * _LOG2E, scale, inv_keep, threshold,
+                      diag_off, wl, wr, _bucket(N), _bucket(M))
+    lse_strides = lse.stride()
+    interp = _interpreting(q)
+    flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,
+                 UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
+    dkdv_kernel = _bwd_dkdv if interp else _bwd_dkdv_tuned
+    dq_kernel = _bwd_dq if interp else _bwd_dq_tuned
+    meta = dict(_INTERPRET_META) if interp else {}
+
+    # Launch on q's device (the current CUDA device may be another one).
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        # delta = rowsum(dO * O)
+        delta = torch.empty((B, Hq, N), device=device, dtype=torch.float32)
+        pre_bm = 16 if interp else max(16, min(128, 8192 // BLOCK_DV))
+        _bwd_preprocess[(triton.cdiv(N, pre_bm), Hq, B)](
+            out, grad_out, delta,
+            *out.stride(), *grad_out.stride(),
+            N, Dv,
+            BLOCK_M=pre_bm, BLOCK_DV=BLOCK_DV,
+        )
+
+        # When the mask broadcasts over the batch, the dS buffer is filled a
+        # batch chunk at a time and summed in a fixed order, which bounds its
+        # memory without atomics.
+        if do_grad and chunk < B:
+            dmask_sum = torch.zeros((1,) + tuple(gbuf.shape[1:]), device=device, dtype=torch.float32)
+        for b0 in range(0, B, chunk):
+            b1 = min(B, b0 + chunk)
+            sl = slice(b0, b1)
+            dkdv_kernel[lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0)](
+                q[sl], k[sl], v[sl], grad_out[sl], lse[sl], delta[sl], mask_arg[sl] if attn_mask is not None else q,
+                seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf,
+                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
+                *dk.stride(), *dv.stride(), *g_strides,
+                *common_scalars, b0,
+                MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum,
+                **flags, **meta,
+            )
+            if do_grad and chunk < B:
+                dmask_sum += gbuf[: b1 - b0].sum(dim=0, keepdim=True)
+                if b1 < B:
+                    gbuf.zero_()
+        if do_grad and chunk < B:
+            gbuf = dmask_sum
+        dq_kernel[lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B)](
+            q, k, v, grad_out, lse, delta, mask_arg, seed_arg, dq,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
+            *dq.stride(),
+            *common_scalars,
+            **flags, **meta,
+        )
+
+    dmask = _reduce_dmask(gbuf, attn_mask) if do_grad else None
+    return dq, dk, dv, dmask
+
+
+def _reduce_dmask(gbuf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum the (B, Hq, N or 1, M) float32 dS buffer over the mask's broadcast
+    dimensions and return it in the mask's own shape and dtype."""
+    shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    dims = [d for d in range(4) if shape4[d] == 1 and gbuf.shape[d] != 1]
+    g = gbuf.sum(dim=dims, keepdim=True) if dims else gbuf
+    return g.reshape(mask.shape).to(mask.dtype)

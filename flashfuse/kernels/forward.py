@@ -1,0 +1,504 @@
+"""Triton flash-attention forward kernel and its launcher.
+
+One program computes a BLOCK_M tile of queries of one (batch, query head). It
+streams the keys and values of that head's key/value head in BLOCK_N blocks
+and keeps an online softmax (running max ``m_i``, running sum ``l_i``, fp32
+accumulator ``acc``) so no (N, M) tensor is ever stored. Scores are kept in
+base-2 units: ``scale * log2(e)`` is folded into one multiply and ``exp2``
+replaces ``exp``; ``lse`` is converted back to natural-log units at the end.
+
+The key range of a query block is split in three phases: key blocks that
+straddle the start of the visible band, key blocks that every (real) query of
+the block sees entirely, and key blocks that straddle its end or the sequence
+end. Only the first and last pay for the element-wise visibility and bounds
+masks; blocks outside the band are never visited.
+
+See ARCHITECTURE.md for the conventions (shapes, masks, visibility, dropout,
+lse, output layout).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _dropout_keep, _visible
+
+__all__ = ["attention_forward", "dropout_keep_mask_triton"]
+
+_LOG2E = math.log2(math.e)
+
+# Mask kinds (constexpr MASK_KIND).
+_MASK_NONE, _MASK_BOOL, _MASK_FLOAT = 0, 1, 2
+
+
+@triton.jit
+def _load_tile(ptrs, mask0, mask1, CHECK0: tl.constexpr, CHECK1: tl.constexpr):
+    """Load a 2-d tile, masking only the dimensions that can be out of range.
+
+    ``mask0`` / ``mask1`` are the bounds masks of the two dimensions (shaped to
+    broadcast against ``ptrs``); out-of-range elements read as 0. Skipping the
+    masks that are known to be all-true keeps the loads unpredicated.
+    """
+    if CHECK0:
+        if CHECK1:
+            x = tl.load(ptrs, mask=mask0 & mask1, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=mask0, other=0.0)
+    else:
+        if CHECK1:
+            x = tl.load(ptrs, mask=mask1, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b (+ acc)`` in fp32 accumulation.
+
+    UPCAST multiplies in fp32: Triton's interpreter mis-computes tl.dot on
+    bfloat16 operands, so the launcher sets it there (values already rounded
+    to bfloat16 stay exact in fp32, so results match the compiled kernel).
+    """
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if acc is None:
+        c = tl.dot(a, b, input_precision=INPUT_PRECISION)
+    else:
+        c = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return c
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base, mask_base,
+    lo, hi,
+    offs_m, offs_n_base, offs_d, offs_dv, row_ok,
+    N, M,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+    qk_scale, diag_off, window_left, window_right,
+    seed, bh, dropout_threshold,
+    BOUNDARY: tl.constexpr,
+    HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """Fold key blocks ``[lo, hi)`` (lo a multiple of BLOCK_N) into the online softmax.
+
+    acc (BLOCK_M, BLOCK_DV) fp32, l_i / m_i (BLOCK_M,) fp32 in base-2 units,
+    q (BLOCK_M, BLOCK_D). ``k_base`` / ``v_base`` point at key 0 of the
+    key/value head, ``mask_base`` at (row offs_m, key 0) of the mask tile rows.
+    BOUNDARY blocks may cross the visible band or the end of the keys: they
+    apply ``_visible`` and bounds-check their loads; other blocks are known to
+    be fully visible to every real query of the tile.
+    """
+    # Loop-invariant pointer tiles; only the scalar base advances, so the
+    # per-element offsets stay small (int32) even for multi-million keys.
+    k_ptrs = k_base + lo.to(tl.int64) * stride_kn + offs_n_base[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + lo.to(tl.int64) * stride_vn + offs_n_base[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if MASK_KIND != 0:
+        mask_ptrs = mask_base + lo.to(tl.int64) * stride_mn + offs_n_base[None, :] * stride_mn
+    # Rows that can hold -inf everywhere (masked blocks, -inf in a float mask)
+    # need a finite shift for exp2, else -inf - -inf = NaN.
+    SAFE: tl.constexpr = BOUNDARY or (MASK_KIND != 0)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        col_ok = offs_n < M
+        if MASK_KIND == 1:
+            if BOUNDARY:
+                mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
+            else:
+                mvals = tl.load(mask_ptrs, mask=row_ok[:, None], other=0)
+            keep = mvals != 0
+            if BOUNDARY:
+                keep = keep & _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                                       HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            # A block the bool mask hides entirely (e.g. key padding) costs
+            # only its mask load.
+            live = tl.max(keep.to(tl.int32)) > 0
+        else:
+            live = True
+        if live:
+            k = _load_tile(k_ptrs, col_ok[:, None], d_ok, BOUNDARY, BLOCK_D != HEAD_DIM)
+            qk = _dot(q, tl.trans(k), None, INPUT_PRECISION, DOT_UPCAST)
+            if MASK_KIND == 2:
+                if BOUNDARY:
+                    mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                else:
+                    mvals = tl.load(mask_ptrs, mask=row_ok[:, None], other=0.0)
+                mvals = mvals.to(tl.float32)
+                # Natural -> base-2 units. Values below -1e38 (finfo(fp32).min,
+                # as HF builds masks) would overflow to -inf when multiplied by
+                # log2(e); keep them as they are so a row masked that way still
+                # averages its values like the float64 reference, while -inf
+                # stays -inf. (The clamp only keeps the unused branch finite.)
+                mvals = tl.where(mvals > -1.0e38, tl.maximum(mvals, -1.0e38) * 1.4426950408889634, mvals)
+                qk = qk * qk_scale + mvals
+                if BOUNDARY:
+                    vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+                    qk = tl.where(vis, qk, float("-inf"))
+            elif MASK_KIND == 1:
+                qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            elif BOUNDARY:
+                vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                               HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+                qk = tl.where(vis, qk * qk_scale, float("-inf"))
+            if SAFE:
+                m_ij = tl.maximum(m_i, tl.max(qk, 1))
+                m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+                p = tl.exp2(qk - m_shift[:, None])
+            else:
+                # Interior block without a mask: every score is finite, and
+                # scaling inside the exponent's argument is one FMA.
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                m_shift = m_ij
+                p = tl.exp2(qk * qk_scale - m_shift[:, None])
+            alpha = tl.exp2(m_i - m_shift)
+            # The normaliser uses the undropped probabilities.
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                dkeep = _dropout_keep(seed, offs_m, offs_n, bh, dropout_threshold)
+                p = tl.where(dkeep, p, 0.0)
+            v = _load_tile(v_ptrs, col_ok[:, None], dv_ok, BOUNDARY, BLOCK_DV != HEAD_DIM_V)
+            acc = acc * alpha[:, None]
+            acc = _dot(p.to(v.dtype), v, acc, INPUT_PRECISION, DOT_UPCAST)
+            m_i = m_ij
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        if MASK_KIND != 0:
+            mask_ptrs += BLOCK_N * stride_mn
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["N", "M", "N_BUCKET", "M_BUCKET", "diag_off", "window_left", "window_right"])
+def _attn_fwd(
+    Q, K, V, Mask, Seed, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    Hq, Hkv, N, M,
+    N_BUCKET, M_BUCKET,  # autotuning key only (sequence lengths rounded up)
+    qk_scale, diag_off, window_left, window_right,
+    dropout_threshold, dropout_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_M), Hq, B): one query tile of one (batch, head).
+
+    Q (B, Hq, N, D), K (B, Hkv, M, D), V (B, Hkv, M, Dv), Mask (B, Hq, N, M)
+    through its (possibly 0) strides, Seed an int64 scalar, Out (B, Hq, N, Dv)
+    through its strides, Lse (B, Hq, N) contiguous fp32. ``qk_scale`` is
+    ``scale * log2(e)``; ``diag_off`` the visibility diagonal offset.
+    """
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = h // (Hq // Hkv)
+    b64 = b.to(tl.int64)
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n_base = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < N
+    offs_m64 = offs_m.to(tl.int64)  # row * row-stride can pass 2**31
+
+    q_ptrs = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + offs_m64[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = _load_tile(q_ptrs, row_ok[:, None], offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    if MASK_KIND != 0:
+        mask_base = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh + offs_m64[:, None] * stride_mm
+    else:
+        mask_base = Mask
+    if DROPOUT:
+        seed = tl.load(Seed)
+    else:
+        seed = 0
+    bh = b * Hq + h
+
+    # Key range of the tile: the union of its real rows' visible ranges ...
+    row_last = tl.minimum(start_m + BLOCK_M, N) - 1
+    zero = start_m * 0  # int32 scalar tensor, so the bounds below are tensors
+    lo = zero
+    hi = zero + M
+    # ... and the keys every real row sees (no element-wise mask needed).
+    full_lo = zero
+    full_hi = zero + M
+    if HAS_WINDOW_LEFT:
+        lo = tl.maximum(start_m + diag_off - window_left, 0)
+        full_lo = tl.maximum(row_last + diag_off - window_left, 0)
+    if HAS_WINDOW_RIGHT:
+        hi = tl.minimum(row_last + diag_off + window_right + 1, M)
+        full_hi = tl.minimum(start_m + diag_off + window_right + 1, M)
+    lo_blk = (lo // BLOCK_N) * BLOCK_N
+    # Empty band (e.g. bottom-right alignment with N > M): no iteration.
+    hi_blk = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo_blk)
+    full_lo_blk = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    full_hi_blk = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(full_lo_blk, lo_blk), hi_blk)
+    mid_hi = tl.maximum(tl.minimum(full_hi_blk, hi_blk), mid_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # Phase 1: blocks that straddle the band's start.
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, lo_blk, mid_lo,
+        offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
+        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, INPUT_PRECISION, DOT_UPCAST)
+    # Phase 2: blocks fully visible to every real row.
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, mid_hi,
+        offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
+        False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, INPUT_PRECISION, DOT_UPCAST)
+    # Phase 3: blocks that straddle the band's end or the last key.
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
+        offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
+        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, INPUT_PRECISION, DOT_UPCAST)
+
+    # Rows that saw no key (l_i == 0): output 0, lse +inf.
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    if DROPOUT:
+        inv_l = inv_l * dropout_scale
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+
+    o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od
+    if BLOCK_DV != HEAD_DIM_V:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    lse_ptrs = Lse + (b64 * Hq + h) * N + offs_m64
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------
+# Tuning
+# ---------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen for H100/H200 class GPUs;
+# _prune_configs drops those that cannot fit a given head dim / dtype.
+_CUDA_CONFIGS = [
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (128, 128, 8, 2),
+    (128, 32, 4, 3),
+    (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (64, 32, 4, 2),
+]
+
+_SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave room
+_REG_BUDGET = 200  # fp32 accumulator + score values per thread before spilling
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep the configs whose tiles fit shared memory and registers."""
+    args = {**named_args, **kwargs}
+    bd, bdv = args["BLOCK_D"], args["BLOCK_DV"]
+    elt = args["Q"].element_size()
+    kept = []
+    for cfg in configs:
+        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+        smem = elt * (bm * bd + cfg.num_stages * bn * (bd + bdv))
+        regs = (bm * bdv + bm * bn) // (cfg.num_warps * 32)
+        if smem <= _SMEM_BUDGET and regs <= _REG_BUDGET:
+            kept.append(cfg)
+    if not kept:  # always leave something to run: the smallest tiles
+        kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+    return kept
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in _CUDA_CONFIGS
+    ],
+    key=["N_BUCKET", "M_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT",
+         "MASK_KIND", "DROPOUT", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_attn_fwd)
+
+# Under the interpreter: one small tile so CPU tests stay fast.
+_INTERPRET_BLOCK_M = 16
+_INTERPRET_BLOCK_N = 16
+
+
+def _bucket(n: int) -> int:
+    """Sequence-length bucket for the autotuning key: the next power of two,
+    capped, so tuning runs once per size class instead of once per length."""
+    return min(triton.next_power_of_2(n), 1 << 16)
+
+
+def _clamp_window(w: int | None, limit: int) -> int:
+    """Clamp a window bound to [-limit, limit]: beyond N + M it changes
+    nothing, and clamping keeps in-kernel index sums within int32."""
+    if w is None:
+        return 0
+    return max(-limit, min(int(w), limit))
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    *,
+    dropout_p: float,
+    scale: float,
+    window_left: int | None,
+    window_right: int | None,
+    bottom_right: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-attention forward on the Triton kernel.
+
+    Args:
+        q: queries (B, Hq, N, D), fp16 / bf16 / fp32, any strides.
+        k: keys (B, Hkv, M, D), same dtype and device, ``Hq % Hkv == 0``.
+        v: values (B, Hkv, M, Dv).
+        attn_mask: None, or a bool (True takes part) or floating (added to the
+            scaled scores) tensor broadcastable to (B, Hq, N, M); read through
+            its expanded strides, never materialised.
+        seed: int64 tensor of shape () on q's device; read only if
+            ``dropout_p > 0``.
+        dropout_p: dropout probability in [0, 1).
+        scale: multiplier of q·k.
+        window_left: left visibility bound (None: unbounded).
+        window_right: right visibility bound (None: unbounded; 0: causal).
+        bottom_right: diagonal offset ``M - N`` instead of 0.
+
+    Returns:
+        ``(out, lse)``: out (B, Hq, N, Dv) in q's dtype, laid out as
+        ``empty(B, N, Hq, Dv).transpose(1, 2)``; lse float32 (B, Hq, N)
+        contiguous, natural log, +inf for rows with no visible key.
+    """
+    B, Hq, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    Dv = v.shape[3]
+    out = torch.empty(B, N, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+
+    if attn_mask is None:
+        mask_kind = _MASK_NONE
+        mask = q  # never read
+        mask_strides = (0, 0, 0, 0)
+    else:
+        mask = attn_mask.expand(B, Hq, N, M)
+        if mask.dtype == torch.bool:
+            mask_kind = _MASK_BOOL
+            mask = mask.view(torch.uint8)  # same strides; Triton reads bytes
+        else:
+            mask_kind = _MASK_FLOAT
+        mask_strides = mask.stride()
+
+    dropout = dropout_p > 0.0
+    if dropout:
+        threshold = int(round(float(dropout_p) * (1 << 24)))
+        # p == 1 drops everything; scale 0 keeps the (zero) output finite.
+        dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
+        seed_arg = seed
+    else:
+        threshold, dropout_scale, seed_arg = 0, 1.0, q  # seed never read
+
+    if q.dtype == torch.float32:
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    else:
+        precision = "ieee"  # ignored by tl.dot for 16-bit inputs
+
+    limit = N + M
+    args = (
+        q, k, v, mask, seed_arg, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
+        Hq, Hkv, N, M, _bucket(N), _bucket(M),
+        float(scale) * _LOG2E, (M - N) if bottom_right else 0,
+        _clamp_window(window_left, limit), _clamp_window(window_right, limit),
+        threshold, dropout_scale,
+    )
+    meta = dict(
+        HEAD_DIM=D, HEAD_DIM_V=Dv,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
+        MASK_KIND=mask_kind, DROPOUT=dropout, INPUT_PRECISION=precision,
+    )
+    if os.environ.get("TRITON_INTERPRET") == "1" or q.device.type != "cuda":
+        grid = (triton.cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
+        _attn_fwd[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16,
+                        BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
+    else:
+        def grid(cfg):
+            return (triton.cdiv(N, cfg["BLOCK_M"]), Hq, B)
+
+        with torch.cuda.device(q.device):
+            _attn_fwd_tuned[grid](*args, **meta, DOT_UPCAST=False)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# Dropout mask, materialised (for tests)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _dropout_mask_kernel(Seed, Out, H, N, M, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (B*H, cdiv(N, BLOCK_M), cdiv(M, BLOCK_N)); Out (B*H, N, M) uint8."""
+    bh = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seed = tl.load(Seed)
+    keep = _dropout_keep(seed, offs_m, offs_n, bh, threshold)
+    ptrs = Out + bh.to(tl.int64) * N * M + offs_m.to(tl.int64)[:, None] * M + offs_n[None, :]
+    tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < N) & (offs_n[None, :] < M))
+
+
+def dropout_keep_mask_triton(seed: torch.Tensor, B: int, H: int, N: int, M: int, dropout_p: float) -> torch.Tensor:
+    """Materialise the kernels' dropout rule (``common._dropout_keep``).
+
+    Args:
+        seed: int64 tensor of shape () on the target device.
+        B, H: batch size and number of query heads.
+        N, M: number of queries and keys.
+        dropout_p: dropout probability in [0, 1].
+
+    Returns:
+        bool tensor (B, H, N, M) on seed's device; True keeps the probability.
+    """
+    out = torch.empty(B, H, N, M, dtype=torch.uint8, device=seed.device)
+    threshold = int(round(float(dropout_p) * (1 << 24)))
+    block_m, block_n = 16, 64
+    grid = (B * H, triton.cdiv(N, block_m), triton.cdiv(M, block_n))
+    _dropout_mask_kernel[grid](seed, out, H, N, M, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out.view(torch.bool)

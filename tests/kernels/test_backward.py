@@ -1,0 +1,337 @@
+"""Tests of the Triton backward kernels (``flashfuse.kernels.backward``).
+
+Gradients of q, k, v (and of a learned float mask) are compared against
+float64 autograd through ``flashfuse.reference.reference_attention``. The
+forward's ``out`` and ``lse`` come from the float64 reference too, so these
+tests do not depend on the forward kernel (one test chains both).
+
+Without a GPU the kernels run through Triton's interpreter on CPU tensors
+(tests/conftest.py sets TRITON_INTERPRET=1), so CPU shapes stay small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashfuse import reference as ref
+from flashfuse.kernels.backward import attention_backward
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Relative-norm error bounds per input dtype: 16-bit inputs are rounded,
+# and the kernels feed P and dS to the dots in the input dtype.
+TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def poison_allocations(monkeypatch):
+    """Fill every floating tensor the launcher allocates with NaN, so an
+    element a kernel forgets to write shows up as NaN in the comparison."""
+    real_empty_like, real_empty = torch.empty_like, torch.empty
+
+    def empty_like(*args, **kwargs):
+        t = real_empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _rand(shape, dtype, noncontig, gen):
+    """randn tensor of ``shape``; with ``noncontig`` a strided view of a
+    larger buffer (permuted, with a gap in the last dim)."""
+    if not noncontig:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(DEVICE)
+    B, H, L, D = shape
+    big = torch.randn((L, B, 2 * D + 3, H), generator=gen, dtype=torch.float32).to(dtype).to(DEVICE)
+    t = big[:, :, 1 : 2 * D + 1 : 2, :].permute(1, 3, 0, 2)
+    assert t.shape == shape and not t.is_contiguous()
+    return t
+
+
+def _check(name, got, want, dtype):
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    got = got.detach().to("cpu", torch.float64)
+    want = want.detach().to("cpu", torch.float64)
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    # The floor (an rms of 0.01 per element) stands in for the norm when the
+    # true gradient is zero or nearly so (e.g. dq with a single key).
+    scale = max(want.norm().item(), 1e-2 * want.numel() ** 0.5)
+    err = (got - want).norm().item()
+    assert err / scale <= TOL[dtype], f"{name}: relative error {err / scale:.3e} > {TOL[dtype]:.1e}"
+
+
+def run_case(
+    B=1, Hq=2, Hkv=None, N=17, M=33, D=40, Dv=None, dtype=torch.float32, *,
+    mask_shape=None, mask_kind=None, mask_grad=False, window_left=None, window_right=None,
+    bottom_right=False, dropout_p=0.0, noncontig=False, seed=0, scale=None, empty_rows=(),
+):
+    """Compare ``attention_backward`` with float64 autograd on fresh inputs.
+
+    mask_kind: None, "bool" or "float"; mask_shape its (broadcastable) shape.
+    empty_rows: query rows whose keys are all masked out (bool mask) or set to
+    -inf (float mask), to test rows with no visible key.
+    Returns the four kernel outputs.
+    """
+    Hkv = Hq if Hkv is None else Hkv
+    Dv = D if Dv is None else Dv
+    gen = torch.Generator().manual_seed(seed)
+    q = _rand((B, Hq, N, D), dtype, noncontig, gen)
+    k = _rand((B, Hkv, M, D), dtype, noncontig, gen)
+    v = _rand((B, Hkv, M, Dv), dtype, noncontig, gen)
+    go = _rand((B, Hq, N, Dv), dtype, noncontig, gen)
+    scale = D ** -0.5 if scale is None else scale
+
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(mask_shape, generator=gen) > 0.25
+        if mask.dim() >= 2 and mask.shape[-2] == N:
+            for i in empty_rows:
+                mask[..., i, :] = False
+        mask = mask.to(DEVICE)
+    elif mask_kind == "float":
+        mask = torch.randn(mask_shape, generator=gen)
+        if mask.dim() >= 2 and mask.shape[-2] == N:
+            for i in empty_rows:
+                mask[..., i, :] = float("-inf")
+        mask = mask.to(dtype).to(DEVICE)
+
+    seed_t = torch.tensor(1234567 + seed, dtype=torch.int64, device=DEVICE)
+    keep = None
+    if dropout_p > 0:
+        keep = ref.dropout_keep_mask(int(seed_t), B, Hq, N, M, dropout_p, device=DEVICE)
+
+    # float64 reference on the same device (fast on a GPU for the big shapes)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    m64 = None
+    if mask is not None:
+        m64 = mask
+        if mask_kind == "float":
+            m64 = m64.double().requires_grad_(mask_grad)
+    band = dict(window_left=window_left, window_right=window_right, bottom_right=bottom_right)
+    o64 = ref.reference_attention(q64, k64, v64, m64, scale=scale, dropout_mask=keep,
+                                  dropout_p=dropout_p, **band)
+    o64.backward(go.double())
+    with torch.no_grad():
+        lse = ref.reference_lse(q64, k64, m64, scale=scale, **band).float().to(DEVICE)
+    # out in the layout the forward returns
+    out = torch.empty(B, N, Hq, Dv, dtype=dtype, device=DEVICE).transpose(1, 2)
+    out.copy_(o64.detach())
+
+    dq, dk, dv, dmask = attention_backward(
+        go, q, k, v, mask, seed_t if dropout_p > 0 else None, out, lse,
+        dropout_p=dropout_p, scale=scale, mask_grad=mask_grad, **band,
+    )
+    for name, t, src in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        assert t.dtype == src.dtype and t.stride() == torch.empty_like(src).stride(), name
+    _check("dq", dq, q64.grad, dtype)
+    _check("dk", dk, k64.grad, dtype)
+    _check("dv", dv, v64.grad, dtype)
+    if mask_grad:
+        assert dmask is not None and dmask.dtype == mask.dtype
+        _check("dmask", dmask, m64.grad, dtype)
+    else:
+        assert dmask is None
+    return dq, dk, dv, dmask
+
+
+# ---------------------------------------------------------------------------
+# CPU (interpreter) tests: small shapes
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "N, M, D, Dv",
+    [(1, 1, 16, 16), (17, 33, 40, 24), (47, 17, 64, 64), (33, 47, 16, 40)],
+)
+def test_shapes_dtypes(N, M, D, Dv, dtype):
+    run_case(N=N, M=M, D=D, Dv=Dv, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "N, M, window_left, window_right, bottom_right",
+    [
+        (33, 47, None, 0, False),   # causal, top-left
+        (47, 17, None, 0, True),    # causal, bottom-right; first rows see no key
+        (33, 47, None, 0, True),    # causal, bottom-right, N < M
+        (47, 33, 5, 3, False),      # sliding window
+        (33, 47, 4, 0, True),       # causal sliding window, bottom-right
+        (47, 17, 7, None, False),   # left bound only
+        (33, 47, None, -3, False),  # strictly before the diagonal
+    ],
+)
+def test_causal_and_windows(N, M, window_left, window_right, bottom_right):
+    run_case(Hq=1, N=N, M=M, D=16, Dv=24, dtype=torch.float16, window_left=window_left,
+             window_right=window_right, bottom_right=bottom_right)
+
+
+@pytest.mark.parametrize(
+    "shape, kind, dtype",
+    [
+        ((2, 1, 1, 33), "bool", torch.float32),
+        ((17, 33), "bool", torch.bfloat16),
+        ((2, 1, 17, 33), "bool", torch.float16),
+        ((2, 1, 1, 33), "float", torch.bfloat16),
+        ((17, 33), "float", torch.float32),
+        ((2, 1, 17, 33), "float", torch.float16),
+        ((1, 17, 1), "float", torch.float32),
+    ],
+    ids=str,
+)
+def test_masks(shape, kind, dtype):
+    run_case(B=2, Hq=1, N=17, M=33, D=16, dtype=dtype, mask_shape=shape, mask_kind=kind)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_rows_give_zero_gradient(kind):
+    # rows 0, 5 and 16 see no key; bottom-right causal with N > M adds more.
+    dq, dk, dv, _ = run_case(N=23, M=17, D=16, dtype=torch.float32, mask_shape=(23, 17),
+                             mask_kind=kind, empty_rows=(0, 5, 16), window_right=0, bottom_right=True)
+    assert (dq[:, :, [0, 5, 16]] == 0).all()
+    assert (dq[:, :, :6] == 0).all()  # rows before the diagonal reaches key 0
+
+
+@pytest.mark.parametrize("Hq, Hkv", [(4, 2), (4, 1)])
+def test_gqa_mqa(Hq, Hkv):
+    run_case(Hq=Hq, Hkv=Hkv, N=17, M=33, D=16, Dv=24, dtype=torch.float16, window_right=0,
+             bottom_right=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_noncontiguous(dtype):
+    run_case(B=2, Hq=2, N=17, M=33, D=40, Dv=24, dtype=dtype, noncontig=True,
+             mask_shape=(2, 1, 17, 33), mask_kind="float")
+
+
+@pytest.mark.parametrize("dropout_p", [0.3, pytest.param(0.9, marks=pytest.mark.slow)])
+def test_dropout(dropout_p):
+    run_case(B=2, Hq=2, Hkv=1, N=17, M=33, D=16, Dv=24, dtype=torch.float32, dropout_p=dropout_p,
+             window_left=9, window_right=2, mask_shape=(2, 1, 1, 33), mask_kind="float", mask_grad=True)
+
+
+def test_dropout_keep_matches_triton_rule():
+    """The PyTorch keep mask used as ground truth equals the kernels' rule."""
+    fwd = pytest.importorskip("flashfuse.kernels.forward")
+    if not hasattr(fwd, "dropout_keep_mask_triton"):
+        pytest.skip("forward module has no dropout_keep_mask_triton")
+    seed = torch.tensor(98765, dtype=torch.int64, device=DEVICE)
+    got = fwd.dropout_keep_mask_triton(seed, 2, 2, 19, 37, 0.4).cpu()
+    want = ref.dropout_keep_mask(98765, 2, 2, 19, 37, 0.4)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 2, 17, 33), (2, 17, 33), (2, 2, 17, 33), (17, 33), (2, 1, 1, 33), (2, 2, 17, 1), (1, 1, 1, 1)],
+)
+def test_mask_grad_shapes(shape):
+    # causal + GQA: skipped blocks must give zero mask gradient, and the
+    # reduction over the heads of a group must be complete.
+    run_case(B=2, Hq=2, Hkv=1, N=17, M=33, D=16, dtype=torch.float32, mask_shape=shape,
+             mask_kind="float", mask_grad=True, window_right=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_mask_grad_low_precision(dtype):
+    run_case(B=1, N=33, M=17, D=16, dtype=dtype, mask_shape=(2, 33, 17), mask_kind="float",
+             mask_grad=True, window_left=6, window_right=6, bottom_right=True)
+
+
+def test_deterministic():
+    kw = dict(B=1, Hq=4, Hkv=2, N=33, M=47, D=16, dtype=torch.float16, mask_shape=(4, 33, 47),
+              mask_kind="float", mask_grad=True, seed=3)
+    a, b = run_case(**kw), run_case(**kw)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_chained_with_forward_kernel():
+    """Forward kernel's out and lse feed the backward kernel."""
+    fwd = pytest.importorskip("flashfuse.kernels.forward")
+    gen = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, N, M, D, Dv = 1, 2, 1, 33, 47, 40, 24
+    dtype = torch.float16
+    q, k, v = (torch.randn(s, generator=gen).to(dtype).to(DEVICE)
+               for s in ((B, Hq, N, D), (B, Hkv, M, D), (B, Hkv, M, Dv)))
+    go = torch.randn((B, Hq, N, Dv), generator=gen).to(dtype).to(DEVICE)
+    mask = torch.randn((Hq, N, M), generator=gen).to(dtype).to(DEVICE)
+    seed = torch.tensor(42, dtype=torch.int64, device=DEVICE)
+    kw = dict(dropout_p=0.2, scale=0.3, window_left=None, window_right=0, bottom_right=True)
+    out, lse = fwd.attention_forward(q, k, v, mask, seed, **kw)
+    dq, dk, dv, dmask = attention_backward(go, q, k, v, mask, seed, out, lse, mask_grad=True, **kw)
+
+    keep = ref.dropout_keep_mask(42, B, Hq, N, M, 0.2)
+    q64, k64, v64 = (t.cpu().double().requires_grad_() for t in (q, k, v))
+    m64 = mask.cpu().double().requires_grad_()
+    o64 = ref.reference_attention(q64, k64, v64, m64, scale=0.3, window_right=0, bottom_right=True,
+                                  dropout_mask=keep, dropout_p=0.2)
+    o64.backward(go.cpu().double())
+    for name, got, want in (("dq", dq, q64.grad), ("dk", dk, k64.grad), ("dv", dv, v64.grad),
+                            ("dmask", dmask, m64.grad)):
+        _check(name, got, want, dtype)
+
+
+def test_mask_grad_rejects_bool_mask():
+    q = torch.randn(1, 1, 4, 16, device=DEVICE)
+    mask = torch.ones(4, 4, dtype=torch.bool, device=DEVICE)
+    lse = torch.zeros(1, 1, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="floating"):
+        attention_backward(q, q, q, q, mask, None, q, lse, dropout_p=0.0, scale=1.0, window_left=None,
+                           window_right=None, bottom_right=False, mask_grad=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N, M", [(1, 47), (47, 1), (70, 70), (65, 33)])
+@pytest.mark.parametrize("D, Dv", [(16, 64), (64, 16), (24, 40)])
+@pytest.mark.parametrize("band", [(None, None, False), (None, 0, False), (3, 0, True), (2, 9, True)])
+def test_sweep(N, M, D, Dv, dtype, band):
+    wl, wr, br = band
+    run_case(B=1, Hq=4, Hkv=2, N=N, M=M, D=D, Dv=Dv, dtype=dtype, window_left=wl, window_right=wr,
+             bottom_right=br, mask_shape=(1, 4, N, M), mask_kind="float", mask_grad=True,
+             dropout_p=0.1, noncontig=True, seed=N * M + D)
+
+
+# ---------------------------------------------------------------------------
+# GPU tests: larger shapes (run on a CUDA machine with `pytest -m gpu`)
+# ---------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N, M", [(1024, 1024), (4096, 4096), (1000, 3001)])
+def test_gpu_large(N, M, D, causal, dtype):
+    run_case(B=2, Hq=4, Hkv=2, N=N, M=M, D=D, dtype=dtype, window_right=0 if causal else None,
+             bottom_right=True, seed=D)
+
+
+@gpu
+@pytest.mark.parametrize("D, Dv", [(80, 80), (96, 64), (192, 128)])
+def test_gpu_odd_heads_window_dropout(D, Dv):
+    run_case(B=2, Hq=8, Hkv=1, N=1537, M=2049, D=D, Dv=Dv, dtype=torch.bfloat16, window_left=256,
+             window_right=0, bottom_right=True, dropout_p=0.15, noncontig=True)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1, 4, 1024, 1024), (4, 1024, 1024), (1024, 1024), (2, 1, 1, 1024)])
+def test_gpu_mask_grad(shape):
+    run_case(B=2, Hq=4, Hkv=2, N=1024, M=1024, D=64, dtype=torch.float16, mask_shape=shape,
+             mask_kind="float", mask_grad=True, window_right=0)
+
+
+@gpu
+def test_gpu_fp32_ieee():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    run_case(B=1, Hq=2, N=777, M=1111, D=128, dtype=torch.float32, mask_shape=(1, 1, 777, 1111),
+             mask_kind="bool", window_left=300, window_right=100)

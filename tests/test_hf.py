@@ -1,0 +1,387 @@
+"""The Hugging Face integration (flashfuse.hf) on tiny random models, CPU.
+
+Every model runs twice, with transformers' eager attention and with flashfuse,
+and the two must agree: logits, gradients, greedy generation with a KV cache.
+The op runs on its blockwise PyTorch path (TRITON_INTERPRET=0) for speed; the
+kernels themselves are tested elsewhere.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashfuse.hf as ffhf  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+IMPL = ffhf.ATTN_IMPLEMENTATION
+VOCAB = 100
+SEQ = 12
+WINDOW = 4  # smaller than SEQ, so sliding windows cut keys off
+ATOL = 1e-4  # fp32 on both sides; differences are summation order only
+
+
+@pytest.fixture(autouse=True)
+def blockwise_cpu(monkeypatch):
+    """Run CPU tensors through the op's blockwise PyTorch path (the op reads this at call time)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Record the arguments of every op call made by the attention function."""
+    calls = []
+    real = ffhf._attention_op
+
+    def spy(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, **kw):
+        calls.append(
+            dict(q=q.shape, k=k.shape, mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                 enable_gqa=enable_gqa, **kw)
+        )
+        return real(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, **kw)
+
+    monkeypatch.setattr(ffhf, "_attention_op", spy)
+    return calls
+
+
+# --------------------------------------------------------------------------
+# Tiny models
+# --------------------------------------------------------------------------
+
+def _llama(**kw):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2(**kw):
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, **kw)
+    return GPT2LMHeadModel(cfg)
+
+
+def _mistral(**kw):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        sliding_window=WINDOW, **kw)
+    return MistralForCausalLM(cfg)
+
+
+def _qwen2(**kw):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # Layer 0 full attention, layer 1 sliding: the window must follow the layer.
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **kw)
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    return Qwen2ForCausalLM(cfg)
+
+
+def _bert(**kw):
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0, **kw)
+    return BertModel(cfg, add_pooling_layer=False)
+
+
+DECODERS = {"gpt2": _gpt2, "llama_gqa": _llama, "mistral_sliding": _mistral, "qwen2_mixed_sliding": _qwen2}
+
+
+def _build(factory, **kw):
+    try:
+        torch.manual_seed(0)
+        return factory(**kw)
+    except ImportError as exc:  # a model family missing from this transformers
+        pytest.skip(f"model not available: {exc}")
+
+
+def _inputs(batch=2, seq=SEQ, left_pad=3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if left_pad:
+        mask[0, :left_pad] = 0
+    return ids, mask
+
+
+def _output(model, impl, **inputs):
+    model.set_attn_implementation(impl)
+    out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+# --------------------------------------------------------------------------
+# Registration and import
+# --------------------------------------------------------------------------
+
+def test_plain_import_does_not_import_transformers():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    code = "import sys, flashfuse; assert 'transformers' not in sys.modules, 'transformers was imported'"
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_registered_in_both_interfaces():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface()[IMPL] is ffhf.flashfuse_attention_forward
+    assert AttentionMaskInterface()[IMPL] is ffhf.flashfuse_mask
+    assert "flash" not in IMPL
+
+
+def test_register_refuses_names_transformers_reserves():
+    with pytest.raises(ValueError, match="contains 'flash'"):
+        ffhf.register("flashfuse")
+
+
+def test_config_and_from_pretrained_select_flashfuse(tmp_path, op_calls):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation=IMPL)
+    model = LlamaForCausalLM(cfg)
+    assert model.config._attn_implementation == IMPL
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=IMPL)
+    assert loaded.config._attn_implementation == IMPL
+    ids, _ = _inputs(left_pad=0)
+    loaded(ids)
+    assert len(op_calls) == 2  # one per layer: the op really runs
+
+
+# --------------------------------------------------------------------------
+# Numerics against eager
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_decoder_logits_match_eager(name):
+    model = _build(DECODERS[name]).eval()
+    ids, mask = _inputs()
+    with torch.no_grad():
+        for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": mask}):
+            ref = _output(model, "eager", **kwargs)
+            got = _output(model, IMPL, **kwargs)
+            # Left-padded positions see no real key: eager averages garbage there,
+            # the kernel gives 0. Only real tokens are compared.
+            real = kwargs.get("attention_mask", torch.ones_like(ids)).bool()
+            torch.testing.assert_close(got[real], ref[real], atol=ATOL, rtol=1e-4)
+
+
+def test_bert_padding_mask_matches_eager():
+    model = _build(_bert).eval()
+    ids, mask = _inputs(left_pad=0)
+    mask[1, -4:] = 0  # right padding, BERT style
+    with torch.no_grad():
+        for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": mask}):
+            ref = _output(model, "eager", **kwargs)
+            got = _output(model, IMPL, **kwargs)
+            torch.testing.assert_close(got, ref, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "mistral_sliding", "bert"])
+def test_gradients_match_eager_in_train_mode(name):
+    factory = _bert if name == "bert" else DECODERS[name]
+    dropout_off = {"bert": {"attention_probs_dropout_prob": 0.0}, "gpt2": {"attn_pdrop": 0.0}}.get(name, {})
+    model = _build(factory, **dropout_off).train()
+    ids, mask = _inputs(left_pad=0)
+    mask[1, -3:] = 0
+    grads = {}
+    for impl in ("eager", IMPL):
+        model.zero_grad()
+        out = _output(model, impl, input_ids=ids, attention_mask=mask)
+        loss = (out.float() * mask[..., None]).square().mean()
+        loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[IMPL].keys() == grads["eager"].keys() and grads[IMPL]
+    for n, g in grads["eager"].items():
+        torch.testing.assert_close(grads[IMPL][n], g, atol=1e-5, rtol=1e-3, msg=lambda m: f"{n}: {m}")
+
+
+def test_dropout_in_train_mode_is_applied_and_reproducible(op_calls):
+    model = _build(_llama, attention_dropout=0.5)
+    ids, _ = _inputs(left_pad=0)
+    model.set_attn_implementation(IMPL)
+
+    model.eval()
+    with torch.no_grad():
+        clean = model(ids).logits
+    assert all(c["dropout_p"] == 0.0 for c in op_calls), "dropout must be off in eval mode"
+
+    model.train()
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            runs.append(model(ids).logits)
+    assert op_calls[-1]["dropout_p"] == 0.5
+    torch.testing.assert_close(runs[0], runs[1], atol=0, rtol=0)  # same seed, same result
+    assert not torch.allclose(runs[0], runs[2])  # another seed drops other weights
+    assert not torch.allclose(runs[0], clean)  # dropout did something
+
+    # The dropout also reaches the backward pass.
+    torch.manual_seed(7)
+    model(ids).logits.square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_dropout_ignored_when_module_not_training(op_calls):
+    """Eager attention drops only while module.training; so does flashfuse."""
+    model = _build(_llama).eval()
+    ids, _ = _inputs(left_pad=0)
+    layer = model.model.layers[0].self_attn
+    q = torch.randn(2, 4, SEQ, 16)
+    kv = torch.randn(2, 2, SEQ, 16)
+    out, weights = ffhf.flashfuse_attention_forward(layer, q, kv, kv, None, dropout=0.9)
+    assert weights is None and out.shape == (2, SEQ, 4, 16) and out.is_contiguous()
+    assert op_calls[-1]["dropout_p"] == 0.0 and op_calls[-1]["enable_gqa"]
+
+
+# --------------------------------------------------------------------------
+# Generation with a KV cache
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "mistral_sliding", "qwen2_mixed_sliding"])
+def test_greedy_generation_matches_eager(name):
+    model = _build(DECODERS[name]).eval()
+    ids, mask = _inputs()
+    tokens = {}
+    for impl in ("eager", IMPL):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      pad_token_id=0)
+    assert torch.equal(tokens[IMPL], tokens["eager"])
+
+
+def test_static_cache_generation_matches_eager():
+    model = _build(_llama).eval()
+    ids, mask = _inputs(left_pad=0)
+    tokens = {}
+    for impl in ("eager", IMPL):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                      cache_implementation="static", pad_token_id=0)
+    assert torch.equal(tokens[IMPL], tokens["eager"])
+
+
+def test_decoding_logits_match_eager_step_by_step():
+    """Prefill then one-token steps: bottom-right causal alignment with N < M."""
+    model = _build(_mistral).eval()
+    ids, _ = _inputs(batch=1, left_pad=0)
+    logits = {}
+    for impl in ("eager", IMPL):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out = model(ids[:, :5], use_cache=True)
+            steps = [out.logits[:, -1]]
+            cache = out.past_key_values
+            for t in range(5, SEQ):  # runs past the window of 4
+                out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                steps.append(out.logits[:, -1])
+        logits[impl] = torch.stack(steps)
+    torch.testing.assert_close(logits[IMPL], logits["eager"], atol=ATOL, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------
+# What the kernel receives
+# --------------------------------------------------------------------------
+
+def test_sliding_window_reaches_the_kernel_as_a_window(op_calls):
+    model = _build(_qwen2).eval()
+    model.set_attn_implementation(IMPL)
+    ids, mask = _inputs()
+    with torch.no_grad():
+        model(ids)
+    full, sliding = op_calls
+    # No padding: no mask at all, causality and the window are the kernel's.
+    assert full["mask"] is None and full["is_causal"] and full["window_left"] is None
+    assert sliding["mask"] is None and sliding["is_causal"] and sliding["window_left"] == WINDOW - 1
+    assert full["enable_gqa"] and full["k"][1] == 2  # grouped heads are not repeated
+    op_calls.clear()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    for call in op_calls:
+        # Padding: a compact bool mask holding the whole pattern, shared by all heads.
+        m = call["mask"]
+        assert m.dtype == torch.bool and m.shape == (2, 1, SEQ, SEQ) and not call["is_causal"]
+        assert call["window_left"] is None
+
+
+def test_decoding_step_uses_bottom_right_causal_without_mask(op_calls):
+    model = _build(_llama).eval()
+    model.set_attn_implementation(IMPL)
+    ids, _ = _inputs(left_pad=0)
+    model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    step = op_calls[-1]
+    assert step["q"][2] == 1 and step["k"][2] == SEQ + 1
+    assert step["mask"] is None and step["alignment"] == "bottom_right"
+
+
+def test_bert_without_padding_gets_no_mask(op_calls):
+    model = _build(_bert).eval()
+    model.set_attn_implementation(IMPL)
+    ids, _ = _inputs(left_pad=0)
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones_like(ids))
+    assert all(c["mask"] is None and not c["is_causal"] for c in op_calls)
+
+
+def test_mask_function_keeps_patterns_the_kernel_cannot_express():
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    # Queries not at the end of the keys (static-cache prefill): a real mask.
+    kw = dict(batch_size=1, q_length=4, kv_length=10, q_offset=0, kv_offset=0)
+    got = ffhf.flashfuse_mask(**kw)
+    ref = sdpa_mask(**kw, allow_is_causal_skip=False)
+    assert got is not None and torch.equal(got, ref)
+    # A local size that is a chunk size, not the config's sliding window.
+    cfg = LlamaConfig(sliding_window=None)
+    kw = dict(batch_size=1, q_length=10, kv_length=10, local_size=4, config=cfg)
+    assert ffhf.flashfuse_mask(**kw, mask_function=causal_mask_function) is not None
+    # The same local size as the sliding window: the kernel's window handles it.
+    cfg = LlamaConfig()
+    cfg.sliding_window = 4
+    kw["config"] = cfg
+    assert ffhf.flashfuse_mask(**kw, mask_function=causal_mask_function) is None
+    # Padding among the keys always needs a mask.
+    pad = torch.ones(1, 10, dtype=torch.bool)
+    pad[0, 0] = False
+    assert ffhf.flashfuse_mask(batch_size=1, q_length=10, kv_length=10, attention_mask=pad) is not None
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+def test_output_attentions_raises_with_a_way_out():
+    model = _build(_llama).eval()
+    model.set_attn_implementation(IMPL)
+    ids, _ = _inputs(left_pad=0)
+    with pytest.raises(ValueError, match="output_attentions=True.*attn_implementation='eager'"):
+        model(ids, output_attentions=True)
+
+
+def test_softcap_and_bad_head_dim_raise():
+    model = _build(_llama).eval()
+    layer = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16)
+    with pytest.raises(ValueError, match="softcap"):
+        ffhf.flashfuse_attention_forward(layer, q, q, q, None, softcap=30.0)
+    q8 = torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="head dim 8.*sdpa"):
+        ffhf.flashfuse_attention_forward(layer, q8, q8, q8, None)

@@ -1,0 +1,241 @@
+"""The torch.library layer: checks, registration, autograd, compile, export.
+
+The numerics of each implementation are tested in tests/kernels (Triton) and
+tests/test_reference.py (blockwise); here the op is exercised end to end on
+CPU tensors, through both the blockwise path and the Triton interpreter.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashfuse
+from flashfuse import reference
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-10}
+
+
+def rel_err(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_qkv(B=2, Hq=4, Hkv=4, N=17, M=23, D=16, Dv=None, dtype=torch.float32, requires_grad=False):
+    Dv = D if Dv is None else Dv
+    q = torch.randn(B, Hq, N, D, dtype=dtype)
+    k = torch.randn(B, Hkv, M, D, dtype=dtype)
+    v = torch.randn(B, Hkv, M, Dv, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+@pytest.fixture(params=["blockwise", "triton-interpreter"])
+def path(request, monkeypatch):
+    """Run a test once on each CPU implementation."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if request.param == "blockwise" else "1")
+    if request.param != "blockwise" and not flashfuse.ops._kernels.BUILT_FOR_INTERPRETER:
+        pytest.skip("kernels were not built for the Triton interpreter")
+    return request.param
+
+
+# ---------------------------------------------------------------------------
+# Bad input: a clear error naming the problem
+# ---------------------------------------------------------------------------
+
+def _bad_cases():
+    q, k, v = make_qkv()
+    yield "rank", (q[0], k, v), {}, "must be 4-D"
+    yield "dtypes", (q, k.half(), v), {}, "share a dtype"
+    yield "int dtype", (q.long(), k.long(), v.long()), {}, "not supported"
+    yield "batch", (q, k[:1], v[:1]), {}, "batch sizes differ"
+    yield "kv heads", (q, k, v[:, :2]), {}, "same heads"
+    yield "kv length", (q, k, v[:, :, :5]), {}, "same heads and sequence length"
+    yield "head dim qk", (q, k[..., :8].contiguous(), v), {}, "head dims differ"
+    yield "head dim small", (q[..., :8], k[..., :8], v), {}, "head dim 8 is not supported"
+    big = torch.randn(1, 1, 3, 288)
+    yield "head dim big", (big, big, big), {}, "16 to 256"
+    q6, k3, v3 = make_qkv(Hq=6, Hkv=4)
+    yield "gqa ratio", (q6, k3, v3), {"enable_gqa": True}, "multiple of key/value heads"
+    q8, k2, v2 = make_qkv(Hq=8, Hkv=2)
+    yield "gqa flag", (q8, k2, v2), {}, "enable_gqa=True"
+    yield "mask shape", (q, k, v), {"attn_mask": torch.ones(17, 5, dtype=torch.bool)}, "does not broadcast"
+    yield "mask rank", (q, k, v), {"attn_mask": torch.ones(1, 2, 4, 17, 23, dtype=torch.bool)}, "does not broadcast"
+    yield "mask dtype", (q, k, v), {"attn_mask": torch.ones(17, 23, dtype=torch.int32)}, "attn_mask dtype"
+    yield "dropout neg", (q, k, v), {"dropout_p": -0.1}, "dropout_p"
+    yield "dropout big", (q, k, v), {"dropout_p": 1.5}, "dropout_p"
+    yield "window", (q, k, v), {"window_left": -1}, "window_left"
+    yield "alignment", (q, k, v), {"alignment": "middle"}, "alignment"
+
+
+@pytest.mark.parametrize("name,args,kwargs,message", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
+def test_bad_input_is_rejected_with_a_clear_message(name, args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        flashfuse.attention(*args, **kwargs)
+
+
+def test_device_mismatch_is_rejected():
+    q, k, v = make_qkv()
+    with pytest.raises(ValueError, match="one device"):
+        flashfuse.attention(q, k.to("meta"), v)
+
+
+# ---------------------------------------------------------------------------
+# Numerics end to end, forward and gradients
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_matches_reference(path, dtype, causal):
+    q, k, v = make_qkv(B=1, Hq=4, Hkv=2, N=19, M=33, D=24, Dv=40, dtype=dtype, requires_grad=True)
+    mask = torch.randn(1, 4, 19, 33, dtype=dtype, requires_grad=True)
+    out = flashfuse.attention(q, k, v, mask, is_causal=causal, enable_gqa=True, alignment="bottom_right")
+    assert out.dtype == dtype and out.shape == (1, 4, 19, 40)
+    # The documented layout: (B, N, H, Dv) in memory.
+    assert out.transpose(1, 2).is_contiguous()
+    ref = reference.reference_attention(
+        q, k, v, mask, window_right=0 if causal else None, bottom_right=True
+    )
+    assert rel_err(out, ref) < TOL[dtype]
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v, mask), grad.to(dtype))
+    want = torch.autograd.grad(ref, (q, k, v, mask), grad)
+    for name, g, w in zip("q k v mask".split(), got, want):
+        assert g.shape == w.shape, name
+        assert rel_err(g, w) < 4 * TOL[dtype], name
+
+
+def test_matches_sdpa_defaults():
+    q, k, v = make_qkv(N=31, M=31, D=32)
+    for causal in (False, True):
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+        assert rel_err(flashfuse.attention(q, k, v, is_causal=causal), ref) < TOL[torch.float32]
+
+
+def test_empty_key_sequence_gives_zeros():
+    q, k, v = make_qkv(M=0)
+    out = flashfuse.attention(q, k, v)
+    assert out.shape == (2, 4, 17, 16) and torch.all(out == 0)
+
+
+def test_float64_gradcheck_on_cpu(blockwise_cpu):
+    q, k, v = make_qkv(B=1, Hq=2, Hkv=1, N=5, M=7, D=16, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, mask):
+        return flashfuse.attention(q, k, v, mask, is_causal=True, enable_gqa=True, alignment="bottom_right")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, mask))
+
+
+# ---------------------------------------------------------------------------
+# Dropout: reproducible, unbiased, gradients with the very same mask
+# ---------------------------------------------------------------------------
+
+def test_dropout_uses_the_documented_mask(path):
+    q, k, v = make_qkv(B=1, Hq=2, Hkv=2, N=21, M=37, D=16, requires_grad=True)
+    p = 0.3
+    seed = torch.tensor(1234567890123, dtype=torch.int64)
+    out, _ = torch.ops.flashfuse._attention_forward(q, k, v, None, seed, p, 0.25, None, None, False)
+    keep = reference.dropout_keep_mask(int(seed), 1, 2, 21, 37, p)
+    ref = reference.reference_attention(q, k, v, scale=0.25, dropout_mask=keep, dropout_p=p)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad.float())
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 4 * TOL[torch.float32]
+
+
+def test_dropout_is_reproducible_and_unbiased(blockwise_cpu):
+    q, k, v = make_qkv(B=2, Hq=2, Hkv=2, N=64, M=64, D=16)
+    torch.manual_seed(0)
+    a = flashfuse.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    b = flashfuse.attention(q, k, v, dropout_p=0.5)
+    c = flashfuse.attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # Keep rate: with values all ones, out is the mean of the kept, rescaled weights.
+    ones = torch.ones_like(v)
+    outs = torch.stack([flashfuse.attention(q, k, ones, dropout_p=0.5) for _ in range(16)])
+    mean = outs.mean()
+    assert abs(mean.item() - 1.0) < 0.02, mean  # unbiased: E[out] = softmax @ v
+
+
+def test_dropout_one_drops_everything(blockwise_cpu):
+    q, k, v = make_qkv(requires_grad=True)
+    out = flashfuse.attention(q, k, v, dropout_p=1.0)
+    assert torch.all(out == 0)
+    out.sum().backward()
+    assert torch.all(q.grad == 0)
+
+
+# ---------------------------------------------------------------------------
+# torch.library contract, compile and export
+# ---------------------------------------------------------------------------
+
+def test_opcheck_public_and_private_ops(blockwise_cpu):
+    q, k, v = make_qkv(B=1, Hq=4, Hkv=2, N=9, M=13, D=16, requires_grad=True)
+    mask = torch.randn(1, 1, 9, 13, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.flashfuse.attention.default, (q, k, v, mask, 0.0, True, None, True),
+        {"alignment": "bottom_right"},
+    )
+    seed = torch.tensor(7, dtype=torch.int64)
+    torch.library.opcheck(
+        torch.ops.flashfuse._attention_forward.default,
+        (q, k, v, mask, seed, 0.2, 0.3, 4, 0, False),
+    )
+
+
+def test_compile_fullgraph_forward_and_backward(blockwise_cpu):
+    q, k, v = make_qkv(B=1, Hq=2, Hkv=2, N=33, M=33, D=16, requires_grad=True)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def fn(q, k, v):
+        return flashfuse.attention(q, k, v, is_causal=True).square().sum()
+
+    loss = fn(q, k, v)
+    loss.backward()
+    ref = reference.reference_attention(q, k, v, window_right=0).square().sum()
+    want = torch.autograd.grad(ref, (q, k, v))
+    assert abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-5
+    for g, w in zip((q.grad, k.grad, v.grad), want):
+        assert rel_err(g, w) < 1e-4
+
+
+def test_compile_dynamic_does_not_recompile_for_new_lengths(blockwise_cpu):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(fullgraph=True, dynamic=True, backend=counter)
+    def fn(q, k, v):
+        return flashfuse.attention(q, k, v, is_causal=True)
+
+    compiles = []
+    for n in (17, 40, 65):
+        q, k, v = make_qkv(B=1, Hq=2, Hkv=2, N=n, M=n, D=16)
+        out = fn(q, k, v)
+        compiles.append(counter.frame_count)
+        ref = reference.reference_attention(q, k, v, window_right=0)
+        assert rel_err(out, ref) < 1e-5
+    assert compiles[0] >= 1 and compiles[-1] == compiles[0], compiles
+
+
+def test_export_keeps_the_op(blockwise_cpu):
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flashfuse.attention(q, k, v, is_causal=True)
+
+    q, k, v = make_qkv(B=1, Hq=2, Hkv=2, N=8, M=8, D=16)
+    ep = torch.export.export(Attn(), (q, k, v))
+    assert "flashfuse" in str(ep.graph)
+    assert torch.allclose(ep.module()(q, k, v), Attn()(q, k, v))
+
+
+def test_default_scale_is_one_over_sqrt_head_dim(blockwise_cpu):
+    q, k, v = make_qkv(D=36)
+    a = flashfuse.attention(q, k, v)
+    b = flashfuse.attention(q, k, v, scale=1 / math.sqrt(36))
+    assert torch.equal(a, b)

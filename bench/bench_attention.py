@@ -105,7 +105,7 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
             for mode in modes:
                 results.add(**base_row, mode=mode, status=status, error=common.short_error(exc))
             del q, k, v, mask, fn
-            common.free_memory(collect=True)
+            common.free_memory(collect=common.is_oom(exc))
             continue
         for mode in modes:
             step = None
@@ -121,7 +121,7 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
                 failed = False
             except Exception as exc:
                 results.add(**base_row, mode=mode, status="error", error=common.short_error(exc))
-                failed = True
+                failed = common.is_oom(exc)
             del step
             for t in (q, k, v):
                 t.grad = None
@@ -171,6 +171,7 @@ def host_overhead(results, device, smoke, budget):
 
 def report(results, out_dir, no_plot):
     rows = results.rows
+    common.tables_header()
     sweep = [r for r in rows if r["section"] == "sweep" and r["mode"] in ("fwd", "fwd+bwd")]
     if sweep:
         t, h = common.pivot(sweep, ["D", "N", "causal", "mode"], "provider", lambda r: common.cell(r, "tflops", 0))
@@ -220,7 +221,7 @@ def main():
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {common.ATTENTION_PROVIDERS}")
     modes = [m for m in args.modes.split(",") if m]
     results = common.Results(args.out, "attention.csv", common.env_info(device))
-    budget = common.Budget(args.budget_s)
+    budget = common.make_budget(args)
     t0 = time.perf_counter()
     try:
         cases = sweep_cases(args, dtype)

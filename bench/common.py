@@ -56,10 +56,11 @@ def base_parser(description: str, budget_s: float) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, finishes in seconds (for tests)")
     p.add_argument("--device", default=None, help="device to run on (default: cuda, or cpu with --smoke)")
     p.add_argument(
-        "--budget-s", type=float, default=budget_s,
+        "--budget-s", type=float, default=None,
         help=f"stop starting new measurements after this many seconds, recording the rest as "
-             f"skipped (default {budget_s:g}; 0 = no limit)",
+             f"skipped (default {budget_s:g}, sized for run_gpu.sh; 0 = no limit; --smoke: no limit)",
     )
+    p.set_defaults(default_budget_s=budget_s)
     p.add_argument("--no-plot", action="store_true", help="do not draw PNG plots")
     return p
 
@@ -111,6 +112,14 @@ def quiet_warnings() -> None:
     up in the error column anyway) and other chatter that would bury the table."""
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def make_budget(args) -> "Budget":
+    """The script's budget: ``--budget-s`` if given, else none for a smoke run
+    (it checks that everything runs) and the script's default otherwise."""
+    if args.budget_s is not None:
+        return Budget(args.budget_s)
+    return Budget(0 if args.smoke else args.default_budget_s)
 
 
 class Budget:
@@ -347,6 +356,14 @@ def cell(row: dict, key: str, digits: int = 1) -> str:
     return fmt(row.get(key), digits)
 
 
+TABLES_MARKER = "===== TABLES ====="
+
+
+def tables_header() -> None:
+    """Mark where the final tables start; run_gpu.sh reprints from here in its summary."""
+    print(f"\n{TABLES_MARKER}", flush=True)
+
+
 def print_table(rows: list[list], headers: list[str], title: str | None = None) -> None:
     from tabulate import tabulate
 
@@ -379,8 +396,20 @@ def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = 
     """Draw a grid of line plots: ``panels`` maps a panel title to
     ``{series name: (xs, ys)}``. Returns the path written, or None when
     matplotlib is missing or there is nothing to draw."""
-    panels = {t: s for t, s in panels.items() if any(len(xs) for xs, _ in s.values())}
+    # Drop points without a finite positive value (NaN memory on CPU, failed runs).
+    clean = {}
+    for ptitle, series in panels.items():
+        kept = {}
+        for name, (xs, ys) in series.items():
+            pts = [(x, y) for x, y in zip(xs, ys)
+                   if isinstance(y, (int, float)) and math.isfinite(y) and (y > 0 or not logy)]
+            if pts:
+                kept[name] = ([x for x, _ in pts], [y for _, y in pts])
+        if kept:
+            clean[ptitle] = kept
+    panels = clean
     if not panels:
+        print(f"nothing to plot for {os.path.basename(path)}")
         return None
     try:
         import matplotlib
@@ -396,8 +425,7 @@ def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = 
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
     for ax, (ptitle, series) in zip(axes.flat, panels.items()):
         for name, (xs, ys) in series.items():
-            if len(xs):
-                ax.plot(xs, ys, marker="o", markersize=3, label=name)
+            ax.plot(xs, ys, marker="o", markersize=3, label=name)
         if logx:
             ax.set_xscale("log", base=2)
         if logy:
@@ -529,11 +557,12 @@ def naive_bytes(case: AttnCase) -> float:
     return 6.0 * case.B * case.Hq * case.N * case.m * elem
 
 
-def build_attention(provider: str, case: AttnCase, mask, device: torch.device):
+def build_attention(provider: str, case: AttnCase, mask, device: torch.device, guard_memory: bool = True):
     """A function ``fn(q, k, v) -> out`` computing the case's attention with
     ``provider``. Everything that is set up once (compiled kernels, block
     masks, SDPA's explicit masks) is built here, outside any timing. Raises
-    ``Unsupported`` for combinations a provider cannot express."""
+    ``Unsupported`` for combinations a provider cannot express, and (with
+    ``guard_memory``) for naive attention that would not fit in GPU memory."""
     p = case.dropout
     align = "bottom_right" if case.bottom_right else "top_left"
 
@@ -607,7 +636,7 @@ def build_attention(provider: str, case: AttnCase, mask, device: torch.device):
         return fn
 
     if provider == "naive":
-        if device.type == "cuda":
+        if guard_memory and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             if naive_bytes(case) > 0.85 * total:
                 raise Unsupported(f"naive needs ~{naive_bytes(case) / 2**30:.0f} GiB")

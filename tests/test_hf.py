@@ -6,6 +6,7 @@ The op runs on its blockwise PyTorch path (TRITON_INTERPRET=0) for speed; the
 kernels themselves are tested elsewhere.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -251,14 +252,62 @@ def test_dropout_ignored_when_module_not_training(op_calls):
     assert op_calls[-1]["dropout_p"] == 0.0 and op_calls[-1]["enable_gqa"]
 
 
+def _t5_pair():
+    """The same tiny T5 twice, eager and flashfuse. (transformers 5.17's
+    set_attn_implementation does not reach T5's encoder/decoder stacks, so the
+    implementation is chosen in the config.)"""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    models = {}
+    for impl in ("eager", IMPL):
+        cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                       num_heads=4, dropout_rate=0.0, relative_attention_num_buckets=8,
+                       decoder_start_token_id=0, pad_token_id=0, attn_implementation=impl)
+        torch.manual_seed(0)
+        models[impl] = T5ForConditionalGeneration(cfg).eval()
+    models[IMPL].load_state_dict(models["eager"].state_dict())
+    return models
+
+
+def test_t5_relative_position_bias_matches_eager(op_calls):
+    """Encoder-decoder: learned position bias (with its gradient), cross-attention,
+    a padded encoder, cached decoding."""
+    models = _t5_pair()
+    ids, _ = _inputs(left_pad=0)
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    dec = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    logits, tokens, grads = {}, {}, {}
+    for impl, model in models.items():
+        tokens[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        out.square().mean().backward()
+        logits[impl] = out.detach()
+        grads[impl] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert op_calls and any(c["mask"] is not None and c["mask"].is_floating_point() for c in op_calls)
+    torch.testing.assert_close(logits[IMPL], logits["eager"], atol=ATOL, rtol=1e-4)
+    assert torch.equal(tokens[IMPL], tokens["eager"])
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert grads[IMPL][bias].abs().max() > 0
+    for n, g in grads["eager"].items():
+        torch.testing.assert_close(grads[IMPL][n], g, atol=1e-5, rtol=1e-3, msg=lambda m: f"{n}: {m}")
+
+
 # --------------------------------------------------------------------------
 # Generation with a KV cache
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "mistral_sliding", "qwen2_mixed_sliding"])
-def test_greedy_generation_matches_eager(name):
+@pytest.mark.parametrize(
+    "name, left_pad",
+    [("gpt2", 3), ("llama_gqa", 3), ("mistral_sliding", 3), ("qwen2_mixed_sliding", 3),
+     # Without padding the mask is None and the kernel's bottom-right causal
+     # diagonal and window do all the work.
+     ("llama_gqa", 0), ("mistral_sliding", 0)],
+)
+def test_greedy_generation_matches_eager(name, left_pad):
     model = _build(DECODERS[name]).eval()
-    ids, mask = _inputs()
+    ids, mask = _inputs(left_pad=left_pad)
     tokens = {}
     for impl in ("eager", IMPL):
         model.set_attn_implementation(impl)
@@ -282,6 +331,8 @@ def test_decoding_logits_match_eager_step_by_step():
     """Prefill then one-token steps: bottom-right causal alignment with N < M."""
     model = _build(_mistral).eval()
     ids, _ = _inputs(batch=1, left_pad=0)
+    # transformers renamed the argument after 5.17.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     logits = {}
     for impl in ("eager", IMPL):
         model.set_attn_implementation(impl)
@@ -290,7 +341,7 @@ def test_decoding_logits_match_eager_step_by_step():
             steps = [out.logits[:, -1]]
             cache = out.past_key_values
             for t in range(5, SEQ):  # runs past the window of 4
-                out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                out = model(ids[:, t : t + 1], use_cache=True, **{cache_arg: cache})
                 cache = out.past_key_values
                 steps.append(out.logits[:, -1])
         logits[impl] = torch.stack(steps)
@@ -385,3 +436,43 @@ def test_softcap_and_bad_head_dim_raise():
     q8 = torch.randn(1, 4, 3, 8)
     with pytest.raises(ValueError, match="head dim 8.*sdpa"):
         ffhf.flashfuse_attention_forward(layer, q8, q8, q8, None)
+
+
+# --------------------------------------------------------------------------
+# GPU (run with `pytest -m gpu`): the Triton kernels behind the same hook
+# --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_sliding"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_half_precision_matches_eager(name, dtype):
+    model = _build(DECODERS[name]).to("cuda", dtype).eval()
+    ids, mask = (t.cuda() for t in _inputs(seq=300, left_pad=37))
+    with torch.no_grad():
+        for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": mask}):
+            ref = _output(model, "eager", **kwargs).float()
+            got = _output(model, IMPL, **kwargs).float()
+            real = kwargs.get("attention_mask", torch.ones_like(ids)).bool()
+            err = (got[real] - ref[real]).abs().max().item()
+            assert err < 5e-2, f"max abs logit error {err}"
+
+
+@pytest.mark.gpu
+def test_gpu_generation_and_t5_bias_match_eager():
+    model = _build(_mistral).cuda().eval()  # fp32: greedy tokens must agree exactly
+    ids, mask = (t.cuda() for t in _inputs(seq=40, left_pad=5))
+    tokens = {}
+    for impl in ("eager", IMPL):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                      pad_token_id=0)
+    assert torch.equal(tokens[IMPL], tokens["eager"])
+
+    # bf16 activations with T5's position bias: a floating mask in another dtype.
+    models = {k: m.cuda().to(torch.bfloat16) for k, m in _t5_pair().items()}
+    ids = ids[:, :16]
+    dec = ids[:, :6]
+    with torch.no_grad():
+        out = {k: m(input_ids=ids, decoder_input_ids=dec).logits.float() for k, m in models.items()}
+    err = (out[IMPL] - out["eager"]).abs().max().item()
+    assert err < 5e-2, f"max abs logit error {err}"

@@ -989,11 +989,18 @@ def _additive_band(v, term: MaskTerm, n, m) -> Optional[Band]:
         inside, outside = float(v.inside) * factor, float(v.outside) * factor
     except (TypeError, ValueError):
         return None
-    if not math.isfinite(inside) or not (outside == -math.inf or outside <= HIDE_THRESHOLD):
+
+    def hides(x: float, kept: float) -> bool:
+        return x == -math.inf or (math.isfinite(x) and x - kept <= HIDE_THRESHOLD)
+
+    if math.isfinite(inside) and hides(outside, inside):
+        visible = Band(v.lo, v.hi, True, False, v.ndim)
+    elif math.isfinite(outside) and hides(inside, outside):
+        visible = Band(v.lo, v.hi, False, True, v.ndim).normalized()
+        if visible.inside is not True:
+            return None
+    else:
         return None
-    if math.isfinite(outside) and outside - inside > HIDE_THRESHOLD:
-        return None
-    visible = Band(v.lo, v.hi, True, False, v.ndim)
     return visible if _band_to_window(visible, n, m) is not None else None
 
 
@@ -1007,18 +1014,21 @@ def _band_to_window(band: Band, n, m) -> Optional[tuple]:
     offsets = [("top_left", 0)]
     if not N.known_eq(n, m):
         offsets.append(("bottom_right", m - n))
+    found = []
     for alignment, off in offsets:
         wr = wl = None
         ok = True
         if band.hi is not None:
-            wr = N.const_int(band.hi - off) if not isinstance(band.hi - off, int) else band.hi - off
+            wr = N.const_int(band.hi - off)
             ok = ok and wr is not None and wr >= 0
         if band.lo is not None:
-            wl = N.const_int(off - band.lo) if not isinstance(off - band.lo, int) else off - band.lo
+            wl = N.const_int(off - band.lo)
             ok = ok and wl is not None and wl >= 0
         if ok:
-            return wl, wr, alignment
-    return None
+            found.append((wl, wr, alignment))
+    # Prefer the alignment in which the band touches the diagonal (causal).
+    found.sort(key=lambda w: w[1] != 0)
+    return found[0] if found else None
 
 
 def _fmt(x) -> str:

@@ -114,10 +114,8 @@ def _propagate(node: torch.fx.Node) -> None:
     try:
         args = torch.fx.node.map_arg(node.args, N.val)
         kwargs = torch.fx.node.map_arg(node.kwargs, N.val)
-        from torch._guards import detect_fake_mode
-
         flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        mode = detect_fake_mode(flat)
+        mode = _fake_mode(flat)
         if mode is None:
             return
         with mode:
@@ -128,7 +126,16 @@ def _propagate(node: torch.fx.Node) -> None:
         node.meta["example_value"] = value
     except Exception as e:  # noqa: BLE001 - metadata is a convenience
         log.debug("flashfuse: no example value for %s: %s", node.name, e)
-        print("PROP FAIL", node, repr(e))
+
+
+def _fake_mode(tensors: list) -> Any:
+    """The fake mode the example values were made in (Dynamo may hand the
+    backend a different active mode; mixing the two is an error)."""
+    for t in tensors:
+        mode = getattr(t, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
 
 
 def _resolve(x: Any, replaced: dict) -> Any:
@@ -242,9 +249,7 @@ def _view_ok(user: torch.fx.Node, src: torch.fx.Node) -> bool:
         return False
     try:
         args = torch.fx.node.map_arg(user.args[1:], N.val)
-        from torch._guards import detect_fake_mode
-
-        mode = detect_fake_mode([t])
+        mode = _fake_mode([t])
         if mode is None:
             return False
         with mode:

@@ -390,12 +390,12 @@ def _cfg(bm, bn, w, s):
 # dK/dV programs keep a key block resident and stream query blocks: wide
 # BLOCK_N, narrow BLOCK_M. dQ is the mirror image.
 _DKDV_CONFIGS = [
-    _cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3),
-    _cfg(32, 64, 8, 2), _cfg(16, 32, 4, 2), _cfg(32, 32, 4, 2),
+    _cfg(32, 128, 4, 3), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3),
+    _cfg(64, 64, 4, 3), _cfg(32, 64, 8, 2), _cfg(16, 32, 4, 2),
 ]
 _DQ_CONFIGS = [
-    _cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 3), _cfg(64, 64, 4, 3),
-    _cfg(64, 32, 8, 2), _cfg(32, 16, 4, 2), _cfg(32, 32, 4, 2),
+    _cfg(128, 32, 4, 3), _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 3),
+    _cfg(64, 64, 4, 3), _cfg(64, 32, 8, 2), _cfg(32, 16, 4, 2),
 ]
 _KEY = ["N_BUCKET", "M_BUCKET", "BLOCK_D", "BLOCK_DV", "HAS_WL", "HAS_WR", "MASK_KIND",
         "HAS_DROPOUT", "PREC"]

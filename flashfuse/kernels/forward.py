@@ -19,6 +19,7 @@ lse, output layout).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 
@@ -58,8 +59,8 @@ def _load_tile(ptrs, mask0, mask1, CHECK0: tl.constexpr, CHECK1: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b (+ acc)`` in fp32 accumulation.
+def _dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` with fp32 accumulation.
 
     UPCAST multiplies in fp32: Triton's interpreter mis-computes tl.dot on
     bfloat16 operands, so the launcher sets it there (values already rounded
@@ -68,11 +69,16 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if acc is None:
-        c = tl.dot(a, b, input_precision=INPUT_PRECISION)
-    else:
-        c = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    return c
+    return tl.dot(a, b, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``, accumulated in place by the MMA (see ``_dot``)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
@@ -115,66 +121,56 @@ def _attn_fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         col_ok = offs_n < M
-        if MASK_KIND == 1:
+        k = _load_tile(k_ptrs, col_ok[:, None], d_ok, BOUNDARY, BLOCK_D != HEAD_DIM)
+        qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST)
+        if MASK_KIND != 0:
             if BOUNDARY:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
             else:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None], other=0)
+        if MASK_KIND == 2:
+            mvals = mvals.to(tl.float32)
+            # Natural -> base-2 units. Values below -1e38 (finfo(fp32).min,
+            # as HF builds masks) would overflow to -inf when multiplied by
+            # log2(e); keep them as they are so a row masked that way still
+            # averages its values like the float64 reference, while -inf
+            # stays -inf. (The clamp only keeps the unused branch finite.)
+            mvals = tl.where(mvals > -1.0e38, tl.maximum(mvals, -1.0e38) * 1.4426950408889634, mvals)
+            qk = qk * qk_scale + mvals
+            if BOUNDARY:
+                vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                               HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+                qk = tl.where(vis, qk, float("-inf"))
+        elif MASK_KIND == 1:
             keep = mvals != 0
             if BOUNDARY:
                 keep = keep & _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
                                        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-            # A block the bool mask hides entirely (e.g. key padding) costs
-            # only its mask load.
-            live = tl.max(keep.to(tl.int32)) > 0
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        elif BOUNDARY:
+            vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                           HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+        if SAFE:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.exp2(qk - m_shift[:, None])
         else:
-            live = True
-        if live:
-            k = _load_tile(k_ptrs, col_ok[:, None], d_ok, BOUNDARY, BLOCK_D != HEAD_DIM)
-            qk = _dot(q, tl.trans(k), None, INPUT_PRECISION, DOT_UPCAST)
-            if MASK_KIND == 2:
-                if BOUNDARY:
-                    mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-                else:
-                    mvals = tl.load(mask_ptrs, mask=row_ok[:, None], other=0.0)
-                mvals = mvals.to(tl.float32)
-                # Natural -> base-2 units. Values below -1e38 (finfo(fp32).min,
-                # as HF builds masks) would overflow to -inf when multiplied by
-                # log2(e); keep them as they are so a row masked that way still
-                # averages its values like the float64 reference, while -inf
-                # stays -inf. (The clamp only keeps the unused branch finite.)
-                mvals = tl.where(mvals > -1.0e38, tl.maximum(mvals, -1.0e38) * 1.4426950408889634, mvals)
-                qk = qk * qk_scale + mvals
-                if BOUNDARY:
-                    vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
-                                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-                    qk = tl.where(vis, qk, float("-inf"))
-            elif MASK_KIND == 1:
-                qk = tl.where(keep, qk * qk_scale, float("-inf"))
-            elif BOUNDARY:
-                vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
-                               HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-                qk = tl.where(vis, qk * qk_scale, float("-inf"))
-            if SAFE:
-                m_ij = tl.maximum(m_i, tl.max(qk, 1))
-                m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-                p = tl.exp2(qk - m_shift[:, None])
-            else:
-                # Interior block without a mask: every score is finite, and
-                # scaling inside the exponent's argument is one FMA.
-                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-                m_shift = m_ij
-                p = tl.exp2(qk * qk_scale - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            # The normaliser uses the undropped probabilities.
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DROPOUT:
-                dkeep = _dropout_keep(seed, offs_m, offs_n, bh, dropout_threshold)
-                p = tl.where(dkeep, p, 0.0)
-            v = _load_tile(v_ptrs, col_ok[:, None], dv_ok, BOUNDARY, BLOCK_DV != HEAD_DIM_V)
-            acc = acc * alpha[:, None]
-            acc = _dot(p.to(v.dtype), v, acc, INPUT_PRECISION, DOT_UPCAST)
-            m_i = m_ij
+            # Interior block without a mask: every score is finite, and
+            # scaling inside the exponent's argument is one FMA.
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_shift = m_ij
+            p = tl.exp2(qk * qk_scale - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        # The normaliser uses the undropped probabilities.
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            dkeep = _dropout_keep(seed, offs_m, offs_n, bh, dropout_threshold)
+            p = tl.where(dkeep, p, 0.0)
+        v = _load_tile(v_ptrs, col_ok[:, None], dv_ok, BOUNDARY, BLOCK_DV != HEAD_DIM_V)
+        acc = acc * alpha[:, None]
+        acc = _dot_acc(p.to(v.dtype), v, acc, INPUT_PRECISION, DOT_UPCAST)
+        m_i = m_ij
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
         if MASK_KIND != 0:
@@ -198,6 +194,7 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    SCAN_MASK: tl.constexpr, MASK_ROW_BCAST: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -208,7 +205,9 @@ def _attn_fwd(
     through its strides, Lse (B, Hq, N) contiguous fp32. ``qk_scale`` is
     ``scale * log2(e)``; ``diag_off`` the visibility diagonal offset.
     """
-    pid_m = tl.program_id(0)
+    # Last query tiles first: under causal masking they have the most keys,
+    # so starting them early balances the tail of the launch.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     kvh = h // (Hq // Hkv)
@@ -227,7 +226,10 @@ def _attn_fwd(
     k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
     if MASK_KIND != 0:
-        mask_base = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh + offs_m64[:, None] * stride_mm
+        mask_base = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh
+        if SCAN_MASK and MASK_ROW_BCAST:
+            mask_row = mask_base  # the scan reads one (broadcast) row
+        mask_base = mask_base + offs_m64[:, None] * stride_mm
     else:
         mask_base = Mask
     if DROPOUT:
@@ -253,6 +255,26 @@ def _attn_fwd(
     lo_blk = (lo // BLOCK_N) * BLOCK_N
     # Empty band (e.g. bottom-right alignment with N > M): no iteration.
     hi_blk = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo_blk)
+    if SCAN_MASK:
+        # Narrow [lo_blk, hi_blk) to the key blocks where the bool mask keeps
+        # something for this tile (key padding on either side, block-sparse
+        # masks): a pass over the mask alone, so the main loops stay free of
+        # data-dependent branches (which would stop Triton pipelining them).
+        first = hi_blk
+        last = lo_blk - BLOCK_N
+        for start_n in range(lo_blk, hi_blk, BLOCK_N):
+            offs_n = start_n + offs_n_base
+            if MASK_ROW_BCAST:
+                # Same mask row for every query: one vector per block.
+                mv = tl.load(mask_row + offs_n * stride_mn, mask=offs_n < M, other=0)
+            else:
+                mv = tl.load(mask_base + offs_n[None, :] * stride_mn,
+                             mask=row_ok[:, None] & (offs_n < M)[None, :], other=0)
+            any_kept = tl.max(mv.to(tl.int32)) > 0
+            first = tl.minimum(first, tl.where(any_kept, start_n, hi_blk))
+            last = tl.maximum(last, tl.where(any_kept, start_n, lo_blk - BLOCK_N))
+        lo_blk = first
+        hi_blk = tl.maximum(last + BLOCK_N, first)  # empty when nothing is kept
     full_lo_blk = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
     full_hi_blk = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
     mid_lo = tl.minimum(tl.maximum(full_lo_blk, lo_blk), hi_blk)
@@ -313,12 +335,10 @@ def _attn_fwd(
 _CUDA_CONFIGS = [
     (128, 64, 4, 3),
     (128, 64, 8, 3),
-    (128, 128, 8, 3),
     (128, 128, 8, 2),
-    (128, 32, 4, 3),
+    (128, 64, 8, 2),  # large head dims
     (64, 64, 4, 3),
-    (64, 64, 4, 2),
-    (64, 32, 4, 2),
+    (64, 32, 4, 2),  # fp32 with large head dims
 ]
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave room
@@ -330,10 +350,12 @@ def _prune_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     bd, bdv = args["BLOCK_D"], args["BLOCK_DV"]
     elt = args["Q"].element_size()
+    # The pipeliner stages mask tiles in shared memory next to K and V.
+    mask_elt = args["Mask"].element_size() if args["MASK_KIND"] != _MASK_NONE else 0
     kept = []
     for cfg in configs:
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-        smem = elt * (bm * bd + cfg.num_stages * bn * (bd + bdv))
+        smem = elt * bm * bd + cfg.num_stages * bn * (elt * (bd + bdv) + mask_elt * bm)
         regs = (bm * bdv + bm * bn) // (cfg.num_warps * 32)
         if smem <= _SMEM_BUDGET and regs <= _REG_BUDGET:
             kept.append(cfg)
@@ -342,15 +364,26 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept
 
 
+# Keep tuning results across processes where this Triton supports it.
+_AUTOTUNE_EXTRA = (
+    {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+)
+
 _attn_fwd_tuned = triton.autotune(
     configs=[
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in _CUDA_CONFIGS
     ],
     key=["N_BUCKET", "M_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT",
-         "MASK_KIND", "DROPOUT", "INPUT_PRECISION"],
+         "MASK_KIND", "DROPOUT", "SCAN_MASK", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": _prune_configs},
+    **_AUTOTUNE_EXTRA,
 )(_attn_fwd)
+
+# Bool masks: skip the key blocks a mask hides entirely for a query tile
+# (found by a cheap pre-pass over the mask). Costs one extra read of the mask
+# tiles, repaid whenever padding or block sparsity removes whole blocks.
+SCAN_BOOL_MASK = True
 
 # Under the interpreter: one small tile so CPU tests stay fast.
 _INTERPRET_BLOCK_M = 16
@@ -453,6 +486,8 @@ def attention_forward(
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
         HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
         MASK_KIND=mask_kind, DROPOUT=dropout, INPUT_PRECISION=precision,
+        SCAN_MASK=mask_kind == _MASK_BOOL and SCAN_BOOL_MASK,
+        MASK_ROW_BCAST=mask_kind != _MASK_NONE and mask_strides[2] == 0,
     )
     if os.environ.get("TRITON_INTERPRET") == "1" or q.device.type != "cuda":
         grid = (triton.cdiv(N, _INTERPRET_BLOCK_M), Hq, B)

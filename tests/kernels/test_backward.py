@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Relative-norm error bounds per input dtype: 16-bit inputs are rounded,
 # and the kernels feed P and dS to the dots in the input dtype.
-TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -55,14 +55,14 @@ def _rand(shape, dtype, noncontig, gen):
     return t
 
 
-def _check(name, got, want, dtype):
+def _check(name, got, want, dtype, floor=5e-2):
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     got = got.detach().to("cpu", torch.float64)
     want = want.detach().to("cpu", torch.float64)
     assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    # The floor (an rms of 0.01 per element) stands in for the norm when the
-    # true gradient is zero or nearly so (e.g. dq with a single key).
-    scale = max(want.norm().item(), 1e-2 * want.numel() ** 0.5)
+    # The floor (an rms per element) stands in for the norm when the true
+    # gradient is zero or nearly so (e.g. dq with a single key).
+    scale = max(want.norm().item(), floor * want.numel() ** 0.5)
     err = (got - want).norm().item()
     assert err / scale <= TOL[dtype], f"{name}: relative error {err / scale:.3e} > {TOL[dtype]:.1e}"
 
@@ -135,7 +135,10 @@ def run_case(
     _check("dv", dv, v64.grad, dtype)
     if mask_grad:
         assert dmask is not None and dmask.dtype == mask.dtype
-        _check("dmask", dmask, m64.grad, dtype)
+        # A mask constant along keys shifts whole softmax rows: its true
+        # gradient is 0 and only rounding noise (sums of many dS) remains.
+        row_constant = mask.shape[-1] == 1 and M > 1
+        _check("dmask", dmask, m64.grad, dtype, floor=1.0 if row_constant else 5e-2)
     else:
         assert dmask is None
     return dq, dk, dv, dmask
@@ -238,6 +241,16 @@ def test_mask_grad_shapes(shape):
              mask_kind="float", mask_grad=True, window_right=0)
 
 
+def test_mask_grad_batch_chunks(monkeypatch):
+    """A batch-broadcast mask's dS buffer filled one batch element at a time
+    (dropout checks that each chunk keeps its global batch index)."""
+    from flashfuse.kernels import backward
+
+    monkeypatch.setattr(backward, "_DMASK_BUFFER_BYTES", 4 * 2 * 17 * 33)
+    run_case(B=3, Hq=2, Hkv=1, N=17, M=33, D=16, dtype=torch.float32, mask_shape=(2, 17, 33),
+             mask_kind="float", mask_grad=True, dropout_p=0.25, window_left=20, window_right=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_mask_grad_low_precision(dtype):
     run_case(B=1, N=33, M=17, D=16, dtype=dtype, mask_shape=(2, 33, 17), mask_kind="float",
@@ -331,7 +344,7 @@ def test_gpu_mask_grad(shape):
 
 
 @gpu
-def test_gpu_fp32_ieee():
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_gpu_fp32_ieee(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     run_case(B=1, Hq=2, N=777, M=1111, D=128, dtype=torch.float32, mask_shape=(1, 1, 777, 1111),
              mask_kind="bool", window_left=300, window_right=100)

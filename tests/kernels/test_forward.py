@@ -257,22 +257,31 @@ def test_finfo_min_mask():
     assert (lse[:, :, 5] < -1e37).all()
 
 
-def test_bool_key_padding_skips_blocks():
-    # A key-padding mask hiding whole key blocks: those blocks are skipped
-    # (their NaN values must not leak) and the result is exact.
+@pytest.mark.parametrize("row_broadcast", [True, False])
+def test_bool_key_padding_skips_blocks(row_broadcast):
+    # Right and left key padding hiding whole key blocks: those blocks are
+    # skipped (their NaN keys and values must not leak) and the result is
+    # exact. Block edges at multiples of 128 suit every BLOCK_N.
     N, M = 16, 512
     q, k, v = _inputs(2, 1, 1, N, M, 16, 16, torch.float32)
     mask = torch.ones(2, 1, 1, M, dtype=torch.bool)
     mask[0, ..., 256:] = False
+    mask[1, ..., :128] = False
     mask[1, ..., 384:] = False
+    if not row_broadcast:
+        mask = mask.expand(2, 1, N, M).clone()
+        mask[1, :, 3] = False  # one fully masked row as well
     mask = mask.to(DEVICE)
-    k[0, :, 256:] = float("nan")
-    v[0, :, 256:] = float("nan")
-    k[1, :, 384:] = float("nan")
-    v[1, :, 384:] = float("nan")
-    out, _ = _run(q, k, v, mask)
+    for t in (k, v):
+        t[0, :, 256:] = float("nan")
+        t[1, :, :128] = float("nan")
+        t[1, :, 384:] = float("nan")
+    out, lse = _run(q, k, v, mask)
+    assert not out.isnan().any() and not lse.isnan().any()
     ref = reference_attention(q, k.nan_to_num(), v.nan_to_num(), mask)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    ref_lse = reference_lse(q, k.nan_to_num(), mask)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,302 @@
+"""Model benchmark: whole training steps and inference passes of Hugging Face
+models, with attention left to flashfuse's torch.compile backend or to
+PyTorch's own paths.
+
+Models (random init, bf16; nothing is downloaded):
+
+* ``gpt2``: GPT2LMHeadModel, 124M config, B=8, T in {1024, 2048}, one training
+  step (forward, backward, AdamW step), attention dropout 0.1 in train mode.
+* ``llama``: a small LlamaConfig with grouped heads (16 query, 4 key/value
+  heads), B=4, T=2048: one training step and one inference pass.
+* ``bert``: a BERT-style encoder (BertForMaskedLM) with a padding mask
+  (random lengths between T/2 and T), B=16, T=512: training step and
+  inference pass.
+
+Variants per model: ``eager`` / ``sdpa`` (transformers' attention
+implementations), each also under default ``torch.compile``;
+``eager+flashfuse`` (eager attention compiled with flashfuse's backend, which
+rewrites the matmul-softmax-matmul into the flash op, then Inductor); and
+``ffuse-hook`` (the ``attn_implementation="ffuse"`` hook of ``flashfuse.hf``, no
+compile). Each row reports the median step time after warm-up, tokens/s,
+peak memory, compile time and, for the flashfuse backend, how many attention
+candidates it rewrote.
+
+    python bench/bench_models.py                      # everything, default sizes
+    python bench/bench_models.py --only gpt2 --t 1024
+    python bench/bench_models.py --smoke --out /tmp/x # tiny configs on the CPU
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import common
+import torch
+
+# (name, attn_implementation, compile with). Order = priority when the time
+# budget runs out: the baselines and flashfuse first, compiled baselines after.
+VARIANTS = [
+    ("eager", "eager", None),
+    ("sdpa", "sdpa", None),
+    ("eager+flashfuse", "eager", "flashfuse"),
+    ("sdpa+compile", "sdpa", "inductor"),
+    ("eager+compile", "eager", "inductor"),
+    ("ffuse-hook", "ffuse", None),
+]
+
+
+def parse_args():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=110)
+    p.add_argument("--only", default=None, help="comma-separated subset of gpt2,llama,bert")
+    p.add_argument("--t", default=None, help="GPT-2 sequence lengths, comma-separated (default 1024,2048)")
+    p.add_argument("--variants", default=None, help=f"comma-separated subset of {[v[0] for v in VARIANTS]}")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; smoke 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row (the first compiles)")
+    p.add_argument("--compile-scope", default="block", choices=["block", "model"],
+                   help="torch.compile each repeated transformer block (default; one graph serves every "
+                        "layer, so compiling takes seconds) or the whole model (as a user would, one large graph)")
+    return p.parse_args()
+
+
+# --------------------------------------------------------------------------
+# Models and batches
+# --------------------------------------------------------------------------
+
+def gpt2_config(smoke: bool, T: int):
+    from transformers import GPT2Config
+
+    if smoke:
+        return GPT2Config(vocab_size=128, n_positions=T, n_embd=64, n_layer=2, n_head=2)
+    # The 124M configuration; n_positions grows with T (random init, so the
+    # longer position table is just more parameters). Dropouts are GPT-2's 0.1.
+    return GPT2Config(n_positions=max(1024, T))
+
+
+def llama_config(smoke: bool, T: int):
+    from transformers import LlamaConfig
+
+    if smoke:
+        return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T)
+    return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T)
+
+
+def bert_config(smoke: bool, T: int):
+    from transformers import BertConfig
+
+    if smoke:
+        return BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=128, max_position_embeddings=T)
+    return BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
+                      intermediate_size=3072, max_position_embeddings=T)
+
+
+def build_model(model: str, config, attn: str):
+    """A randomly initialised model with the given attention implementation."""
+    import transformers
+
+    if attn == "ffuse":
+        import flashfuse.hf  # registers the implementation with transformers
+
+        attn = flashfuse.hf.ATTN_IMPLEMENTATION
+    cls = {
+        "gpt2": transformers.GPT2LMHeadModel,
+        "llama": transformers.LlamaForCausalLM,
+        "bert": transformers.BertForMaskedLM,
+    }[model]
+    return cls._from_config(config, attn_implementation=attn)
+
+
+def make_batch(model: str, vocab: int, B: int, T: int, device, with_labels: bool) -> dict:
+    """Random token ids (and labels = ids); BERT also gets a padding mask with
+    each sequence's length drawn between T/2 and T."""
+    ids = torch.randint(0, vocab, (B, T), device=device)
+    batch = {"input_ids": ids}
+    if model == "bert":
+        lengths = torch.randint(T // 2, T + 1, (B, 1), device=device)
+        batch["attention_mask"] = (torch.arange(T, device=device)[None, :] < lengths).long()
+    else:
+        # No KV cache: training and a full-sequence forward do not need one, and
+        # updating it makes Dynamo specialise each layer (a recompile per block).
+        batch["use_cache"] = False
+    if with_labels:
+        batch["labels"] = ids
+    return batch
+
+
+def repeated_blocks(model) -> list:
+    """The transformer blocks: the longest ModuleList of identical modules."""
+    best: list = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > len(best) and len({type(b) for b in m}) == 1:
+            best = list(m)
+    if not best:
+        raise RuntimeError("no repeated blocks found; use --compile-scope model")
+    return best
+
+
+# --------------------------------------------------------------------------
+# One row
+# --------------------------------------------------------------------------
+
+def run_row(results, spec, variant, task, device, args, budget):
+    name, attn, compiler = variant
+    row = dict(model=spec["model"], task=task, variant=name, B=spec["B"], T=spec["T"],
+               dtype="fp32" if args.smoke else "bf16", compile_scope=args.compile_scope if compiler else "")
+    if budget.exceeded():
+        results.add(**row, status="skipped", error="time budget")
+        return
+    model = opt = step = None
+    counter = {"graphs": 0}
+    ff_backend = None
+    try:
+        torch._dynamo.reset()  # every compiled row compiles from scratch and is timed alike
+        torch.manual_seed(0)
+        config = spec["config"]
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        model = build_model(spec["model"], config, attn).to(device=device, dtype=dtype)
+        model.train(task == "train")
+        backend = None
+        if compiler == "inductor":
+            backend = "inductor"
+        elif compiler == "flashfuse":
+            from flashfuse.backend import make_backend
+
+            # Inductor on GPU; on the CPU smoke run aot_eager keeps it in seconds.
+            ff_backend = make_backend(compiler="aot_eager" if args.smoke else "inductor", record=True)
+
+            def backend(gm, example_inputs):
+                counter["graphs"] += 1
+                return ff_backend(gm, example_inputs)
+        elif compiler is None:
+            pass
+        if args.smoke and backend == "inductor":
+            backend = "aot_eager"
+        runner = model
+        if backend is not None:
+            if args.compile_scope == "model":
+                runner = torch.compile(model, backend=backend)
+            else:
+                for blk in repeated_blocks(model):
+                    blk.compile(backend=backend)
+        batch = make_batch(spec["model"], config.vocab_size, spec["B"], spec["T"], device, task == "train")
+        if task == "train":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+            def step():
+                loss = runner(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        else:
+            def step():
+                with torch.no_grad():
+                    runner(**batch)
+
+        t0 = time.perf_counter()
+        step()  # compiles
+        common.sync(device)
+        first_s = time.perf_counter() - t0
+        for _ in range(max(0, args.warmup - 1)):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        ms = common.wall_ms(step, device, args.steps)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else math.nan
+        extra = {}
+        if ff_backend is not None:
+            extra = dict(attn_rewritten=sum(c.rewritten for c in ff_backend.candidates),
+                         attn_candidates=len(ff_backend.candidates), graphs=counter["graphs"],
+                         layers=config.num_hidden_layers)
+        results.add(**row, status="ok", ms=ms, tokens_per_s=spec["B"] * spec["T"] / (ms / 1e3),
+                    peak_mem_mib=peak, first_step_s=first_s, **extra)
+        print(f"{spec['model']:>5} T={spec['T']:<5} {task:<5} {name:<16} {ms:9.1f} ms  "
+              f"first step {first_s:6.1f} s", flush=True)
+    except Exception as exc:
+        results.add(**row, status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
+        print(f"{spec['model']:>5} T={spec['T']:<5} {task:<5} {name:<16} {common.short_error(exc)}", flush=True)
+    finally:
+        del model, opt, step, ff_backend
+        torch._dynamo.reset()
+        common.free_memory(collect=True)
+
+
+def plan(args) -> list[tuple[dict, str]]:
+    """(model spec, task) pairs in run order: GPT-2 at the first T, then the
+    LLaMA- and BERT-style models, then GPT-2 at the other lengths."""
+    only = set(args.only.split(",")) if args.only else {"gpt2", "llama", "bert"}
+    unknown = only - {"gpt2", "llama", "bert"}
+    if unknown:
+        raise SystemExit(f"unknown models {sorted(unknown)}; choose from gpt2, llama, bert")
+    if args.smoke:
+        ts, gpt2_B, llama_BT, bert_BT = [int(x) for x in (args.t or "32").split(",")], 2, (2, 32), (2, 32)
+    else:
+        ts, gpt2_B, llama_BT, bert_BT = [int(x) for x in (args.t or "1024,2048").split(",")], 8, (4, 2048), (16, 512)
+    gpt2 = [dict(model="gpt2", B=gpt2_B, T=T, config=gpt2_config(args.smoke, T)) for T in ts]
+    out = []
+    if "gpt2" in only:
+        out.append((gpt2[0], "train"))
+    if "llama" in only:
+        spec = dict(model="llama", B=llama_BT[0], T=llama_BT[1], config=llama_config(args.smoke, llama_BT[1]))
+        out += [(spec, "train"), (spec, "infer")]
+    if "bert" in only:
+        spec = dict(model="bert", B=bert_BT[0], T=bert_BT[1], config=bert_config(args.smoke, bert_BT[1]))
+        out += [(spec, "train"), (spec, "infer")]
+    if "gpt2" in only:
+        out += [(s, "train") for s in gpt2[1:]]
+    return out
+
+
+def report(results):
+    rows = results.rows
+    if not rows:
+        return
+    common.tables_header()
+    t, h = common.pivot(rows, ["model", "T", "task"], "variant", lambda r: common.cell(r, "ms", 1))
+    common.print_table(t, h, "Milliseconds per training step / inference pass (median)")
+    t, h = common.pivot(rows, ["model", "T", "task"], "variant", lambda r: common.cell(r, "peak_mem_mib", 0))
+    common.print_table(t, h, "Peak memory (MiB)")
+    ff = [r for r in rows if r["variant"] == "eager+flashfuse" and r["status"] == "ok"]
+    if ff:
+        common.print_table(
+            [[r["model"], r["T"], r["task"], r["attn_rewritten"], r["attn_candidates"], r["graphs"], r["layers"],
+              r["compile_scope"]] for r in ff],
+            ["model", "T", "task", "rewritten", "candidates", "graphs", "layers", "compile scope"],
+            "flashfuse backend: attention rewrites (summed over compiled graphs; with block scope one graph "
+            "serves all layers)")
+
+
+def main():
+    args = parse_args()
+    common.quiet_warnings()
+    common.interrupt_on_sigterm()
+    device = common.pick_device(args)
+    if args.steps is None:
+        args.steps = 2 if args.smoke else 5
+    variants = VARIANTS
+    if args.variants:
+        wanted = args.variants.split(",")
+        variants = [v for v in VARIANTS if v[0] in wanted]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench_models.py needs transformers (pip install transformers)")
+    results = common.Results(args.out, "models.csv", common.env_info(device))
+    budget = common.make_budget(args)
+    t0 = time.perf_counter()
+    try:
+        for spec, task in plan(args):
+            for variant in variants:
+                run_row(results, spec, variant, task, device, args, budget)
+    except KeyboardInterrupt:
+        print("interrupted: reporting what was measured")
+    finally:
+        print(f"\n{len(results.rows)} rows in {time.perf_counter() - t0:.0f} s -> {results.path}")
+        report(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Run the GPU test suite and every benchmark with its defaults, on one GPU
+# machine, in about 9 minutes on an H200.
+#
+#   bash bench/run_gpu.sh OUTDIR
+#
+# OUTDIR receives (flat, at most 8 files): run.log (everything printed),
+# attention.csv, attention_tflops.png, long_context.csv, long_context_memory.png,
+# models.csv, convergence.csv, convergence.png. The short tables of every step
+# are printed again at the end.
+#
+# Each step runs under `timeout` and a failing step never stops the others.
+# Environment knobs:
+#   SKIP_TESTS=1 SKIP_ATTENTION=1 SKIP_LONG=1 SKIP_MODELS=1 SKIP_CONVERGENCE=1
+#   TESTS_ARGS, ATTENTION_ARGS, LONG_ARGS, MODELS_ARGS, CONVERGENCE_ARGS  extra arguments
+#   T_TESTS=120 T_ATTENTION=170 T_LONG=85 T_MODELS=130 T_CONVERGENCE=60  time limits (s)
+#   PYTHON=python3
+set -u
+
+if [ $# -ne 1 ]; then
+    echo "usage: bash bench/run_gpu.sh OUTDIR" >&2
+    exit 2
+fi
+mkdir -p "$1"
+OUT="$(cd "$1" && pwd)"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+LOG="$OUT/run.log"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+: > "$LOG"
+STATUS=()
+
+# step NAME SECONDS COMMAND...: run under timeout (SIGTERM, then SIGKILL 20 s
+# later), output to the log and to $TMP/NAME.out for the final summary.
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    echo "===== $name: $* (limit ${limit}s) =====" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout -k 20 "$limit" "$@" > "$TMP/$name.out" 2>&1
+    local rc=$?
+    cat "$TMP/$name.out" >> "$LOG"
+    local how="rc=$rc"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then how="timed out (rc=$rc)"; fi
+    echo "===== $name: $how after $((SECONDS - t0)) s =====" | tee -a "$LOG"
+    STATUS+=("$name: $how, $((SECONDS - t0)) s")
+}
+
+{
+    echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.version.cuda)" 2>&1
+} | tee -a "$LOG"
+
+# shellcheck disable=SC2086  # *_ARGS are meant to split into words
+[ "${SKIP_TESTS:-0}" = 1 ] || step tests "${T_TESTS:-120}" \
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider ${TESTS_ARGS:-}
+[ "${SKIP_ATTENTION:-0}" = 1 ] || step attention "${T_ATTENTION:-170}" \
+    "$PY" bench/bench_attention.py --out "$OUT" ${ATTENTION_ARGS:-}
+[ "${SKIP_LONG:-0}" = 1 ] || step long_context "${T_LONG:-85}" \
+    "$PY" bench/bench_long_context.py --out "$OUT" ${LONG_ARGS:-}
+[ "${SKIP_MODELS:-0}" = 1 ] || step models "${T_MODELS:-130}" \
+    "$PY" bench/bench_models.py --out "$OUT" ${MODELS_ARGS:-}
+[ "${SKIP_CONVERGENCE:-0}" = 1 ] || step convergence "${T_CONVERGENCE:-60}" \
+    "$PY" bench/bench_convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-}
+
+# Summary: the last lines of the tests, the tables of each benchmark (they
+# follow the line "N rows in ... ->" / the last table title).
+echo
+echo "################ SUMMARY ################"
+for name in tests attention long_context models convergence; do
+    f="$TMP/$name.out"
+    [ -f "$f" ] || continue
+    echo
+    echo "---- $name ----"
+    if [ "$name" = tests ]; then
+        tail -n 3 "$f"
+    elif grep -q "^===== TABLES" "$f"; then
+        sed -n '/^===== TABLES/,$p' "$f" | tail -n +2
+    else
+        tail -n 15 "$f"
+    fi
+done
+echo
+printf '%s\n' "${STATUS[@]}"
+echo "outputs: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,1 @@
+"""Differential fuzzing of the graph pass and the op (see FUZZING.md)."""

@@ -1,0 +1,89 @@
+"""Smoke tests of the benchmark scripts: each runs with ``--smoke`` (tiny
+shapes on the CPU) into a temporary directory and must write its CSV (and
+plot) with the version columns. They check that the scripts run, not what
+they measure."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("tabulate")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+VERSION_COLUMNS = {"gpu", "torch_version", "triton_version", "date"}
+
+
+def run_script(name: str, out_dir, *extra: str, timeout: int = 300) -> str:
+    env = dict(os.environ)
+    # The op's fast blockwise CPU path, not Triton's interpreter.
+    env["TRITON_INTERPRET"] = "0"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.setdefault("MPLBACKEND", "Agg")
+    cmd = [sys.executable, os.path.join(BENCH, name), "--smoke", "--out", str(out_dir), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def read_csv(path) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows, f"{path} has no rows"
+    assert VERSION_COLUMNS <= set(rows[0]), f"{path} lacks version columns"
+    return rows
+
+
+def test_common_flops():
+    sys.path.insert(0, BENCH)
+    try:
+        import common
+    finally:
+        sys.path.remove(BENCH)
+    # Forward: 4*B*H*N*M*D for D == Dv; causal halves it; backward is 2.5x.
+    assert common.attention_flops(2, 3, 128, 128, 64, 64) == 4 * 2 * 3 * 128 * 128 * 64
+    assert common.attention_flops(2, 3, 128, 128, 64, 64, causal=True) == 2 * 2 * 3 * 128 * 128 * 64
+    assert common.attention_flops(1, 1, 8, 8, 16, 16, mode="fwd+bwd") == 3.5 * common.attention_flops(1, 1, 8, 8, 16, 16)
+    # Bottom-right causal with N < M: N*M - N*N/2 visible pairs.
+    assert common.visible_pairs(100, 400, causal=True, bottom_right=True) == 100 * 400 - 100 * 100 / 2
+
+
+def test_bench_attention_smoke(tmp_path):
+    out = run_script("bench_attention.py", tmp_path)
+    rows = read_csv(tmp_path / "attention.csv")
+    ok = {(r["provider"], r["section"]) for r in rows if r["status"] == "ok"}
+    assert ("flashfuse", "sweep") in ok and ("sdpa", "sweep") in ok
+    assert ("flashfuse", "feature") in ok and ("flashfuse", "host") in ok
+    assert any(r["status"] != "ok" for r in rows), "an unsupported provider should give an error row"
+    assert (tmp_path / "attention_tflops.png").exists()
+    assert "TFLOP/s" in out
+
+
+def test_bench_long_context_smoke(tmp_path):
+    run_script("bench_long_context.py", tmp_path)
+    rows = read_csv(tmp_path / "long_context.csv")
+    assert {r["provider"] for r in rows if r["status"] == "ok"} == {"flashfuse", "sdpa", "naive"}
+    assert (tmp_path / "long_context_memory.png").exists()
+
+
+def test_bench_models_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    run_script("bench_models.py", tmp_path, "--only", "gpt2", "--variants", "eager,sdpa,eager+flashfuse")
+    rows = read_csv(tmp_path / "models.csv")
+    by_variant = {r["variant"]: r for r in rows}
+    assert all(by_variant[v]["status"] == "ok" for v in ("eager", "sdpa", "eager+flashfuse")), rows
+    assert int(by_variant["eager+flashfuse"]["attn_rewritten"]) >= 1
+
+
+def test_bench_convergence_smoke(tmp_path):
+    out = run_script("bench_convergence.py", tmp_path)
+    rows = read_csv(tmp_path / "convergence.csv")
+    assert "loss_eager" in rows[0] and "loss_flashfuse" in rows[0]
+    assert (tmp_path / "convergence.png").exists()
+    assert "max |smoothed loss difference|" in out

@@ -2,8 +2,8 @@
 
 Providers: ``flashfuse`` (torch.ops.flashfuse.attention), ``sdpa`` (default
 dispatch), ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient`` (one SDPA
-backend forced with ``sdpa_kernel``), ``flex`` (compiled FlexAttention, block
-mask built once) and ``naive`` (eager matmul-softmax-matmul, only where it
+backend forced with ``sdpa_kernel``), ``flex`` (FlexAttention compiled once per
+configuration, block mask built once) and ``naive`` (eager matmul-softmax-matmul, only where it
 fits in memory).
 
 For every configuration and provider it measures forward, backward and
@@ -20,7 +20,6 @@ dropout, bottom-right causal, fp16/fp32) and a host-overhead row.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -101,11 +100,13 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
             q, k, v, mask = common.make_inputs(case, device)
             fn = common.build_attention(provider, case, mask, device)
         except Exception as exc:  # unsupported provider or OOM while building
-            status = "skipped" if isinstance(exc, common.Unsupported) else "error"
+            status = "skipped" if isinstance(exc, common.Unsupported) else "OOM" if common.is_oom(exc) else "error"
             for mode in modes:
                 results.add(**base_row, mode=mode, status=status, error=common.short_error(exc))
-            del q, k, v, mask, fn
-            common.free_memory(collect=common.is_oom(exc))
+            fn = None
+        if fn is None:
+            q = k = v = mask = None
+            common.free_memory(collect=True)
             continue
         for mode in modes:
             step = None
@@ -120,13 +121,15 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
                             peak_mem_mib=peak, extra_mem_mib=extra)
                 failed = False
             except Exception as exc:
-                results.add(**base_row, mode=mode, status="error", error=common.short_error(exc))
-                failed = common.is_oom(exc)
-            del step
+                oom = common.is_oom(exc)
+                results.add(**base_row, mode=mode, status="OOM" if oom else "error", error=common.short_error(exc))
+                failed = oom
+            # Outside the except block: the traceback no longer pins tensors.
+            step = None
             for t in (q, k, v):
                 t.grad = None
             common.free_memory(collect=failed)
-        del q, k, v, mask, fn
+        q = k = v = mask = fn = None
         common.free_memory()
 
 

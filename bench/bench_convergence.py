@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 
 def parse_args():
-    p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=65)
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; smoke 12)")
     p.add_argument("--batch", type=int, default=None, help="sequences per batch (default 32)")
     p.add_argument("--block", type=int, default=None, help="context length (default 256)")
@@ -164,7 +164,7 @@ def batches(data: torch.Tensor, steps: int, batch: int, block: int, seed: int):
     return out
 
 
-def train(kind, args, vocab, data_batches, device, dtype):
+def train(kind, args, vocab, data_batches, device, dtype, budget):
     """Train one model; return (losses, seconds, first-step seconds,
     attention rewrites or None)."""
     torch.manual_seed(args.seed)
@@ -195,6 +195,9 @@ def train(kind, args, vocab, data_batches, device, dtype):
             first_s = time.perf_counter() - t0
         if (i + 1) % sync_every == 0:
             common.sync(device)
+            if budget.exceeded():
+                print(f"{kind}: time budget reached after {i + 1} steps", flush=True)
+                break
     common.sync(device)
     seconds = time.perf_counter() - t0
     rewrites = None
@@ -228,11 +231,12 @@ def main():
     data_batches = batches(data, args.steps, args.batch, args.block, args.seed)
     env = common.env_info(device)
     results = common.Results(args.out, "convergence.csv", env)
+    budget = common.make_budget(args)
 
     curves, summary = {}, []
     for kind in ("eager", "flashfuse"):
         try:
-            losses, seconds, first_s, rewrites = train(kind, args, vocab, data_batches, device, dtype)
+            losses, seconds, first_s, rewrites = train(kind, args, vocab, data_batches, device, dtype, budget)
         except KeyboardInterrupt:
             print("interrupted")
             break

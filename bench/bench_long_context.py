@@ -25,7 +25,7 @@ PROVIDERS = ["flashfuse", "sdpa", "naive"]
 
 
 def parse_args():
-    p = common.base_parser(__doc__.splitlines()[0], budget_s=80)
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=75)
     p.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of flashfuse,sdpa,naive")
     p.add_argument("--min-n", type=int, default=None, help="first sequence length (default 1024)")
     p.add_argument("--max-n", type=int, default=None, help="last sequence length (default 2097152)")
@@ -76,11 +76,15 @@ def run_provider(provider, args, device, results, total):
             oom = common.is_oom(exc)
             results.add(**row, status="OOM" if oom else "error", error=common.short_error(exc))
             print(f"{provider:>9} N={N:>8}: {common.short_error(exc)}", flush=True)
-            del q, k, v, fn, step
-            common.free_memory(collect=True)
-            break
+            failed = True
+        else:
+            failed = False
+        # Outside the except block, so the traceback no longer holds the
+        # failed call's tensors when memory is returned.
         del q, k, v, fn, step
-        common.free_memory()
+        common.free_memory(collect=failed)
+        if failed:
+            break
         # The next size costs about 4x (quadratic work) for (reps + 2) calls.
         next_s = ms / 1e3 * 4 * (reps_for(ms / 1e3 * 4) + 2)
         if 2 * N <= args.max_n and next_s > min(own.left(), total.left()):
@@ -91,16 +95,17 @@ def run_provider(provider, args, device, results, total):
         N *= 2
 
 
-def report(results, out_dir, no_plot):
+def report(results, args):
     rows = results.rows
     if not rows:
         return
     common.tables_header()
     t, h = common.pivot(rows, ["N"], "provider", lambda r: common.cell(r, "peak_mem_mib", 0))
-    common.print_table(t, h, "Causal attention fwd+bwd, H=16, D=128, bf16: peak memory (MiB)")
+    shape = f"H={args.heads}, D={args.head_dim}, bf16, B=1"
+    common.print_table(t, h, f"Causal attention fwd+bwd, {shape}: peak memory (MiB)")
     t, h = common.pivot(rows, ["N"], "provider", lambda r: common.cell(r, "ms", 2))
     common.print_table(t, h, "Causal attention fwd+bwd: milliseconds")
-    if no_plot:
+    if args.no_plot:
         return
     mem, ms = {}, {}
     for r in rows:
@@ -109,9 +114,9 @@ def report(results, out_dir, no_plot):
                 xs, ys = store.setdefault(r["provider"], ([], []))
                 xs.append(r["N"])
                 ys.append(r[key])
-    path = common.plot_panels(os.path.join(out_dir, "long_context_memory.png"),
+    path = common.plot_panels(os.path.join(args.out, "long_context_memory.png"),
                               {"peak memory, fwd+bwd": mem, "time per fwd+bwd": ms}, "sequence length N",
-                              "MiB  |  ms", logy=True, title=f"causal attention H=16 D=128 bf16, {rows[0]['gpu']}")
+                              "MiB", logy=True, ylabels={"time per fwd+bwd": "ms"}, title=f"causal attention fwd+bwd, {shape}, {rows[0]['gpu']}")
     if path:
         print(f"plot: {path}")
 
@@ -143,7 +148,7 @@ def main():
         print("interrupted: reporting what was measured")
     finally:
         print(f"\n{len(results.rows)} rows in {time.perf_counter() - t0:.0f} s -> {results.path}")
-        report(results, args.out, args.no_plot)
+        report(results, args)
 
 
 if __name__ == "__main__":

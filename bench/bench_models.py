@@ -28,6 +28,7 @@ candidates it rewrote.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 
@@ -148,7 +149,7 @@ def run_row(results, spec, variant, task, device, args, budget):
     if budget.exceeded():
         results.add(**row, status="skipped", error="time budget")
         return
-    model = opt = step = None
+    model = opt = None
     counter = {"graphs": 0}
     ff_backend = None
     try:
@@ -170,8 +171,6 @@ def run_row(results, spec, variant, task, device, args, budget):
             def backend(gm, example_inputs):
                 counter["graphs"] += 1
                 return ff_backend(gm, example_inputs)
-        elif compiler is None:
-            pass
         if args.smoke and backend == "inductor":
             backend = "aot_eager"
         runner = model
@@ -219,7 +218,7 @@ def run_row(results, spec, variant, task, device, args, budget):
         results.add(**row, status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
         print(f"{spec['model']:>5} T={spec['T']:<5} {task:<5} {name:<16} {common.short_error(exc)}", flush=True)
     finally:
-        del model, opt, step, ff_backend
+        model = opt = step = ff_backend = None  # noqa: F841  release before the next row
         torch._dynamo.reset()
         common.free_memory(collect=True)
 
@@ -280,9 +279,7 @@ def main():
     if args.variants:
         wanted = args.variants.split(",")
         variants = [v for v in VARIANTS if v[0] in wanted]
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         raise SystemExit("bench_models.py needs transformers (pip install transformers)")
     results = common.Results(args.out, "models.csv", common.env_info(device))
     budget = common.make_budget(args)

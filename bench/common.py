@@ -392,10 +392,12 @@ def pivot(rows: list[dict], row_keys: list[str], col_key: str, value) -> tuple[l
 # --------------------------------------------------------------------------
 
 def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = True,
-                logy: bool = False, ncols: int = 2, title: str | None = None) -> str | None:
+                logy: bool = False, ncols: int = 2, title: str | None = None,
+                ylabels: dict | None = None) -> str | None:
     """Draw a grid of line plots: ``panels`` maps a panel title to
-    ``{series name: (xs, ys)}``. Returns the path written, or None when
-    matplotlib is missing or there is nothing to draw."""
+    ``{series name: (xs, ys)}``; ``ylabels`` may give a panel its own y
+    label. Returns the path written, or None when matplotlib is missing or
+    there is nothing to draw."""
     # Drop points without a finite positive value (NaN memory on CPU, failed runs).
     clean = {}
     for ptitle, series in panels.items():
@@ -432,7 +434,7 @@ def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = 
             ax.set_yscale("log")
         ax.set_title(ptitle, fontsize=10)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel((ylabels or {}).get(ptitle, ylabel))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
@@ -535,18 +537,16 @@ _SDPA_BACKENDS = {
     "sdpa_efficient": "EFFICIENT_ATTENTION",
 }
 
-_compiled_flex = None
-
-
 def _flex_attention():
-    """flex_attention compiled once per process (dynamic=False: one static
-    kernel per shape, as recommended for benchmarking it)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    """flex_attention compiled for one configuration (dynamic=False: static
+    kernels, as recommended for benchmarking it). Dynamo is reset first: every
+    shape and mask is a recompile anyway, and past the recompile limit (8)
+    Dynamo would silently fall back to eager flex, which materialises the
+    scores."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def naive_bytes(case: AttnCase) -> float:
@@ -621,8 +621,9 @@ def build_attention(provider: str, case: AttnCase, mask, device: torch.device, g
                 return mask[b, 0, 0, kv_idx]
             mods.append(pad_mod)
         elif mask is not None:
-            def score_mod(score, b, h, q_idx, kv_idx):
+            def bias_mod(score, b, h, q_idx, kv_idx):
                 return score + mask[b, 0, q_idx, kv_idx]
+            score_mod = bias_mod
         block_mask = None
         if mods:
             mod = mods[0] if len(mods) == 1 else and_masks(*mods)

@@ -13,7 +13,7 @@
 # Environment knobs:
 #   SKIP_TESTS=1 SKIP_ATTENTION=1 SKIP_LONG=1 SKIP_MODELS=1 SKIP_CONVERGENCE=1
 #   TESTS_ARGS, ATTENTION_ARGS, LONG_ARGS, MODELS_ARGS, CONVERGENCE_ARGS  extra arguments
-#   T_TESTS=120 T_ATTENTION=170 T_LONG=85 T_MODELS=130 T_CONVERGENCE=60  time limits (s)
+#   T_TESTS=110 T_ATTENTION=170 T_LONG=90 T_MODELS=130 T_CONVERGENCE=75  time limits (s)
 #   PYTHON=python3
 set -u
 
@@ -54,15 +54,15 @@ step() {
 } | tee -a "$LOG"
 
 # shellcheck disable=SC2086  # *_ARGS are meant to split into words
-[ "${SKIP_TESTS:-0}" = 1 ] || step tests "${T_TESTS:-120}" \
+[ "${SKIP_TESTS:-0}" = 1 ] || step tests "${T_TESTS:-110}" \
     "$PY" -m pytest -m gpu -q -p no:cacheprovider ${TESTS_ARGS:-}
 [ "${SKIP_ATTENTION:-0}" = 1 ] || step attention "${T_ATTENTION:-170}" \
     "$PY" bench/bench_attention.py --out "$OUT" ${ATTENTION_ARGS:-}
-[ "${SKIP_LONG:-0}" = 1 ] || step long_context "${T_LONG:-85}" \
+[ "${SKIP_LONG:-0}" = 1 ] || step long_context "${T_LONG:-90}" \
     "$PY" bench/bench_long_context.py --out "$OUT" ${LONG_ARGS:-}
 [ "${SKIP_MODELS:-0}" = 1 ] || step models "${T_MODELS:-130}" \
     "$PY" bench/bench_models.py --out "$OUT" ${MODELS_ARGS:-}
-[ "${SKIP_CONVERGENCE:-0}" = 1 ] || step convergence "${T_CONVERGENCE:-60}" \
+[ "${SKIP_CONVERGENCE:-0}" = 1 ] || step convergence "${T_CONVERGENCE:-75}" \
     "$PY" bench/bench_convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-}
 
 # Summary: the last lines of the tests, the tables of each benchmark (they

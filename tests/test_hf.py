@@ -243,7 +243,6 @@ def test_dropout_in_train_mode_is_applied_and_reproducible(op_calls):
 def test_dropout_ignored_when_module_not_training(op_calls):
     """Eager attention drops only while module.training; so does flashfuse."""
     model = _build(_llama).eval()
-    ids, _ = _inputs(left_pad=0)
     layer = model.model.layers[0].self_attn
     q = torch.randn(2, 4, SEQ, 16)
     kv = torch.randn(2, 2, SEQ, 16)

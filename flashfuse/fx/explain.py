@@ -52,7 +52,7 @@ class Explanation:
         data = []
         for r in self.rows:
             data.append([
-                r.index, r.module or "-", _clip(r.source, 60),
+                r.index, r.module or "(root)", _clip(r.source, 60),
                 "yes" if r.rewritten else f"no: {_clip(r.reason, 70)}",
                 r.scale or "-", r.mask or "-", r.causal or "-", r.window or "-",
                 r.gqa or "-", f"{r.dropout_p:g}" if r.rewritten else "-",

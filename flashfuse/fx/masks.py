@@ -210,8 +210,10 @@ class MaskEvaluator:
             return self._view(node, k)
         if k in ("tril", "triu"):
             inner = self(node.args[0])
-            d = const_int(val(arg(node, 1, "diagonal", 0)))
-            if not isinstance(inner, Band) or d is None or nd < 2:
+            d = val(arg(node, 1, "diagonal", 0))
+            if not isinstance(d, (int, torch.SymInt)) or isinstance(d, bool):
+                return None
+            if not isinstance(inner, Band) or nd < 2:
                 return None
             if not inner.trivial and inner.outside != 0:
                 return None

@@ -67,3 +67,24 @@ def _dropout_keep_at(seed, i, j, bh, threshold):
     lane = j & 3
     r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
     return (r >> 8).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N: tl.constexpr):
+    """``_dropout_keep(seed, offs_m, start_n + arange(BLOCK_N), bh, threshold)``
+    at a quarter of the cost: one Philox call per four keys instead of one per
+    key, its four words interleaved back into key order. ``start_n`` must be a
+    multiple of 4 (block starts are multiples of BLOCK_N >= 16)."""
+    QUARTER: tl.constexpr = BLOCK_N // 4
+    i = offs_m[:, None]
+    g = (start_n >> 2) + tl.arange(0, QUARTER)[None, :]
+    c0 = g.to(tl.uint32) + (i * 0).to(tl.uint32)
+    c1 = i.to(tl.uint32) + (g * 0).to(tl.uint32)
+    c2 = (c0 * 0) + bh.to(tl.uint32)
+    c3 = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    # join(join(r0, r2), join(r1, r3))[m, g, y, x] is word 2y + x, which is
+    # key 4g + 2y + x after the reshape: key order restored.
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    r = tl.reshape(words, (offs_m.shape[0], BLOCK_N))
+    return (r >> 8).to(tl.int32) >= threshold

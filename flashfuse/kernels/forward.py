@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep, _visible
+from .common import _dropout_keep, _dropout_keep_block, _visible
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -96,7 +96,7 @@ def _attn_fwd_inner(
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SCALE_NONNEG: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """Fold key blocks ``[lo, hi)`` (lo a multiple of BLOCK_N) into the online softmax.
 
@@ -116,6 +116,8 @@ def _attn_fwd_inner(
     # Rows that can hold -inf everywhere (masked blocks, -inf in a float mask)
     # need a finite shift for exp2, else -inf - -inf = NaN.
     SAFE: tl.constexpr = BOUNDARY or (MASK_KIND != 0)
+    # max(qk) * scale is the max of the scaled scores only for scale >= 0.
+    FMA_MAX: tl.constexpr = (not SAFE) and SCALE_NONNEG
     d_ok = offs_d[None, :] < HEAD_DIM
     dv_ok = offs_dv[None, :] < HEAD_DIM_V
     for start_n in range(lo, hi, BLOCK_N):
@@ -151,7 +153,9 @@ def _attn_fwd_inner(
             vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
                            HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
             qk = tl.where(vis, qk * qk_scale, float("-inf"))
-        if SAFE:
+        if not FMA_MAX:
+            if not SAFE:
+                qk = qk * qk_scale
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             p = tl.exp2(qk - m_shift[:, None])
@@ -165,7 +169,7 @@ def _attn_fwd_inner(
         # The normaliser uses the undropped probabilities.
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            dkeep = _dropout_keep(seed, offs_m, offs_n, bh, dropout_threshold)
+            dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
             p = tl.where(dkeep, p, 0.0)
         v = _load_tile(v_ptrs, col_ok[:, None], dv_ok, BOUNDARY, BLOCK_DV != HEAD_DIM_V)
         acc = acc * alpha[:, None]
@@ -194,7 +198,7 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    SCAN_MASK: tl.constexpr, MASK_ROW_BCAST: tl.constexpr,
+    SCAN_MASK: tl.constexpr, MASK_ROW_BCAST: tl.constexpr, SCALE_NONNEG: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -291,7 +295,7 @@ def _attn_fwd(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, INPUT_PRECISION, DOT_UPCAST)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
     # Phase 2: blocks fully visible to every real row.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, mid_hi,
@@ -299,7 +303,7 @@ def _attn_fwd(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, INPUT_PRECISION, DOT_UPCAST)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
     # Phase 3: blocks that straddle the band's end or the last key.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
@@ -307,7 +311,7 @@ def _attn_fwd(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, INPUT_PRECISION, DOT_UPCAST)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
 
     # Rows that saw no key (l_i == 0): output 0, lse +inf.
     empty = l_i == 0.0
@@ -384,6 +388,10 @@ _attn_fwd_tuned = triton.autotune(
 # (found by a cheap pre-pass over the mask). Costs one extra read of the mask
 # tiles, repaid whenever padding or block sparsity removes whole blocks.
 SCAN_BOOL_MASK = True
+
+# On CUDA the kernel is autotuned per (size bucket, head dims, flags);
+# FLASHFUSE_AUTOTUNE=0 in the environment uses the first config that fits
+# instead (quick start-up, e.g. for test suites with many small shapes).
 
 # Under the interpreter: one small tile so CPU tests stay fast.
 _INTERPRET_BLOCK_M = 16
@@ -488,17 +496,25 @@ def attention_forward(
         MASK_KIND=mask_kind, DROPOUT=dropout, INPUT_PRECISION=precision,
         SCAN_MASK=mask_kind == _MASK_BOOL and SCAN_BOOL_MASK,
         MASK_ROW_BCAST=mask_kind != _MASK_NONE and mask_strides[2] == 0,
+        SCALE_NONNEG=scale >= 0,
     )
     if os.environ.get("TRITON_INTERPRET") == "1" or q.device.type != "cuda":
         grid = (triton.cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
         _attn_fwd[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16,
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
-        def grid(cfg):
-            return (triton.cdiv(N, cfg["BLOCK_M"]), Hq, B)
-
         with torch.cuda.device(q.device):
-            _attn_fwd_tuned[grid](*args, **meta, DOT_UPCAST=False)
+            if os.environ.get("FLASHFUSE_AUTOTUNE", "1") == "0":
+                # Fixed config: the first that fits, in _CUDA_CONFIGS order.
+                cfg = _prune_configs(_attn_fwd_tuned.configs, {"Q": q, "Mask": mask}, **meta)[0]
+                grid = (triton.cdiv(N, cfg.kwargs["BLOCK_M"]), Hq, B)
+                _attn_fwd[grid](*args, **meta, DOT_UPCAST=False, **cfg.kwargs,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            else:
+                def grid(cfg):
+                    return (triton.cdiv(N, cfg["BLOCK_M"]), Hq, B)
+
+                _attn_fwd_tuned[grid](*args, **meta, DOT_UPCAST=False)
     return out, lse
 
 

@@ -71,11 +71,11 @@ class Spec:
     gqa: str  # "none" | "repeat_kv" | "repeat_interleave" | "broadcast"
     product: str  # "at" | "matmul" | "method" | "bmm" | "baddbmm" | "einsum"
     key: str  # "t-2-1" | "t23" | "t32" | "mT" | "permute" | wrong: "plain" | "permute_0231"
-    scale: str  # "none" | "const" | "temperature" | "sqrt_expr" | "pow_expr" | "buffer" | "full"
+    scale: str  # "none" | "const" | "temperature" | "neg_temperature" | "sqrt_expr" | "pow_expr" | "buffer" | "full"
     scale_place: str  # "scores" | "q" | "split" | "after_mask"
     mask: str  # see MASKS
-    mask_shape: str  # "nm" | "11nm" | "b1nm" | "bhnm" | "b11m"
-    mask_form: int  # which spelling of the mask operation (0..2)
+    mask_shape: str  # "nm" | "11nm" | "b1nm" | "bhnm" | "b11m" | float only: "b1n1" (row bias), "1nm"
+    mask_form: int  # which spelling of the mask operation (0..2; 0..4 for float biases)
     softmax: str  # "F" | "torch" | "method" | "module" | "F_dtype"
     cast: str  # "none" | "float_type_as" | "to_float"
     dropout: str  # "none" | "functional" | "module"
@@ -84,6 +84,10 @@ class Spec:
     hostile: str  # "none" or one of HOSTILE
     train: bool  # inputs require grad, gradients are compared
     seed: int
+    dynamic: bool = False  # compile with dynamic=True (symbolic sizes)
+    twice: bool = False  # a second attention reads the first one's output as q
+    shared: str = "none"  # "none" | "kv" (k is v) | "qk" (q is k): one tensor, two roles
+    scale_form: int = 0  # 0: s = s * c, 1: in place (s *= c / s.mul_(c)), 2: torch.mul
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -117,7 +121,7 @@ def expected_rewrites(spec: Spec) -> Optional[int]:
         return 0
     if spec.key in ("plain", "permute_0231"):
         return None
-    return 1
+    return 2 if spec.twice else 1
 
 
 # ---------------------------------------------------------------------------
@@ -130,7 +134,7 @@ def specs(draw, hostile_rate: float = 0.2, allow_bf16: bool = True) -> Spec:
     feature the pass must refuse."""
     product = draw(st.sampled_from(["at", "matmul", "method", "bmm", "baddbmm", "einsum"]))
     hostile = "none"
-    if draw(st.floats(0, 1)) < hostile_rate:
+    if draw(st.integers(0, 99)) < round(100 * hostile_rate):
         hostile = draw(st.sampled_from(HOSTILE))
     dtype = draw(st.sampled_from(["float32"] * 4 + (["bfloat16"] if allow_bf16 else [])))
     if hostile == "float64":
@@ -166,7 +170,8 @@ def specs(draw, hostile_rate: float = 0.2, allow_bf16: bool = True) -> Spec:
     if key == "permute_0231":
         M = H  # k.permute(0, 2, 3, 1) is (B, M, D, H): lines up when M == H
 
-    scale = draw(st.sampled_from(["none", "const", "temperature", "sqrt_expr", "pow_expr", "buffer", "full"]))
+    scale = draw(st.sampled_from(
+        ["none", "const", "temperature", "neg_temperature", "sqrt_expr", "pow_expr", "buffer", "full"]))
     scale_place = draw(st.sampled_from(["scores", "scores", "q", "split", "after_mask"]))
     if scale == "none":
         scale_place = "scores"
@@ -179,14 +184,13 @@ def specs(draw, hostile_rate: float = 0.2, allow_bf16: bool = True) -> Spec:
 
     mask = draw(st.sampled_from(MASKS))
     layout = draw(st.sampled_from(["bhnd", "bnhd"]))
-    if mask in ("causal_bottom_right", "window") or (mask.startswith("causal") and key == "plain"):
+    if mask in ("causal_bottom_right", "window"):
         M = max(M, N)  # keep every row with at least one visible key
         if key == "plain":
             N = min(N, M)
     if key == "plain" and M != D or key == "permute_0231" and M != H:
         key = "t-2-1"  # a mask forced M up: fall back to a plain transpose
     mask_shape = draw(st.sampled_from(["nm", "11nm", "b1nm", "bhnm", "b11m"]))
-    mask_form = draw(st.integers(0, 2))
 
     softmax = draw(st.sampled_from(["F", "torch", "method", "module", "F_dtype"]))
     cast = draw(st.sampled_from(["none", "none", "float_type_as", "to_float"]))
@@ -196,12 +200,30 @@ def specs(draw, hostile_rate: float = 0.2, allow_bf16: bool = True) -> Spec:
     out = draw(st.sampled_from(["plain", "merge_reshape", "merge_view"]))
     if hostile == "fill_finite" and mask != "none":
         mask = "none"
+    if scale == "neg_temperature" and scale_place == "after_mask":
+        scale_place = "scores"  # -inf * negative = +inf: eager NaN
+    if mask == "add_float":
+        mask_shape = draw(st.sampled_from(["nm", "11nm", "b1nm", "bhnm", "b11m", "b1n1", "1nm"]))
+    mask_form = draw(st.integers(0, 4 if mask == "add_float" else 2))
+    scale_form = draw(st.integers(0, 2)) if scale_place in ("scores", "after_mask") else 0
+    dynamic = draw(st.integers(0, 3)) == 0
+    shared = draw(st.sampled_from(["none"] * 6 + ["kv", "qk"]))
+    if shared == "kv" and (Dv != D or key in ("plain", "permute_0231")):
+        shared = "none"
+    if shared == "qk":
+        if gqa != "none" or key in ("plain", "permute_0231") or mask in ("causal_bottom_right", "window"):
+            shared = "none"
+        else:
+            M = N
+    twice = (draw(st.integers(0, 5)) == 0 and layout == "bhnd" and out == "plain" and hostile == "none"
+             and Dv == D and shared == "none")
     return Spec(
         B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, Dv=Dv, dtype=dtype, layout=layout, gqa=gqa,
         product=product, key=key, scale=scale, scale_place=scale_place, mask=mask,
         mask_shape=mask_shape, mask_form=mask_form, softmax=softmax, cast=cast,
         dropout=dropout, dropout_p=dropout_p, out=out, hostile=hostile, train=train,
-        seed=draw(st.integers(0, 2**16)),
+        seed=draw(st.integers(0, 2**16)), dynamic=dynamic, twice=twice, shared=shared,
+        scale_form=scale_form,
     )
 
 
@@ -209,22 +231,41 @@ def specs(draw, hostile_rate: float = 0.2, allow_bf16: bool = True) -> Spec:
 # Rendering specs as source
 
 
-def _scaled(spec: Spec, x: str, half: bool = False) -> str:
-    """``x`` multiplied by the spec's scale (by its square root when ``half``)."""
+def _factor(spec: Spec, x: str, half: bool = False) -> tuple[str, str]:
+    """(operator, factor expression) of the spec's scale applied to ``x``
+    (its square root when ``half``)."""
     D = spec.D
     if spec.scale == "const":
-        return f"{x} * {D ** -0.25!r}" if half else f"{x} * {1 / math.sqrt(D)!r}"
+        return ("*", repr(D ** -0.25)) if half else ("*", repr(1 / math.sqrt(D)))
     if spec.scale == "temperature":
-        return f"{x} * 0.37"
+        return "*", "0.37"
+    if spec.scale == "neg_temperature":
+        return "*", "-0.37"
     if spec.scale == "sqrt_expr":
-        return f"{x} / math.sqrt(q.size(-1))"
+        return "/", "math.sqrt(q.size(-1))"
     if spec.scale == "pow_expr":
-        return f"{x} * q.shape[-1] ** -0.25" if half else f"{x} * q.shape[-1] ** -0.5"
+        return ("*", "q.shape[-1] ** -0.25") if half else ("*", "q.shape[-1] ** -0.5")
     if spec.scale == "buffer":
-        return f"{x} * self.inv_scale"
+        return "*", "self.inv_scale"
     if spec.scale == "full":
-        return f"{x} / torch.full([], q.size(-1) ** 0.5, dtype={x}.dtype)"
+        return "/", f"torch.full([], q.size(-1) ** 0.5, dtype={x}.dtype)"
     raise AssertionError(spec.scale)
+
+
+def _scaled(spec: Spec, x: str, half: bool = False) -> str:
+    """An expression: ``x`` times the spec's scale."""
+    op, f = _factor(spec, x, half)
+    return f"{x} {op} {f}"
+
+
+def _scale_line(spec: Spec) -> str:
+    """A statement scaling the scores ``s``, in one of three spellings."""
+    op, f = _factor(spec, "s")
+    if spec.scale_form == 1:
+        return f"s {op}= {f}"
+    if spec.scale_form == 2:
+        return f"s = torch.{'mul' if op == '*' else 'div'}(s, {f})"
+    return f"s = s {op} {f}"
 
 
 def _key_t(spec: Spec, k: str) -> str:
@@ -253,7 +294,8 @@ def _mask_lines(spec: Spec) -> list[str]:
                           "s = torch.where(mask, s, torch.finfo(s.dtype).min)",
                           f"s.masked_fill_(mask.logical_not(), {inf})"][form])
         else:
-            lines.append(["s = s + mask", "s = mask + s", "s += mask"][form])
+            lines.append(["s = s + mask", "s = mask + s", "s += mask", "s = s.add(mask, alpha=0.5)",
+                          "s = s - mask"][form])
         return lines
     if m == "padding":
         # pad: (B, M) with 1 = keep; HF-style additive term of -1e4.
@@ -314,6 +356,10 @@ def render(spec: Spec) -> str:
     if spec.layout == "bnhd" and not einsum_bnhd:
         body.append("q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)")
     hd = 2 if einsum_bnhd else 1  # the heads dim of the program's tensors
+    if spec.shared == "kv":
+        body.append("v = k  # one tensor as keys and values")
+    elif spec.shared == "qk":
+        body.append("k = q  # one tensor as queries and keys")
     if spec.gqa == "repeat_kv":
         body.append("def repeat_kv(x, r):")
         if einsum_bnhd:
@@ -327,6 +373,7 @@ def render(spec: Spec) -> str:
         r = spec.H // spec.Hkv
         body.append(f"k = k.repeat_interleave({r}, dim={hd})")
         body.append(f"v = torch.repeat_interleave(v, {r}, dim={hd})")
+    core = len(body)  # the attention itself starts here
     if einsum_bnhd:
         body.append("b, n, h, d = q.shape")
         body.append("m = k.shape[1]")
@@ -356,10 +403,10 @@ def render(spec: Spec) -> str:
 
     if spec.scale_place == "scores":
         if spec.scale != "none":
-            body.append(f"s = {_scaled(spec, 's')}")
+            body.append(_scale_line(spec))
     body.extend(_mask_lines(spec))
     if spec.scale_place == "after_mask":
-        body.append(f"s = {_scaled(spec, 's')}")
+        body.append(_scale_line(spec))
 
     hostile = spec.hostile
     if hostile == "scores_times_tensor":
@@ -402,6 +449,12 @@ def render(spec: Spec) -> str:
     if hostile == "reuse_probs":
         body.append("o = o + a.mean(dim=-1, keepdim=True)" if p != "einsum" or not einsum_bnhd
                     else "o = o + a.mean(dim=-1).transpose(1, 2)[..., None]")
+    if spec.twice:
+        # The attention as a local function, called twice: the second call
+        # reads the first one's output as its queries.
+        extra = "".join(", " + a for a in args[3:])
+        inner = [f"def attend(q, k, v{extra}):"] + ["    " + line for line in body[core:]] + ["    return o"]
+        body[core:] = inner + [f"o = attend(q, k, v{extra})", f"o = attend(o, k, v{extra})"]
     if spec.out != "plain":
         if not einsum_bnhd:
             body.append("o = o.transpose(1, 2)")
@@ -444,11 +497,13 @@ def make_inputs(spec: Spec) -> list[torch.Tensor]:
     inputs = [q, k, v]
     if spec.mask in INPUT_MASKS:
         shape = {"nm": (N, M), "11nm": (1, 1, N, M), "b1nm": (B, 1, N, M), "bhnm": (B, H, N, M),
-                 "b11m": (B, 1, 1, M)}[spec.mask_shape]
+                 "b11m": (B, 1, 1, M), "b1n1": (B, 1, N, 1), "1nm": (1, N, M)}[spec.mask_shape]
         keep = torch.rand(*shape, generator=g) > 0.4
         # At least one visible key per row: key i % M for query row i (or
         # key 0 for a key-padding mask), in every broadcast slice.
-        if shape[-2] == 1:
+        if shape[-1] == 1:
+            keep[:] = True
+        elif shape[-2] == 1:
             keep[..., 0] = True
         else:
             rows = torch.arange(N)

@@ -71,7 +71,9 @@ def test_hf_model_all_layers_rewritten(name):
     if name == "t5":
         kw["decoder_input_ids"] = ids
 
-    rec = Recorder("aot_eager")
+    # "eager" after the rewrite: the op's own autograd runs the backward
+    # (AOTAutograd adds tracing time here and is covered by other tests).
+    rec = Recorder("eager")
     backend = make_backend(compiler=rec, record=True)
     out = _first(torch.compile(model, backend=backend)(**kw))
     ref = _first(ref_model(**kw))
@@ -90,6 +92,7 @@ def test_hf_model_all_layers_rewritten(name):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-3, rtol=1e-3, msg=pname)
 
 
+@pytest.mark.slow
 def test_hf_output_attentions_left_alone():
     """Returned probabilities must not be rewritten away."""
     torch.manual_seed(0)

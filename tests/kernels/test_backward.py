@@ -71,10 +71,12 @@ def run_case(
     B=1, Hq=2, Hkv=None, N=17, M=33, D=40, Dv=None, dtype=torch.float32, *,
     mask_shape=None, mask_kind=None, mask_grad=False, window_left=None, window_right=None,
     bottom_right=False, dropout_p=0.0, noncontig=False, seed=0, scale=None, empty_rows=(),
+    go_broadcast=False,
 ):
     """Compare ``attention_backward`` with float64 autograd on fresh inputs.
 
     mask_kind: None, "bool" or "float"; mask_shape its (broadcastable) shape.
+    go_broadcast: grad_out constant over queries (stride 0).
     empty_rows: query rows whose keys are all masked out (bool mask) or set to
     -inf (float mask), to test rows with no visible key.
     Returns the four kernel outputs.
@@ -86,6 +88,8 @@ def run_case(
     k = _rand((B, Hkv, M, D), dtype, noncontig, gen)
     v = _rand((B, Hkv, M, Dv), dtype, noncontig, gen)
     go = _rand((B, Hq, N, Dv), dtype, noncontig, gen)
+    if go_broadcast:  # e.g. the gradient of out.sum(dim=2): stride 0 over queries
+        go = go[:, :, :1].expand(B, Hq, N, Dv)
     scale = D ** -0.5 if scale is None else scale
 
     mask = None
@@ -211,6 +215,10 @@ def test_gqa_mqa(Hq, Hkv):
 def test_noncontiguous(dtype):
     run_case(B=2, Hq=2, N=17, M=33, D=40, Dv=24, dtype=dtype, noncontig=True,
              mask_shape=(2, 1, 17, 33), mask_kind="float")
+
+
+def test_broadcast_grad_out():
+    run_case(N=33, M=17, D=16, Dv=40, dtype=torch.float16, go_broadcast=True, window_right=0)
 
 
 @pytest.mark.parametrize("dropout_p", [0.3, pytest.param(0.9, marks=pytest.mark.slow)])

@@ -1,0 +1,154 @@
+"""The pass must never change what a model computes: graphs it cannot prove
+are left exactly as they are (no op inserted, same outputs as eager)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxutil import compile_and_compare, qkv
+
+SCALE = 0.25
+
+
+def softmax_over_queries(q, k, v):
+    return F.softmax(q @ k.transpose(-2, -1) * SCALE, dim=-2) @ v
+
+
+def probs_returned(q, k, v):
+    p = F.softmax(q @ k.transpose(-2, -1) * SCALE, dim=-1)
+    return p @ v, p
+
+
+def scores_reused(q, k, v):
+    s = q @ k.transpose(-2, -1) * SCALE
+    return F.softmax(s, dim=-1) @ v + s.mean()
+
+
+def probs_masked_after_softmax(q, k, v):
+    p = F.softmax(q @ k.transpose(-2, -1) * SCALE, dim=-1)
+    p = p.masked_fill(torch.ones_like(p, dtype=torch.bool).triu(1), 0.0)
+    return p @ v
+
+
+def fill_with_zero(q, k, v):
+    n = q.size(-2)
+    s = (q @ k.transpose(-2, -1) * SCALE).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), 0.0)
+    return s.softmax(-1) @ v
+
+
+def fill_with_small_negative(q, k, v):
+    n = q.size(-2)
+    s = (q @ k.transpose(-2, -1) * SCALE).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -5.0)
+    return s.softmax(-1) @ v
+
+
+def scores_times_tensor(q, k, v):
+    s = q @ k.transpose(-2, -1) * SCALE
+    w = torch.linspace(0.5, 1.5, s.shape[-1])
+    return F.softmax(s * w, dim=-1) @ v
+
+
+def soft_capping(q, k, v):
+    s = torch.tanh(q @ k.transpose(-2, -1) * SCALE / 5.0) * 5.0
+    return F.softmax(s, dim=-1) @ v
+
+
+def mask_enlarges_scores(q, k, v):
+    # q has one batch row; the mask broadcasts the scores to two.
+    s = q[:1] @ k[:1].transpose(-2, -1) * SCALE
+    bias = torch.zeros(2, 1, 1, s.shape[-1])
+    return F.softmax(s + bias, dim=-1) @ v[:1]
+
+
+def probs_right_operand(q, k, v):
+    p = F.softmax(q @ k.transpose(-2, -1) * SCALE, dim=-1)
+    return v.transpose(-2, -1) @ p
+
+
+def inplace_between_products(q, k, v):
+    q = q.clone()
+    p = F.softmax(q @ k.transpose(-2, -1) * SCALE, dim=-1)
+    q.mul_(2.0)
+    return p @ v + q
+
+
+def five_dim_batch(q, k, v):
+    q5, k5, v5 = (t.unsqueeze(0) for t in (q, k, v))
+    return F.softmax(q5 @ k5.transpose(-2, -1) * SCALE, dim=-1) @ v5
+
+
+def log_softmax_not_softmax(q, k, v):
+    return F.log_softmax(q @ k.transpose(-2, -1) * SCALE, dim=-1).exp() @ v
+
+
+NEGATIVE = [
+    softmax_over_queries, probs_returned, scores_reused, probs_masked_after_softmax,
+    fill_with_zero, fill_with_small_negative, scores_times_tensor, soft_capping,
+    mask_enlarges_scores, probs_right_operand, inplace_between_products, five_dim_batch,
+    log_softmax_not_softmax,
+]
+
+
+@pytest.mark.parametrize("fn", NEGATIVE, ids=lambda f: f.__name__)
+def test_left_unchanged(fn):
+    # Eager cannot differentiate through the in-place case; compare forward only.
+    grad = fn is not inplace_between_products
+    compile_and_compare(fn, *qkv(d=16, grad=grad), expect=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,why",
+    [
+        (dict(d=8), "head size 8"),
+        (dict(d=512), "head size 512"),
+        (dict(d=16, dtype=torch.float64), "dtype torch.float64"),
+    ],
+    ids=["head_dim_8", "head_dim_512", "float64"],
+)
+def test_unsupported_shapes_and_dtypes(kwargs, why):
+    def fn(q, k, v):
+        return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+    _, backend = compile_and_compare(fn, *qkv(**kwargs), expect=0)
+    assert why in backend.candidates[0].reason
+
+
+def test_non_transpose_permutation_is_still_exact():
+    """A key permuted some other way is never mistaken for a transposed key:
+    the op's key is always the right operand transposed back, so the result
+    is eager's whatever the permutation."""
+
+    def fn(q, k, v):
+        # k is (B, H, D, M) already; swap batch and heads as well.
+        return F.softmax(q @ k.permute(1, 0, 3, 2).transpose(-2, -1).transpose(-2, -1).permute(1, 0, 2, 3)
+                         * SCALE, dim=-1) @ v
+
+    q, k, v = qkv(d=16)
+    kt = k.detach().transpose(-2, -1).contiguous().requires_grad_()
+    compile_and_compare(fn, q, kt.transpose(-2, -1).detach().clone().requires_grad_(), v, expect=1)
+
+
+def test_fully_masked_rows_documented_difference():
+    """Rows with every key masked are the one documented difference: eager
+    gives NaN for -inf masks, the op gives 0. Other rows are equal."""
+
+    def fn(q, k, v, keep):
+        s = (q @ k.transpose(-2, -1) * SCALE).masked_fill(~keep, float("-inf"))
+        return s.softmax(-1) @ v
+
+    q, k, v = qkv(d=16, grad=False)
+    keep = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    keep[0, :, 3] = False  # query row 3 of batch 0 sees nothing
+    from flashfuse.backend import make_backend
+
+    out = torch.compile(fn, backend=make_backend(compiler="eager"))(q, k, v, keep)
+    ref = fn(q, k, v, keep)
+    assert torch.isnan(ref[0, :, 3]).all() and (out[0, :, 3] == 0).all()
+    rows = torch.ones(8, dtype=torch.bool)
+    rows[3] = False
+    torch.testing.assert_close(out[0][:, rows], ref[0][:, rows])
+    torch.testing.assert_close(out[1], ref[1])

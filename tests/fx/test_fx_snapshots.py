@@ -1,0 +1,131 @@
+"""Snapshots of a few rewritten graphs (what the pass emits, node by node).
+
+Graphs are rendered in a compact form that does not depend on FX's node
+naming: inputs by their Dynamo source names, call results ``%0, %1, ...``.
+Regenerate with ``EXPECTTEST_ACCEPT=1 pytest tests/fx/test_fx_snapshots.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import expecttest
+import torch
+import torch.nn.functional as F
+
+from fxutil import Recorder, qkv
+from flashfuse.backend import make_backend
+from flashfuse.fx.nodes import describe
+from test_fx_spellings import NanoGPTAttention, RepeatKV, einsum_bnhd
+
+
+def render(gm: torch.fx.GraphModule) -> str:
+    names: dict = {}
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            names[node] = str(node.target)
+            continue
+
+        def fmt(a):
+            if isinstance(a, torch.fx.Node):
+                return names[a]
+            if isinstance(a, (list, tuple)):
+                inner = ", ".join(fmt(x) for x in a)
+                return f"({inner})" if isinstance(a, tuple) else f"[{inner}]"
+            if isinstance(a, float):
+                return f"{a:.6g}"
+            return str(a)
+
+        args = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+        if node.op == "output":
+            lines.append(f"return {', '.join(args)}")
+            continue
+        names[node] = f"%{len(lines)}"
+        target = describe(node)
+        if "flashfuse.attention" in target:
+            target = "flashfuse.attention"
+        lines.append(f"{names[node]} = {target}({', '.join(args)})")
+    return "\n".join(lines)
+
+
+def rewritten(fn, *args) -> str:
+    torch._dynamo.reset()
+    rec = Recorder("eager")
+    torch.compile(fn, backend=make_backend(compiler=rec))(*args)
+    return render(rec.graphs[0])
+
+
+class TestSnapshots(expecttest.TestCase):
+    def setUp(self):
+        import os
+
+        self._env = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "0"
+
+    def tearDown(self):
+        import os
+
+        if self._env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = self._env
+
+    def test_plain(self):
+        def fn(q, k, v):
+            return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+        self.assertExpectedInline(rewritten(fn, *qkv(d=16, grad=False)), """\
+%0 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=None, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
+return (%0)""")
+
+    def test_nanogpt_causal_buffer(self):
+        torch.manual_seed(0)
+        self.assertExpectedInline(rewritten(NanoGPTAttention().eval(), torch.randn(2, 12, 64)), """\
+%0 = torch._C._nn.linear(L_x_, L_self_modules_c_attn_parameters_weight_, L_self_modules_c_attn_parameters_bias_)
+%1 = .split()(%0, 64, dim=2)
+%2 = operator.getitem(%1, 0)
+%3 = operator.getitem(%1, 1)
+%4 = operator.getitem(%1, 2)
+%5 = .view()(%3, 2, 12, 4, 16)
+%6 = .transpose()(%5, 1, 2)
+%7 = .view()(%2, 2, 12, 4, 16)
+%8 = .transpose()(%7, 1, 2)
+%9 = .view()(%4, 2, 12, 4, 16)
+%10 = .transpose()(%9, 1, 2)
+%11 = flashfuse.attention(%8, %6, %10, attn_mask=None, dropout_p=0, is_causal=True, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
+%12 = .transpose()(%11, 1, 2)
+%13 = .contiguous()(%12)
+%14 = .view()(%13, 2, 12, 64)
+%15 = torch._C._nn.linear(%14, L_self_modules_c_proj_parameters_weight_, L_self_modules_c_proj_parameters_bias_)
+return (%15)""")
+
+    def test_einsum_bnhd_layout(self):
+        self.assertExpectedInline(rewritten(einsum_bnhd, *qkv(d=16, grad=False)), """\
+%0 = .transpose()(L_q_, 1, 2)
+%1 = .transpose()(L_k_, 1, 2)
+%2 = .transpose()(L_v_, 1, 2)
+%3 = .permute()(%0, 0, 2, 1, 3)
+%4 = .permute()(%1, 0, 2, 1, 3)
+%5 = .permute()(%2, 0, 2, 1, 3)
+%6 = flashfuse.attention(%3, %4, %5, attn_mask=None, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
+%7 = .permute()(%6, 0, 2, 1, 3)
+return (%7)""")
+
+    def test_repeat_kv_folded(self):
+        self.assertExpectedInline(rewritten(RepeatKV(2), *qkv(h=4, hkv=2, d=16, grad=False)), """\
+%0 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=None, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=True, window_left=None, window_right=None, alignment=top_left)
+return (%0)""")
+
+    def test_padding_mask_passed_through(self):
+        def fn(q, k, v, pad):
+            s = q @ k.transpose(-2, -1) * 0.25
+            s = s + (1.0 - pad[:, None, None, :]) * -10000.0
+            return s.softmax(-1) @ v
+
+        self.assertExpectedInline(rewritten(fn, *qkv(d=16, grad=False), torch.ones(2, 8)), """\
+%0 = operator.getitem(L_pad_, (slice(None, None, None), None, None, slice(None, None, None)))
+%1 = operator.sub(1, %0)
+%2 = operator.mul(%1, -10000)
+%3 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=%2, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
+return (%3)""")

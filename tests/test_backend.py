@@ -1,0 +1,102 @@
+"""The torch.compile backend: registration, compiler choice, Inductor end to end."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# Not `import flashfuse.backend as ...`: flashfuse/__init__ binds the name
+# flashfuse.backend to the backend object, which shadows the module.
+from flashfuse.backend import Backend, make_backend
+from flashfuse.backend import backend as default_backend
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fx"))
+from fxutil import Recorder, count_ops, qkv  # noqa: E402
+from test_fx_spellings import NanoGPTAttention  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def blockwise_cpu(monkeypatch):
+    """Run the op's CPU tensors through its fast blockwise PyTorch path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def attn(q, k, v):
+    return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+
+def test_registered_by_name_with_inductor(caplog):
+    """backend="flashfuse" (Inductor after the rewrite): forward and backward
+    of a causal block in training mode match eager."""
+    torch.manual_seed(0)
+    m = NanoGPTAttention().train()
+    ref = NanoGPTAttention().train()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 12, 64, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with caplog.at_level(logging.INFO, logger="flashfuse"):
+        out = torch.compile(m, backend="flashfuse")(x)
+    assert any("rewrote attention" in r.getMessage() for r in caplog.records)
+    expected = ref(xr)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    for p, pr in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_default_backend_object():
+    assert isinstance(default_backend, Backend) and default_backend.compiler == "inductor"
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("flashfuse") is default_backend
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_debug_compilers(compiler):
+    backend = make_backend(compiler=compiler, record=True)
+    q, k, v = qkv(d=16)
+    out = torch.compile(attn, backend=backend)(q, k, v)
+    torch.testing.assert_close(out, attn(q, k, v), atol=1e-5, rtol=1e-5)
+    assert [c.rewritten for c in backend.candidates] == [True]
+    out.sum().backward()
+    assert q.grad is not None
+
+
+def test_callable_compiler_sees_rewritten_graph():
+    rec = Recorder("eager")
+    torch.compile(attn, backend=make_backend(compiler=rec))(*qkv(d=16, grad=False))
+    assert count_ops(rec.graphs[0]) == 1
+    assert not any("softmax" in str(n.target) for n in rec.graphs[0].graph.nodes)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="compiler must be"):
+        make_backend(compiler=3)
+    with pytest.raises(ValueError, match="only understood by the inductor"):
+        make_backend(compiler="eager", options={"max_autotune": True})
+    with pytest.raises(ValueError, match="cannot be flashfuse"):
+        make_backend(compiler="flashfuse")
+    assert "aot_eager" in repr(make_backend(compiler="aot_eager"))
+
+
+def test_no_global_config_changed():
+    import torch._inductor.config as ic
+
+    before = dict(ic.get_config_copy())
+    make_backend(options={"max_autotune": True})
+    assert dict(ic.get_config_copy()) == before

@@ -34,17 +34,19 @@ def build(name):
     return transformers.LlamaForCausalLM(cfg)
 
 
-KEYWORDS = ("matmul", "softmax", "flashfuse", "repeat", "expand", "dropout")
+def around(code, marker, before, after):
+    """The lines of ``code`` around the first line containing ``marker``."""
+    lines = [ln.split(";")[0].rstrip() for ln in code.splitlines()]
+    i = next(i for i, ln in enumerate(lines) if marker in ln)
+    return "\n".join(lines[max(0, i - before) : i + after + 1])
 
 
 def show_rewrite(gm, example_inputs):
-    def attention_lines(code):
-        lines = [ln.split(";")[0].strip() for ln in code.splitlines() if any(k in ln for k in KEYWORDS)]
-        return "\n".join(lines[: len(lines) // 2 or None])  # the first layer
-
-    print("=== attention of the first layer, before ===\n" + attention_lines(gm.code))
+    print("=== attention of the first layer, before ===")
+    print(around(gm.code, "softmax", 8, 3))
     rewrite(gm, example_inputs)
-    print("=== after ===\n" + attention_lines(gm.code))
+    print("=== after ===")
+    print(around(gm.code, "flashfuse", 4, 2))
     return gm.forward
 
 

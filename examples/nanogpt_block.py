@@ -44,7 +44,8 @@ class CausalSelfAttention(nn.Module):
 def show_rewrite(gm, example_inputs):
     """Print the graph lines between the projections, before and after."""
     def body(code):
-        return "\n".join(line for line in code.splitlines() if "linear" not in line and "= L_" not in line)
+        skip = ("linear", "= L_", "def forward", "return")
+        return "\n".join(ln.split(";")[0] for ln in code.splitlines() if ln.strip() and not any(s in ln for s in skip))
 
     print("=== before ===\n" + body(gm.code))
     rewrite(gm, example_inputs)

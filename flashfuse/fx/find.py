@@ -21,6 +21,7 @@ a transpose already in the graph is merely peeled so no extra view is added.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Any, Optional, Sequence
@@ -42,6 +43,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HIDE_THRESHOLD = -1e4
 
 
+log = logging.getLogger("flashfuse")
+
+
 class NoMatch(Exception):
     """The graph around a softmax must stay as it is; the message says why."""
 
@@ -60,6 +64,10 @@ def find(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = Non
         except NoMatch as e:
             cand.plan = None
             cand.reason = str(e)
+        except Exception as e:  # noqa: BLE001 - a bug must not change a model
+            log.warning("flashfuse: error analysing %s, left as it is: %r", node.name, e, exc_info=True)
+            cand.plan = None
+            cand.reason = f"internal error: {e!r}"
         out.append(cand)
     return out
 
@@ -124,7 +132,7 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator) ->
     if sm_dtype is not None and not (isinstance(sm_dtype, torch.dtype) and sm_dtype.is_floating_point):
         raise NoMatch("softmax dtype is not a floating dtype")
 
-    pv, dropout_p, probs_chain, p_operand = _walk_probs(sm, gm)
+    pv, dropout_p, probs_chain = _walk_probs(sm, gm)
     cand.output = pv
     qk, transforms, scores_chain = _walk_scores(x, sm)
     cand.scores = qk
@@ -147,9 +155,9 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator) ->
         if not _same_shape(N.shape(n), scores_shape):
             raise NoMatch(f"{N.describe(n)} changes the shape of the scores")
 
-    q_op, k_op, pre, kind_qk = _score_operands(qk)
+    q_op, k_op, pre = _score_operands(qk)
     transforms = pre + transforms
-    v_op, out_steps, batch_names = _value_operand(pv, p_operand, kind_qk)
+    v_op, out_steps = _value_operand(pv)
     plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
     cand.plan = plan
 
@@ -160,7 +168,7 @@ def _same_shape(a, b) -> bool:
 
 def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
     """From the softmax forward to ``probs @ v``. Returns the product node,
-    dropout probability, the transform nodes and the operand position."""
+    the dropout probability and the transform nodes."""
     cur = sm
     chain: list[torch.fx.Node] = []
     dropout_p = 0.0
@@ -183,7 +191,8 @@ def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
             cur = u
             continue
         if k == "dropout":
-            if u.args[0] is not cur if u.args else u.kwargs.get("input") is not cur:
+            inp = u.args[0] if u.args else u.kwargs.get("input")
+            if u.op != "call_module" and inp is not cur:
                 raise NoMatch("dropout reads the probabilities in an unexpected position")
             if u.op == "call_module":
                 mod = gm.get_submodule(u.target)
@@ -197,6 +206,14 @@ def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
                 raise NoMatch("dropout's training flag is not a compile-time constant")
             if training:
                 pn = N.number(p)
+                pv = N.val(p)
+                if pn is None and isinstance(pv, torch.SymFloat):
+                    # A symbolic probability: specialise on its value with a
+                    # guard, so a different p recompiles instead of being ignored.
+                    try:
+                        pn = float(pv)
+                    except Exception:  # noqa: BLE001 - no hint to guard on
+                        pn = None
                 if pn is None:
                     raise NoMatch("dropout probability is not a compile-time constant")
                 if seen_dropout and pn > 0:
@@ -211,12 +228,12 @@ def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
             continue
         if k in ("matmul", "bmm"):
             if len(u.args) >= 2 and u.args[0] is cur and u.args[1] is not cur:
-                return u, dropout_p, chain, 0
+                return u, dropout_p, chain
             raise NoMatch("the probabilities are not the left operand of the product with v")
         if k == "einsum":
             ops = _einsum_operands(u)
             if ops is not None and len(ops[1]) == 2 and ops[1][0] is cur and ops[1][1] is not cur:
-                return u, dropout_p, chain, 0
+                return u, dropout_p, chain
             raise NoMatch("the probabilities go into an einsum that is not probs x v")
         raise NoMatch(f"the probabilities go into {N.describe(u)}, not a product with v")
 
@@ -523,7 +540,7 @@ def _score_operands(qk: torch.fx.Node) -> tuple:
             raise NoMatch("scores with more than two batch dims")
         q_op = _pad_batch(q_op, av.dim(), nb)
         k_op = _pad_batch(k_op, bv.dim(), nb)
-        return q_op, k_op, pre, ("matmul", nb)
+        return q_op, k_op, pre
     if k == "einsum":
         eq, ops = _einsum_operands(qk)
         if len(ops) != 2:
@@ -545,7 +562,7 @@ def _score_operands(qk: torch.fx.Node) -> tuple:
         k_op = _einsum_to(ops[1], tb, list(batch) + [m_l, d_l])
         q_op = _pad_batch(q_op, len(batch) + 2, len(batch))
         k_op = _pad_batch(k_op, len(batch) + 2, len(batch))
-        return q_op, k_op, pre, ("einsum", len(batch))
+        return q_op, k_op, pre
     raise NoMatch(f"{N.describe(qk)} is not a score product")
 
 
@@ -578,11 +595,9 @@ def _einsum_to(node: Any, have: str, want: list) -> Operand:
     perm = [letters.index(c) for c in want if c in letters]
     if perm != list(range(len(perm))):
         op = op.then(("permute", tuple(perm)))
-    present = [c for c in want if c in letters]
     for pos, c in enumerate(want):
         if c not in letters:
             op = op.then(("unsqueeze", pos))
-            present.insert(pos, c)
     return op
 
 
@@ -593,7 +608,7 @@ def _pad_batch(op: Operand, ndim: int, nb: int) -> Operand:
     return op
 
 
-def _value_operand(pv: torch.fx.Node, p_pos: int, kind_qk: tuple) -> tuple:
+def _value_operand(pv: torch.fx.Node) -> tuple:
     """v (B?, H?, M, Dv) operand and the steps that turn the op's
     (B, H, N, Dv) result into ``pv``'s tensor."""
     k = N.kind(pv)
@@ -607,7 +622,7 @@ def _value_operand(pv: torch.fx.Node, p_pos: int, kind_qk: tuple) -> tuple:
             raise NoMatch("output with more than two batch dims")
         v_op = _pad_batch(Operand(v), vv.dim(), nb)
         out_steps = [("squeeze", 0)] * (2 - nb)
-        return v_op, out_steps, None
+        return v_op, out_steps
     # einsum: probabilities carry the score layout (batch..., n, m).
     eq, ops = _einsum_operands(pv)
     (tp, tv), to = _parse_einsum(eq, 2)
@@ -630,7 +645,7 @@ def _value_operand(pv: torch.fx.Node, p_pos: int, kind_qk: tuple) -> tuple:
     perm = tuple(canon.index(c) for c in to)
     if perm != tuple(range(len(perm))):
         out_steps.append(("permute", perm))
-    return v_op, out_steps, batch
+    return v_op, out_steps
 
 
 # ---------------------------------------------------------------------------

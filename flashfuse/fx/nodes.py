@@ -243,6 +243,11 @@ def number(x: Any) -> Optional[float]:
         if isinstance(v, torch.SymInt):
             c = const_int(v)
             return float(c) if c is not None else None
+        if isinstance(v, torch.SymFloat):
+            # Dynamo may keep a float it already specialised as a SymFloat
+            # with a constant expression (e.g. ``nn.Dropout.p`` via .item()).
+            expr = v.node.expr
+            return float(expr) if getattr(expr, "is_number", False) else None
         # A 0-d tensor built in the graph from a constant (torch.full([], c),
         # torch.tensor(c)): its value is that constant rounded to its dtype.
         k = kind(x)

@@ -42,14 +42,20 @@ class FlashAttentionPass:
     each marked ``rewritten`` or carrying the reason it was left alone.
     """
 
-    # Identifies the pass (and its version) for caches keyed on graph passes.
-    uuid = "flashfuse.fx.FlashAttentionPass/1"
+    def uuid(self) -> str:
+        """Identifies the pass and its version (for caches keyed on passes,
+        as Inductor's ``CustomGraphPass`` interface expects)."""
+        return "flashfuse.fx.FlashAttentionPass/1"
 
     def __init__(self, example_inputs: Optional[Sequence[Any]] = None):
         self.example_inputs = example_inputs
 
     def __call__(self, gm: torch.fx.GraphModule) -> list[Candidate]:
-        candidates = find(gm, self.example_inputs)
+        try:
+            candidates = find(gm, self.example_inputs)
+        except Exception as e:  # noqa: BLE001 - never break a user's compile
+            log.warning("flashfuse: attention search failed, graph left as it is: %r", e, exc_info=True)
+            return []
         replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         changed = False
         for cand in candidates:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep, _dropout_keep_at, _visible
+from .common import _dropout_keep_block, _visible
 
 __all__ = ["attention_backward"]
 
@@ -203,7 +203,7 @@ def _bwd_dkdv(
 
             dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
             if HAS_DROPOUT:
-                keepT = _dropout_keep_at(seed, offs_m[None, :], offs_n[:, None], bh, threshold)
+                keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
                 pdT = tl.where(keepT, pT * inv_keep, 0.0)
                 dpT = tl.where(keepT, dpT * inv_keep, 0.0)
             else:
@@ -327,7 +327,7 @@ def _bwd_dq(
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PREC)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, offs_m, offs_n, bh, threshold)
+            keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(dtype).to(q.dtype), tl.trans(kT), input_precision=PREC)
@@ -354,49 +354,70 @@ def _max_shared_mem(device: torch.device) -> int:
         return 227 * 1024
 
 
+def _cfg(bm, bn, w, s):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+
+
+# Candidate tiles (BLOCK_M, BLOCK_N, warps, stages) per head-dim class, chosen
+# from ptxas register/spill reports for sm_90 (fp16): the dK/dV program keeps
+# a key block of K, V and two float32 accumulators resident and streams query
+# blocks (wide BLOCK_N, narrow BLOCK_M); dQ is the mirror image.
+_DKDV_TILES = {
+    64: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3), (16, 64, 4, 3),
+         (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3)],
+    128: [(16, 128, 8, 3), (16, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 3), (16, 32, 4, 3),
+          (64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
+    256: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 64, 8, 3), (16, 32, 4, 2)],
+}
+_DQ_TILES = {
+    64: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 16, 8, 3),
+         (128, 64, 4, 3), (64, 64, 4, 3)],
+    128: [(128, 16, 8, 3), (64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 4, 3), (128, 32, 8, 3),
+          (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    256: [(64, 16, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (128, 16, 8, 3)],
+}
+
+
+def _all_configs(tiles):
+    seen = dict.fromkeys(t for ts in tiles.values() for t in ts)
+    return [_cfg(*t) for t in seen]
+
+
 def _prune(kind: str):
-    """early_config_prune: drop configs whose tiles cannot fit in shared
-    memory or whose float32 accumulators would spill heavily."""
+    """early_config_prune: keep the candidate tiles of the head-dim class
+    that fit in shared memory (fewer for fp32, whose IEEE dots compile slowly
+    and run on CUDA cores)."""
+    tiles = _DKDV_TILES if kind == "dkdv" else _DQ_TILES
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         bd, bdv = args["BLOCK_D"], args["BLOCK_DV"]
         q = args["Q"]
         elt = q.element_size()
+        wanted = tiles[64 if max(bd, bdv) <= 64 else 128 if max(bd, bdv) <= 128 else 256]
+        if elt == 4:
+            wanted = wanted[:2]
         smem_cap = _max_shared_mem(q.device)
         kept = []
         for c in configs:
             bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-            threads = 32 * c.num_warps
-            if kind == "dkdv":
-                resident, streamed, acc = bn * (bd + bdv), bm * (bd + bdv), bn * (bd + bdv)
-            else:
-                resident, streamed, acc = bm * (bd + bdv), bn * (bd + bdv), bm * bd
-            smem = elt * (resident + c.num_stages * streamed + 2 * bm * bn)
-            regs = acc / threads + (resident * elt / 4) / threads
-            if smem <= smem_cap and regs <= 192:
+            if (bm, bn, c.num_warps, c.num_stages) not in wanted:
+                continue
+            resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+            smem = elt * (bd + bdv) * (resident + c.num_stages * streamed) + 4 * bm * bn
+            if smem <= smem_cap:
                 kept.append(c)
-        if not kept:  # smallest tile as the fallback
-            kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_warps))]
+        if not kept:  # smallest tile of the class as the fallback
+            small = min(wanted, key=lambda t: t[0] * t[1])
+            kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                           c.num_stages) == small]
         return kept
 
     return prune
 
 
-def _cfg(bm, bn, w, s):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-
-
-# dK/dV programs keep a key block resident and stream query blocks: wide
-# BLOCK_N, narrow BLOCK_M. dQ is the mirror image.
-_DKDV_CONFIGS = [
-    _cfg(32, 128, 4, 3), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3),
-    _cfg(64, 64, 4, 3), _cfg(32, 64, 8, 2), _cfg(16, 32, 4, 2),
-]
-_DQ_CONFIGS = [
-    _cfg(128, 32, 4, 3), _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 32, 4, 3),
-    _cfg(64, 64, 4, 3), _cfg(64, 32, 8, 2), _cfg(32, 16, 4, 2),
-]
+_DKDV_CONFIGS = _all_configs(_DKDV_TILES)
+_DQ_CONFIGS = _all_configs(_DQ_TILES)
 _KEY = ["N_BUCKET", "M_BUCKET", "BLOCK_D", "BLOCK_DV", "HAS_WL", "HAS_WR", "MASK_KIND",
         "HAS_DROPOUT", "PREC"]
 
@@ -411,6 +432,11 @@ _bwd_dq_tuned = triton.autotune(
 
 # Under the interpreter: one small fixed tile, for CI speed.
 _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _config_meta(cfg: triton.Config) -> dict:
+    """Launch keywords of a config, for launching a kernel without autotuning."""
+    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _bucket(n: int) -> int:
@@ -549,9 +575,18 @@ def attention_backward(
     interp = _interpreting(q)
     flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
-    dkdv_kernel = _bwd_dkdv if interp else _bwd_dkdv_tuned
-    dq_kernel = _bwd_dq if interp else _bwd_dq_tuned
-    meta = dict(_INTERPRET_META) if interp else {}
+    if interp:
+        dkdv_kernel, dq_kernel = _bwd_dkdv, _bwd_dq
+        dkdv_meta = dq_meta = dict(_INTERPRET_META)
+    elif os.environ.get("FLASHFUSE_AUTOTUNE", "1") == "0":
+        # Fixed configs: the first candidate of each kernel that fits.
+        dkdv_kernel, dq_kernel = _bwd_dkdv, _bwd_dq
+        named = {"Q": q, **flags}
+        dkdv_meta = _config_meta(_prune("dkdv")(_DKDV_CONFIGS, named)[0])
+        dq_meta = _config_meta(_prune("dq")(_DQ_CONFIGS, named)[0])
+    else:
+        dkdv_kernel, dq_kernel = _bwd_dkdv_tuned, _bwd_dq_tuned
+        dkdv_meta = dq_meta = {}
 
     # Launch on q's device (the current CUDA device may be another one).
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -580,7 +615,7 @@ def attention_backward(
                 *dk.stride(), *dv.stride(), *g_strides,
                 *common_scalars, b0,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum,
-                **flags, **meta,
+                **flags, **dkdv_meta,
             )
             if do_grad and chunk < B:
                 dmask_sum += gbuf[: b1 - b0].sum(dim=0, keepdim=True)
@@ -593,7 +628,7 @@ def attention_backward(
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
             *dq.stride(),
             *common_scalars,
-            **flags, **meta,
+            **flags, **dq_meta,
         )
 
     dmask = _reduce_dmask(gbuf, attn_mask) if do_grad else None

@@ -343,6 +343,9 @@ _CUDA_CONFIGS = [
     (128, 64, 8, 2),  # large head dims
     (64, 64, 4, 3),
     (64, 32, 4, 2),  # fp32 with large head dims
+    (128, 128, 8, 3),
+    (128, 64, 4, 4),
+    (64, 64, 4, 4),
 ]
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave room

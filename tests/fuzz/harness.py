@@ -131,7 +131,7 @@ def run_differential(spec: Spec, compiler: str = "eager") -> CountingCompiler:
     ref = ref_model(*ref_inputs)
     got = compiled(*inputs)
 
-    expected: Optional[int] = expected_rewrites(spec)
+    expected: Optional[int] = expected_rewrites(spec, compiler)
     if expected is not None:
         assert counter.ops == expected, (
             f"expected {expected} flashfuse attention node(s), found {counter.ops}; "

@@ -16,14 +16,16 @@ Profiles (see FUZZING.md):
 
 from __future__ import annotations
 
+import collections
 import os
+import time
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, note, seed, settings
 
 from .harness import run_differential
-from .programs import render, repro, specs
+from .programs import expected_rewrites, render, repro, specs
 
 LONG_EXAMPLES = int(os.environ.get("FLASHFUSE_FUZZ_EXAMPLES", "0") or 0)
 LONG_SEED = os.environ.get("FLASHFUSE_FUZZ_SEED")
@@ -96,11 +98,21 @@ def test_long_profile():
     )
     @given(spec=specs())
     def run(spec):
-        _check(spec, "aot_eager" if spec.seed % 4 == 0 else "eager")
+        compiler = "aot_eager" if spec.seed % 4 == 0 else "eager"
+        _check(spec, compiler)
+        tally["programs"] += 1
+        tally[f"expect={expected_rewrites(spec, compiler)}"] += 1
+        tally[compiler] += 1
 
+    tally: collections.Counter = collections.Counter()
     if LONG_SEED is not None:
         run = seed(int(LONG_SEED))(run)
-    run()
+    start = time.time()
+    try:
+        run()
+    finally:
+        # Passing programs (shrinking replays included), for FUZZING.md.
+        print(f"\nflashfuse fuzz: {dict(tally)} in {time.time() - start:.0f} s, torch {torch.__version__}")
 
 
 def test_render_is_readable_source():

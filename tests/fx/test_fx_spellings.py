@@ -159,6 +159,34 @@ def scale_after_mask(q, k, v):
     return (s / math.sqrt(q.size(-1))).softmax(-1) @ v
 
 
+_g = torch.Generator().manual_seed(1)
+# A padding-like keep mask (True takes part) and a float bias, for (2, H, 8, 8) scores.
+KEEP = (torch.rand(2, 1, 1, 8, generator=_g) > 0.3) | (torch.arange(8) == 0)
+BIAS = torch.randn(2, 1, 8, 8, generator=_g)
+
+
+def where_user_mask_finfo_min(q, k, v):
+    s = q @ k.transpose(-2, -1) * SCALE
+    return torch.where(KEEP, s, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+def bias_before_scale(q, k, v):
+    return F.softmax((q @ k.transpose(-2, -1) + BIAS) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+
+def causal_plus_padding(q, k, v):
+    n = q.size(-2)
+    s = q @ k.transpose(-2, -1) * SCALE
+    s = s + (~KEEP).float() * torch.finfo(s.dtype).min
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def cast_type_method(q, k, v):
+    s = (q @ k.transpose(-2, -1) * SCALE).type(torch.float32)
+    return s.softmax(-1).type(q.dtype) @ v
+
+
 # --- heads and layouts -------------------------------------------------------------
 
 def cross_attention(q, k, v):
@@ -170,7 +198,8 @@ SPELLINGS = [
     einsum_bhnd, einsum_bnhd, baddbmm_bias, scale_on_q, scale_split, no_scale,
     scale_tensor_full, casts_float_type_as, softmax_dtype_to, dropout_eval_functional,
     causal_tril_ones, causal_triu_additive, causal_arange_where, causal_masked_fill_inplace,
-    sliding_window, scale_after_mask,
+    sliding_window, scale_after_mask, where_user_mask_finfo_min, bias_before_scale,
+    causal_plus_padding, cast_type_method,
 ]
 
 
@@ -195,6 +224,7 @@ def test_cross_lengths(fn):
         (scale_after_mask, {"causal": "top-left", "mask": "none"}),
         (matmul_op, {"mask": "none", "scale": f"{SCALE:.6g}"}),
         (scale_split, {"scale": f"{SCALE:.6g}"}),
+        (causal_plus_padding, {"causal": "top-left", "mask": "additive"}),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -205,7 +235,27 @@ def test_recognised(fn, facts):
     (cand,) = backend.candidates
     for key, value in facts.items():
         assert cand.facts.get(key) == value, (key, cand.facts)
-    assert not cand.plan.additive and not cand.plan.hide
+    assert facts.get("mask", "none") != "none" or (not cand.plan.additive and not cand.plan.hide)
+
+
+def test_nn_dropout_training_probability():
+    """nn.Dropout in training becomes dropout_p; in eval it disappears."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, q, k, v):
+            return self.drop(F.softmax(q @ k.transpose(-2, -1) * SCALE, dim=-1)) @ v
+
+    from flashfuse.backend import make_backend
+
+    for training, p in ((True, 0.1), (False, 0.0)):
+        torch._dynamo.reset()
+        backend = make_backend(compiler="eager", record=True)
+        torch.compile(M().train(training), backend=backend)(*qkv(d=D, grad=False))
+        assert backend.candidates[0].plan.dropout_p == p
 
 
 def test_bottom_right_recognised():
@@ -323,7 +373,6 @@ def test_low_precision_keeps_dtype(dtype):
 
 def test_dropout_training_matches_op():
     """Dropout in training becomes the op's dropout_p; same seed, same draw."""
-    from fxutil import Recorder  # noqa: F401
     from flashfuse.backend import make_backend
 
     def fn(q, k, v):

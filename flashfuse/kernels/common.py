@@ -5,8 +5,35 @@ which probabilities dropout keeps, so those two rules live here and nowhere
 else. ``flashfuse.reference`` re-implements the same rules in PyTorch.
 """
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+
+def _autotune_enabled() -> bool:
+    """Autotune on CUDA only when FLASHFUSE_AUTOTUNE=1.
+
+    By default each kernel takes the first candidate config that fits (the
+    lists are ordered best-first from H200 measurements): the first call then
+    compiles one kernel instead of benchmarking a dozen, which matters inside
+    torch.compile warm-up and test suites.
+    """
+    return os.environ.get("FLASHFUSE_AUTOTUNE", "0") == "1"
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    """tl.dot input precision for q's dtype.
+
+    16-bit inputs use tensor cores whatever this says. For fp32 on CUDA,
+    follow PyTorch's matmul setting: "tf32" when TF32 is allowed, else
+    "tf32x3" (three TF32 products, fp32-level accuracy on tensor cores;
+    plain IEEE dots run on CUDA cores about a hundred times slower).
+    """
+    if q.dtype != torch.float32 or q.device.type != "cuda":
+        return "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
 
 
 @triton.jit

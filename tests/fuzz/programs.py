@@ -49,7 +49,7 @@ HOSTILE = (
     "scores_times_tensor",  # a multiplicative (non-scalar) factor on the scores
     "softcap",  # tanh soft-capping of the logits
     "fill_finite",  # masked_fill with a value that does not remove positions
-    "softmax_dim",  # softmax over the query dim
+    "softmax_dim",  # softmax over another dim than the keys' one
     "head_dim",  # head size outside 16..256
     "float64",  # a dtype the op does not support in compiled graphs
 )
@@ -439,7 +439,8 @@ def render(spec: Spec) -> str:
     elif spec.cast == "to_float":
         body.append("s = s.to(torch.float32)")
 
-    dim = "-2" if hostile == "softmax_dim" else "-1"
+    # The query dim, the first batch dim, or the batch dim: never the keys.
+    dim = ("-2", "1", "0")[spec.seed % 3] if hostile == "softmax_dim" else "-1"
     body.append({
         "F": f"a = F.softmax(s, dim={dim})",
         "torch": f"a = torch.softmax(s, {dim})",

@@ -76,7 +76,7 @@ def _inputs(B, Hq, Hkv, N, M, D, Dv, dtype, device=DEVICE, gen_seed=0):
 
 
 def _check(q, k, v, attn_mask=None, *, scale=None, window_left=None, window_right=None,
-           bottom_right=False, dropout_p=0.0, seed=None, dropout_mask=None, out_tol=None):
+           bottom_right=False, dropout_p=0.0, seed=None, dropout_mask=None, out_tol=None, lse_tol=None):
     """Run the kernel and compare out and lse with the float64 reference."""
     out, lse = _run(q, k, v, attn_mask, seed, dropout_p=dropout_p, scale=scale,
                     window_left=window_left, window_right=window_right, bottom_right=bottom_right)
@@ -97,7 +97,7 @@ def _check(q, k, v, attn_mask=None, *, scale=None, window_left=None, window_righ
     atol, rtol = out_tol or OUT_TOL[q.dtype]
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
     # +inf rows must match exactly; assert_close treats equal infinities as equal.
-    latol, lrtol = LSE_TOL[q.dtype]
+    latol, lrtol = lse_tol or LSE_TOL[q.dtype]
     torch.testing.assert_close(lse.double(), ref_lse, atol=latol, rtol=lrtol)
     return out, lse
 
@@ -458,7 +458,7 @@ def test_gpu_fp32_tf32():
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
-        _check(q, k, v, out_tol=(5e-3, 5e-3))
+        _check(q, k, v, out_tol=(5e-3, 5e-3), lse_tol=(5e-3, 5e-4))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 

@@ -2,10 +2,21 @@
 
 Public API:
 
-* :func:`attention` - exact flash attention, ``torch.ops.flashfuse.attention``.
+* :func:`attention` - exact flash attention, the ``torch.ops.flashfuse.attention`` op;
+* :data:`backend` - ``torch.compile(model, backend=flashfuse.backend)``: rewrite
+  attention into the op, compile the rest with Inductor;
+* :func:`make_backend` - the same with another post-rewrite compiler
+  (``"aot_eager"``, ``"eager"``) or Inductor options;
+* :func:`explain` - which attentions a model has, which were rewritten, and why not.
+
+The Hugging Face hook (``attn_implementation="ffuse"``) lives in
+``flashfuse.hf`` and is imported on demand, so that importing flashfuse never
+imports transformers.
 """
 
+from .backend import backend, make_backend
+from .fx.explain import explain
 from .ops import attention
 
-__all__ = ["attention"]
+__all__ = ["attention", "backend", "explain", "make_backend"]
 __version__ = "0.1.0"

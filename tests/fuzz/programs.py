@@ -466,8 +466,12 @@ def render(spec: Spec) -> str:
     else:
         body.append({"at": "o = a @ v", "matmul": "o = torch.matmul(a, v)", "method": "o = a.matmul(v)"}[p])
     if hostile == "reuse_probs":
-        body.append("o = o + a.mean(dim=-1, keepdim=True)" if p != "einsum" or not einsum_bnhd
-                    else "o = o + a.mean(dim=-1).transpose(1, 2)[..., None]")
+        if einsum_bnhd:
+            body.append("o = o + a.mean(dim=-1).transpose(1, 2)[..., None]")
+        elif spec.rank == 3:
+            body.append("o = o + a.mean(dim=-1, keepdim=True).reshape(b, h, n, 1)")
+        else:
+            body.append("o = o + a.mean(dim=-1, keepdim=True)")
     if spec.twice:
         # The attention as a local function, called twice: the second call
         # reads the first one's output as its queries.

@@ -73,3 +73,24 @@ def test_nanogpt_dynamic():
 def test_bottom_right_dynamic():
     _, backend = compile_and_compare(causal_bottom_right, *qkv(n=3, m=8, d=16), expect=1, dynamic=True)
     assert backend.candidates[0].facts["causal"] == "bottom-right"
+
+
+def test_dropout_probability_symbolic_under_dynamic():
+    """With dynamic=True, nn.Dropout's p reaches the graph as a SymFloat; the
+    pass specialises on it, so changing p recompiles with the new value."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, q, k, v):
+            return self.drop(F.softmax(q @ k.transpose(-2, -1), dim=-1)) @ v
+
+    m = M().train()
+    backend = make_backend(compiler="eager", record=True)
+    compiled = torch.compile(m, backend=backend, dynamic=True)
+    compiled(*qkv(d=16, grad=False))
+    m.drop.p = 0.3
+    compiled(*qkv(d=16, grad=False))
+    assert [c.plan.dropout_p for c in backend.candidates] == [0.1, 0.3]

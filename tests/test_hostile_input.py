@@ -10,8 +10,6 @@ shape and dtype, dropout range, windows, alignment; they are not repeated.)
 
 from __future__ import annotations
 
-import copy
-import math
 
 import pytest
 import torch

@@ -329,7 +329,11 @@ def _mask_lines(spec: Spec) -> list[str]:
                       "s = torch.where(causal.bool(), s, torch.finfo(s.dtype).min)",
                       f"s.masked_fill_(causal == 0, {inf})"][form])
     elif m == "causal_triu_add":
-        lines.append(f"causal = torch.triu(torch.full((n, m), {inf}, device=s.device), diagonal=1)")
+        # In the scores' dtype (a float32 mask would promote bf16 scores).
+        if form < 2:
+            lines.append(f"causal = torch.triu(torch.full((n, m), {inf}, dtype=s.dtype, device=s.device), diagonal=1)")
+        else:
+            lines.append(f"causal = torch.triu(torch.full((n, m), {inf}, device=s.device), diagonal=1)")
         lines.append(["s = s + causal", "s = causal + s", "s = s + causal.to(s.dtype)"][form])
     elif m == "causal_arange":
         lines.append("i = torch.arange(n, device=s.device)[:, None]")

@@ -19,6 +19,9 @@ except ImportError:  # pragma: no cover
 
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests need correct kernels, not the fastest config: skip autotuning, which
+# would benchmark every candidate for each of the many small shapes.
+os.environ.setdefault("FLASHFUSE_AUTOTUNE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

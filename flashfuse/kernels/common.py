@@ -13,14 +13,16 @@ import triton.language as tl
 
 
 def _autotune_enabled() -> bool:
-    """Autotune on CUDA only when FLASHFUSE_AUTOTUNE=1.
+    """Autotune on CUDA unless FLASHFUSE_AUTOTUNE=0.
 
-    By default each kernel takes the first candidate config that fits (the
-    lists are ordered best-first from H200 measurements): the first call then
-    compiles one kernel instead of benchmarking a dozen, which matters inside
-    torch.compile warm-up and test suites.
+    Autotuning benchmarks every candidate config once per (size bucket, head
+    dims, flags): seconds on the first call of each, then the best config.
+    With FLASHFUSE_AUTOTUNE=0 each kernel takes the first candidate that fits
+    (the lists are ordered best-first from H200 measurements at D = 128, bf16,
+    4k-16k tokens): one compile per kernel variant, for quick start-up and
+    test suites, at some cost in speed elsewhere (see bench/NOTES.md).
     """
-    return os.environ.get("FLASHFUSE_AUTOTUNE", "0") == "1"
+    return os.environ.get("FLASHFUSE_AUTOTUNE", "1") != "0"
 
 
 def _dot_precision(q: torch.Tensor) -> str:

@@ -368,6 +368,11 @@ def _prune_configs(configs, named_args, **kwargs):
             kept.append(cfg)
     if not kept:  # always leave something to run: the smallest tiles
         kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+    if elt == 4:
+        # fp32 tiles need more shared memory than this estimate counts (an H200
+        # run refused 128x64x2 stages); smallest first, so that the untuned
+        # path (FLASHFUSE_AUTOTUNE=0) takes one that compiles.
+        kept.sort(key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)
     return kept
 
 
@@ -392,9 +397,9 @@ _attn_fwd_tuned = triton.autotune(
 # tiles, repaid whenever padding or block sparsity removes whole blocks.
 SCAN_BOOL_MASK = True
 
-# On CUDA the kernel runs the first config of _CUDA_CONFIGS that fits;
-# FLASHFUSE_AUTOTUNE=1 autotunes per (size bucket, head dims, flags) instead
-# (see common._autotune_enabled).
+# On CUDA the kernel is autotuned per (size bucket, head dims, flags);
+# FLASHFUSE_AUTOTUNE=0 takes the first config of _CUDA_CONFIGS that fits
+# instead (see common._autotune_enabled).
 
 # Under the interpreter: one small tile so CPU tests stay fast.
 _INTERPRET_BLOCK_M = 16

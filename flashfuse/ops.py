@@ -82,6 +82,12 @@ def check_inputs(
                 f"got shape {tuple(t.shape)}; add a heads dimension with .unsqueeze(1) or "
                 "reshape (B, N, H*D) inputs to (B, H, N, D)"
             )
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"flashfuse.attention: {name} has layout {t.layout}; only dense (strided) tensors "
+                "are supported, convert with .to_dense()"
+            )
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(
             "flashfuse.attention: query, key and value must share a dtype, got "
@@ -188,6 +194,8 @@ def _attention_composite(
     check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    elif not math.isfinite(scale):
+        raise ValueError(f"flashfuse.attention: scale must be a finite number, got {scale}")
     if is_causal:
         window_right = 0 if window_right is None else min(window_right, 0)
     seed = None

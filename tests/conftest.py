@@ -37,3 +37,14 @@ def pytest_collection_modifyitems(config, items):
 def blockwise_cpu(monkeypatch):
     """Run the op's CPU tensors through the blockwise PyTorch path."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Reset Dynamo's caches around a test, so compile counts and rewrites
+    seen by one test do not leak into the next."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

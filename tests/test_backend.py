@@ -21,17 +21,7 @@ from fxutil import Recorder, count_ops, qkv  # noqa: E402
 from test_fx_spellings import NanoGPTAttention  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def blockwise_cpu(monkeypatch):
-    """Run the op's CPU tensors through its fast blockwise PyTorch path."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("blockwise_cpu", "fresh_dynamo")
 
 
 def attn(q, k, v):

@@ -35,10 +35,7 @@ WINDOW = 4  # smaller than SEQ, so sliding windows cut keys off
 ATOL = 1e-4  # fp32 on both sides; differences are summation order only
 
 
-@pytest.fixture(autouse=True)
-def blockwise_cpu(monkeypatch):
-    """Run CPU tensors through the op's blockwise PyTorch path (the op reads this at call time)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+pytestmark = pytest.mark.usefixtures("blockwise_cpu")
 
 
 @pytest.fixture

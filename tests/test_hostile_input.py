@@ -22,16 +22,7 @@ from flashfuse.backend import make_backend
 OP = torch.ops.flashfuse.attention.default
 
 
-@pytest.fixture(autouse=True)
-def blockwise_cpu(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("blockwise_cpu", "fresh_dynamo")
 
 
 def _qkv(B=1, H=2, N=4, M=5, D=16):

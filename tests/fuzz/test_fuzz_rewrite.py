@@ -31,18 +31,7 @@ LONG_EXAMPLES = int(os.environ.get("FLASHFUSE_FUZZ_EXAMPLES", "0") or 0)
 LONG_SEED = os.environ.get("FLASHFUSE_FUZZ_SEED")
 
 
-@pytest.fixture(autouse=True)
-def blockwise_cpu(monkeypatch):
-    """The op's fast blockwise PyTorch path on CPU (it re-reads the variable
-    at call time); the Triton kernels are tested in tests/kernels."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("blockwise_cpu", "fresh_dynamo")
 
 
 def _ci(max_examples: int):

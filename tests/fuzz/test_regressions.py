@@ -20,16 +20,7 @@ from .programs import Spec
 from flashfuse.backend import make_backend
 
 
-@pytest.fixture(autouse=True)
-def blockwise_cpu(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("blockwise_cpu", "fresh_dynamo")
 
 
 def _compile(fn, dynamic=False):

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _autotune_enabled, _dot_precision, _dropout_keep_block, _visible
+from .common import (
+    _autotune_enabled, _bucket, _dot_precision, _dropout_keep_block, _interpreting,
+    _visible,
+)
 
 __all__ = ["attention_backward"]
 
@@ -341,11 +343,6 @@ def _bwd_dq(
 # --------------------------------------------------------------------------
 
 
-def _interpreting(t: torch.Tensor) -> bool:
-    """CPU tensors can only run through Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type != "cuda"
-
-
 def _max_shared_mem(device: torch.device) -> int:
     try:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -441,10 +438,8 @@ def _config_meta(cfg: triton.Config) -> dict:
     return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _bucket(n: int) -> int:
-    """Power-of-two bucket of a sequence length (autotune key), capped so
-    very long sequences share one tuning."""
-    return min(triton.next_power_of_2(max(n, 1)), 1 << 14)
+# Longest sequence-length bucket in the autotuning keys.
+_BUCKET_CAP = 1 << 14
 
 
 # --------------------------------------------------------------------------
@@ -569,7 +564,7 @@ def attention_backward(
 
     common_scalars = (Hq, G, N, M, D, Dv,
                       scale * _LOG2E, scale, inv_keep, threshold,
-                      diag_off, wl, wr, _bucket(N), _bucket(M))
+                      diag_off, wl, wr, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP))
     lse_strides = lse.stride()
     interp = _interpreting(q)
     flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,

@@ -25,6 +25,17 @@ def _autotune_enabled() -> bool:
     return os.environ.get("FLASHFUSE_AUTOTUNE", "1") != "0"
 
 
+def _interpreting(t: torch.Tensor) -> bool:
+    """Launch through Triton's interpreter: CPU tensors cannot run compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type != "cuda"
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Sequence-length bucket for an autotuning key: the next power of two,
+    capped, so tuning runs once per size class instead of once per length."""
+    return min(triton.next_power_of_2(max(n, 1)), cap)
+
+
 def _dot_precision(q: torch.Tensor) -> str:
     """tl.dot input precision for q's dtype.
 

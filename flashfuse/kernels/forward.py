@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _autotune_enabled, _dot_precision, _dropout_keep, _dropout_keep_block, _visible
+from .common import (
+    _autotune_enabled, _bucket, _dot_precision, _dropout_keep, _dropout_keep_block,
+    _interpreting, _visible,
+)
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -406,10 +408,8 @@ _INTERPRET_BLOCK_M = 16
 _INTERPRET_BLOCK_N = 16
 
 
-def _bucket(n: int) -> int:
-    """Sequence-length bucket for the autotuning key: the next power of two,
-    capped, so tuning runs once per size class instead of once per length."""
-    return min(triton.next_power_of_2(n), 1 << 16)
+# Longest sequence-length bucket in the autotuning key.
+_BUCKET_CAP = 1 << 16
 
 
 def _clamp_window(w: int | None, limit: int) -> int:
@@ -489,7 +489,7 @@ def attention_forward(
     args = (
         q, k, v, mask, seed_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
-        Hq, Hkv, N, M, _bucket(N), _bucket(M),
+        Hq, Hkv, N, M, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP),
         float(scale) * _LOG2E, (M - N) if bottom_right else 0,
         _clamp_window(window_left, limit), _clamp_window(window_right, limit),
         threshold, dropout_scale,
@@ -503,7 +503,7 @@ def attention_forward(
         MASK_ROW_BCAST=mask_kind != _MASK_NONE and mask_strides[2] == 0,
         SCALE_NONNEG=scale >= 0,
     )
-    if os.environ.get("TRITON_INTERPRET") == "1" or q.device.type != "cuda":
+    if _interpreting(q):
         grid = (triton.cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
         _attn_fwd[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16,
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)

@@ -31,6 +31,11 @@ def parse_args():
     p.add_argument("--max-n", type=int, default=None, help="last sequence length (default 2097152)")
     p.add_argument("--heads", type=int, default=None, help="attention heads (default 16)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128)")
+    p.add_argument("--single-pass-from", type=int, default=1 << 20,
+                   help="from this N on, one fwd+bwd per size (no warm-up at that size, one timed call that "
+                        "also gives the peak memory): a 2M-token step takes minutes (default 1M)")
+    p.add_argument("--from-csv", default=None,
+                   help="measure nothing: print the tables and draw the plot of this CSV's rows")
     p.add_argument("--provider-budget-s", type=float, default=30.0,
                    help="seconds each provider may spend before it stops growing N (0 = no limit)")
     return p.parse_args()
@@ -51,6 +56,15 @@ def run_provider(provider, args, device, results, total):
     budget ``total``) runs out, or --max-n."""
     own = common.Budget(args.provider_budget_s)
     N = args.min_n
+    if N >= args.single_pass_from:
+        # Compile (and tune) the kernels on a small size first, so the single
+        # timed pass at each large size measures the kernels, not the compiler.
+        warm = AttnCase(B=1, Hq=args.heads, N=4096, D=args.head_dim, causal=True)
+        q, k, v, _ = common.make_inputs(warm, device)
+        step, _ = common.attention_step(common.build_attention(provider, warm, None, device), q, k, v, "fwd+bwd")
+        step()
+        common.sync(device)
+        del q, k, v, step
     while N <= args.max_n:
         case = AttnCase(B=1, Hq=args.heads, N=N, D=args.head_dim, causal=True)
         row = dict(provider=provider, mode="fwd+bwd", **case.columns())
@@ -61,11 +75,17 @@ def run_provider(provider, args, device, results, total):
             # No memory guard for naive: here running out of memory is the result.
             fn = common.build_attention(provider, case, None, device, guard_memory=False)
             step, grads = common.attention_step(fn, q, k, v, "fwd+bwd")
-            step()  # warm-up (compiles at the first size)
-            t0 = time.perf_counter()
-            peak, extra = common.peak_memory_mib(step, device, grads)  # synchronises
-            reps = reps_for(time.perf_counter() - t0)
-            ms = common.wall_ms(step, device, reps, before=lambda: [setattr(t, "grad", None) for t in grads])
+            if N >= args.single_pass_from:
+                # One synchronised call is both the timing and the peak memory.
+                t0 = time.perf_counter()
+                peak, extra = common.peak_memory_mib(step, device, grads)
+                ms, reps = (time.perf_counter() - t0) * 1e3, 1
+            else:
+                step()  # warm-up (compiles at the first size)
+                t0 = time.perf_counter()
+                peak, extra = common.peak_memory_mib(step, device, grads)  # synchronises
+                reps = reps_for(time.perf_counter() - t0)
+                ms = common.wall_ms(step, device, reps, before=lambda: [setattr(t, "grad", None) for t in grads])
             results.add(**row, status="ok", ms=ms, reps=reps, tflops=common.tflops(case.flops("fwd+bwd"), ms),
                         peak_mem_mib=peak, extra_mem_mib=extra)
             print(f"{provider:>9} N={N:>8}: {ms:10.2f} ms  peak {peak:10.1f} MiB", flush=True)
@@ -85,8 +105,10 @@ def run_provider(provider, args, device, results, total):
         common.free_memory(collect=failed)
         if failed:
             break
-        # The next size costs about 4x (quadratic work) for (reps + 2) calls.
-        next_s = ms / 1e3 * 4 * (reps_for(ms / 1e3 * 4) + 2)
+        # The next size costs about 4x (quadratic work) for (reps + 2) calls,
+        # or for one call in single-pass mode.
+        calls = 1 if 2 * N >= args.single_pass_from else reps_for(ms / 1e3 * 4) + 2
+        next_s = ms / 1e3 * 4 * calls
         if 2 * N <= args.max_n and next_s > min(own.left(), total.left()):
             nxt = case.with_(N=2 * N)
             results.add(provider=provider, mode="fwd+bwd", **nxt.columns(), status="skipped",
@@ -125,6 +147,11 @@ def main():
     args = parse_args()
     common.quiet_warnings()
     common.interrupt_on_sigterm()
+    if args.from_csv:
+        args.heads = args.heads or 16
+        args.head_dim = args.head_dim or 128
+        report(common.Results.load(args.from_csv), args)
+        return
     device = common.pick_device(args)
     if args.smoke:
         args.min_n = args.min_n or 64

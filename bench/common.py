@@ -314,6 +314,17 @@ class Results:
         self._write()
         return full
 
+    @classmethod
+    def load(cls, path: str) -> "Results":
+        """The rows of a CSV written by a script (numbers parsed back), for
+        redrawing its tables and plots without measuring."""
+        res = cls.__new__(cls)
+        res.path, res.env, res.rows = path, {}, []
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                res.rows.append({k: _parse_csv_value(v) for k, v in r.items()})
+        return res
+
     def _write(self) -> None:
         columns: list[str] = []
         for r in self.rows:
@@ -327,6 +338,15 @@ class Results:
             for r in self.rows:
                 w.writerow({c: _csv_value(r.get(c, "")) for c in columns})
         os.replace(tmp, self.path)
+
+
+def _parse_csv_value(v: str):
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
 
 
 def _csv_value(v):

@@ -11,9 +11,19 @@ models) can run on ``torch.ops.flashfuse.attention``::
 
 Why the name is ``"ffuse"`` and not ``"flashfuse"``: ``transformers`` treats
 every implementation name that contains the substring ``"flash"`` as a
-flash-attention-2/3/4 kernel (``is_flash_attention_requested``) and tries to
-import one at model construction, which fails. :data:`ATTN_IMPLEMENTATION`
-holds the name.
+flash-attention flavour (``utils.generic.is_flash_attention_requested`` is a
+plain substring test). For such a name, even one registered here,
+``PreTrainedModel._check_and_adjust_attn_implementation`` (run by
+``__init__``, ``from_pretrained`` and ``set_attn_implementation``) calls
+``lazy_import_flash_attention``, which tries to load a flash-attention kernel
+of that name and raises ``ValueError`` ("Could not find the currently
+requested flash attention implementation"), so the model cannot be built. Past
+that, several models change what they pass to the attention function for flash
+names (no mask plus ``cu_seq_lens_q``/``position_ids`` in vision encoders, a
+2D padding mask for GPT-BigCode cross-attention), and models with
+``_compatible_flash_implementations`` replace the name with their own kernel.
+A name without "flash" avoids all of this. :data:`ATTN_IMPLEMENTATION` holds
+the name.
 
 Two functions are registered under the name:
 

@@ -246,7 +246,23 @@ def _empty_out(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty(B, N, Hq, Dv).transpose(1, 2)
 
 
-@torch.library.custom_op("flashfuse::_attention_forward", mutates_args=())
+# The private ops are declared with ``Library.define`` and given one plain
+# kernel per device key, rather than through ``torch.library.custom_op``: the
+# latter wraps every call in Python checks that cost more host time than the
+# kernels themselves at small sizes. Fake kernels and autograd are registered
+# through the same public ``torch.library`` functions.
+_lib.define(
+    "_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? seed, "
+    "float dropout_p, float scale, SymInt? window_left, SymInt? window_right, bool bottom_right) "
+    "-> (Tensor, Tensor)"
+)
+_lib.define(
+    "_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
+    "Tensor? seed, Tensor out, Tensor lse, float dropout_p, float scale, SymInt? window_left, "
+    "SymInt? window_right, bool bottom_right, bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
 def _attention_forward(
     q: Tensor,
     k: Tensor,
@@ -276,13 +292,11 @@ def _attention_forward(
     )
 
 
-@_attention_forward.register_fake
-def _(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
+def _attention_forward_fake(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
     B, Hq, N, _ = q.shape
     return _empty_out(q, v), q.new_empty((B, Hq, N), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashfuse::_attention_backward", mutates_args=())
 def _attention_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -324,15 +338,21 @@ def _empty_dmask(attn_mask: Tensor | None, q: Tensor, mask_grad: bool) -> Tensor
     return q.new_empty(0)
 
 
-@_attention_backward.register_fake
-def _(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left,
-      window_right, bottom_right, mask_grad):
+def _attention_backward_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left,
+                             window_right, bottom_right, mask_grad):
     return (
         torch.empty_like(q),
         torch.empty_like(k),
         torch.empty_like(v),
         _empty_dmask(attn_mask, q, mask_grad),
     )
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("_attention_forward", _attention_forward, _key)
+    _lib.impl("_attention_backward", _attention_backward, _key)
+torch.library.register_fake("flashfuse::_attention_forward", _attention_forward_fake, lib=_lib)
+torch.library.register_fake("flashfuse::_attention_backward", _attention_backward_fake, lib=_lib)
 
 
 def _setup_context(ctx, inputs, output):
@@ -354,7 +374,9 @@ def _backward(ctx, grad_out, _grad_lse):
     return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
 
 
-_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "flashfuse::_attention_forward", _backward, setup_context=_setup_context, lib=_lib
+)
 
 
 def attention(

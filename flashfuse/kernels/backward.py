@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _autotune_enabled, _bucket, _dot_precision, _dropout_keep_block, _interpreting,
-    _visible,
+    FixedConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep_block, _interpreting,
+    _visible, max_shared_mem,
 )
 
 __all__ = ["attention_backward"]
@@ -344,11 +344,7 @@ def _bwd_dq(
 
 
 def _max_shared_mem(device: torch.device) -> int:
-    try:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return int(triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"])
-    except Exception:  # conservative Hopper-class default
-        return 227 * 1024
+    return max_shared_mem(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _cfg(bm, bn, w, s):
@@ -395,7 +391,9 @@ def _prune(kind: str):
         elt = q.element_size()
         wanted = tiles[64 if max(bd, bdv) <= 64 else 128 if max(bd, bdv) <= 128 else 256]
         if elt == 4:
-            wanted = wanted[:2]
+            # Two candidates, and the smallest tile as a fallback: fp32 tiles
+            # need more shared memory than the estimate below counts.
+            wanted = wanted[:2] + [min(wanted, key=lambda t: t[0] * t[1] * t[3])]
         smem_cap = _max_shared_mem(q.device)
         kept = []
         for c in configs:
@@ -433,9 +431,9 @@ _bwd_dq_tuned = triton.autotune(
 _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
-def _config_meta(cfg: triton.Config) -> dict:
-    """Launch keywords of a config, for launching a kernel without autotuning."""
-    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+# Without autotuning: the first candidate that fits, remembered per key.
+_bwd_dkdv_fixed = FixedConfigLauncher(_bwd_dkdv)
+_bwd_dq_fixed = FixedConfigLauncher(_bwd_dq)
 
 
 # Longest sequence-length bucket in the autotuning keys.
@@ -569,18 +567,26 @@ def attention_backward(
     interp = _interpreting(q)
     flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
-    if interp:
-        dkdv_kernel, dq_kernel = _bwd_dkdv, _bwd_dq
-        dkdv_meta = dq_meta = dict(_INTERPRET_META)
-    elif not _autotune_enabled():
-        # Fixed configs: the first candidate of each kernel that fits.
-        dkdv_kernel, dq_kernel = _bwd_dkdv, _bwd_dq
+    fixed = not interp and not _autotune_enabled()
+    if fixed:
+        # Everything the candidate lists and the compiled kernels depend on.
+        fixed_key = (q.dtype, device, tuple(sorted(flags.items())), do_grad, rowsum, colsum)
         named = {"Q": q, **flags}
-        dkdv_meta = _config_meta(_prune("dkdv")(_DKDV_CONFIGS, named)[0])
-        dq_meta = _config_meta(_prune("dq")(_DQ_CONFIGS, named)[0])
+
+        def launch_dkdv(grid, *args, **kwargs):
+            _bwd_dkdv_fixed(fixed_key, lambda: _prune("dkdv")(_DKDV_CONFIGS, named), grid, *args, **kwargs)
+
+        def launch_dq(grid, *args, **kwargs):
+            _bwd_dq_fixed(fixed_key, lambda: _prune("dq")(_DQ_CONFIGS, named), grid, *args, **kwargs)
     else:
-        dkdv_kernel, dq_kernel = _bwd_dkdv_tuned, _bwd_dq_tuned
-        dkdv_meta = dq_meta = {}
+        dkdv_kernel, dq_kernel = (_bwd_dkdv, _bwd_dq) if interp else (_bwd_dkdv_tuned, _bwd_dq_tuned)
+        meta = dict(_INTERPRET_META) if interp else {}
+
+        def launch_dkdv(grid, *args, **kwargs):
+            dkdv_kernel[grid](*args, **kwargs, **meta)
+
+        def launch_dq(grid, *args, **kwargs):
+            dq_kernel[grid](*args, **kwargs, **meta)
 
     # Launch on q's device (the current CUDA device may be another one).
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -602,14 +608,15 @@ def attention_backward(
         for b0 in range(0, B, chunk):
             b1 = min(B, b0 + chunk)
             sl = slice(b0, b1)
-            dkdv_kernel[lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0)](
+            launch_dkdv(
+                lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
                 q[sl], k[sl], v[sl], grad_out[sl], lse[sl], delta[sl], mask_arg[sl] if attn_mask is not None else q,
                 seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
                 *dk.stride(), *dv.stride(), *g_strides,
                 *common_scalars, b0,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum,
-                **flags, **dkdv_meta,
+                **flags,
             )
             if do_grad and chunk < B:
                 dmask_sum += gbuf[: b1 - b0].sum(dim=0, keepdim=True)
@@ -617,12 +624,13 @@ def attention_backward(
                     gbuf.zero_()
         if do_grad and chunk < B:
             gbuf = dmask_sum
-        dq_kernel[lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B)](
+        launch_dq(
+            lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
             q, k, v, grad_out, lse, delta, mask_arg, seed_arg, dq,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
             *dq.stride(),
             *common_scalars,
-            **flags, **dq_meta,
+            **flags,
         )
 
     dmask = _reduce_dmask(gbuf, attn_mask) if do_grad else None

@@ -5,11 +5,17 @@ which probabilities dropout keeps, so those two rules live here and nowhere
 else. ``flashfuse.reference`` re-implements the same rules in PyTorch.
 """
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - older layouts
+    from triton.runtime.autotuner import OutOfResources
 
 
 def _autotune_enabled() -> bool:
@@ -23,6 +29,55 @@ def _autotune_enabled() -> bool:
     test suites, at some cost in speed elsewhere (see bench/NOTES.md).
     """
     return os.environ.get("FLASHFUSE_AUTOTUNE", "1") != "0"
+
+
+class FixedConfigLauncher:
+    """Launch a kernel with a fixed config (FLASHFUSE_AUTOTUNE=0): the first
+    candidate that compiles within the GPU's resources, remembered per key.
+
+    ``key`` must capture everything the candidate list and the compiled
+    kernel depend on (dtype, head dims, flags, device). The candidates are
+    computed, and a config that runs out of shared memory or registers is
+    skipped, only on the first call of a key: later calls cost a dict lookup,
+    which keeps the host time of a launch small.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.chosen: dict = {}
+
+    def __call__(self, key, candidates, grid, *args, **kwargs):
+        """``candidates()``: configs in preference order; ``grid(cfg)``: the
+        launch grid for a config's meta-parameters (a dict)."""
+        cfg = self.chosen.get(key)
+        if cfg is not None:
+            return self._launch(cfg, grid, args, kwargs)
+        error = None
+        for cfg in candidates():
+            try:
+                self._launch(cfg, grid, args, kwargs)
+            except OutOfResources as exc:  # raised before anything runs
+                error = exc
+                continue
+            self.chosen[key] = cfg
+            return None
+        raise error if error is not None else RuntimeError("flashfuse: no kernel config to launch")
+
+    def _launch(self, cfg, grid, args, kwargs):
+        g = grid(cfg.kwargs)
+        return self.kernel[g](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps,
+                              num_stages=cfg.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def max_shared_mem(device_index: int) -> int:
+    """Shared memory per block on a CUDA device, in bytes, queried once per
+    device (the query goes through the driver; launches must not pay it)."""
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+        return int(props["max_shared_mem"])
+    except Exception:  # conservative Hopper-class default
+        return 227 * 1024
 
 
 def _interpreting(t: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _autotune_enabled, _bucket, _dot_precision, _dropout_keep, _dropout_keep_block,
+    FixedConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep, _dropout_keep_block,
     _interpreting, _visible,
 )
 
@@ -394,6 +394,9 @@ _attn_fwd_tuned = triton.autotune(
     **_AUTOTUNE_EXTRA,
 )(_attn_fwd)
 
+# Without autotuning: the first config that fits, remembered per key.
+_attn_fwd_fixed = FixedConfigLauncher(_attn_fwd)
+
 # Bool masks: skip the key blocks a mask hides entirely for a query tile
 # (found by a cheap pre-pass over the mask). Costs one extra read of the mask
 # tiles, repaid whenever padding or block sparsity removes whole blocks.
@@ -511,10 +514,12 @@ def attention_forward(
         with torch.cuda.device(q.device):
             if not _autotune_enabled():
                 # Fixed config: the first that fits, in _CUDA_CONFIGS order.
-                cfg = _prune_configs(_attn_fwd_tuned.configs, {"Q": q, "Mask": mask}, **meta)[0]
-                grid = (triton.cdiv(N, cfg.kwargs["BLOCK_M"]), Hq, B)
-                _attn_fwd[grid](*args, **meta, DOT_UPCAST=False, **cfg.kwargs,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                key = (q.dtype, mask.dtype, q.device, tuple(meta.items()))
+                _attn_fwd_fixed(
+                    key, lambda: _prune_configs(_attn_fwd_tuned.configs, {"Q": q, "Mask": mask}, **meta),
+                    lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+                    *args, **meta, DOT_UPCAST=False,
+                )
             else:
                 def grid(cfg):
                     return (triton.cdiv(N, cfg["BLOCK_M"]), Hq, B)

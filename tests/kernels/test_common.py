@@ -1,0 +1,56 @@
+"""The launch helpers of ``flashfuse.kernels.common`` that need no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+
+from flashfuse.kernels.common import FixedConfigLauncher, OutOfResources
+
+
+class _RecordingKernel:
+    """Stands in for a Triton kernel: records launches, and refuses the
+    configs whose BLOCK_M is in ``too_big`` as a GPU short of shared memory
+    would (before anything runs)."""
+
+    def __init__(self, too_big=()):
+        self.too_big = set(too_big)
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if kwargs["BLOCK_M"] in self.too_big:
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            self.launches.append((grid, args, kwargs))
+        return launch
+
+
+def _cfg(bm, warps=4, stages=2):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": 32}, num_warps=warps, num_stages=stages)
+
+
+def test_fixed_launcher_skips_configs_that_do_not_fit_and_remembers_the_choice():
+    kernel = _RecordingKernel(too_big={128, 64})
+    launcher = FixedConfigLauncher(kernel)
+    asked = []
+
+    def candidates():
+        asked.append(1)
+        return [_cfg(128), _cfg(64, warps=8), _cfg(32, stages=3), _cfg(16)]
+
+    grid = lambda m: (100 // m["BLOCK_M"], 2, 3)  # noqa: E731
+    launcher("key", candidates, grid, "x", 7, FLAG=True)
+    launcher("key", candidates, grid, "y", 8, FLAG=True)
+    assert len(asked) == 1, "candidates are computed once per key"
+    assert [(g, a) for g, a, _ in kernel.launches] == [((3, 2, 3), ("x", 7)), ((3, 2, 3), ("y", 8))]
+    kw = kernel.launches[0][2]
+    assert (kw["BLOCK_M"], kw["num_warps"], kw["num_stages"], kw["FLAG"]) == (32, 4, 3, True)
+
+    launcher("other", lambda: [_cfg(16)], grid, "z")
+    assert kernel.launches[-1][2]["BLOCK_M"] == 16
+
+
+def test_fixed_launcher_reports_when_no_config_fits():
+    launcher = FixedConfigLauncher(_RecordingKernel(too_big={128, 64}))
+    with pytest.raises(OutOfResources):
+        launcher("key", lambda: [_cfg(128), _cfg(64)], lambda m: (1, 1, 1))

@@ -150,6 +150,7 @@ def main():
     if args.from_csv:
         args.heads = args.heads or 16
         args.head_dim = args.head_dim or 128
+        os.makedirs(args.out, exist_ok=True)
         report(common.Results.load(args.from_csv), args)
         return
     device = common.pick_device(args)

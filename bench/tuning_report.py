@@ -29,9 +29,16 @@ CASES = {
 }
 
 
+# --smoke: tiny shapes on the CPU (no autotuning happens there; checks the script runs).
+SMOKE_CASES = {
+    "tiny": (1, 2, 40, 40, 32, False, False, 0.0),
+    "tiny-causal-dropout": (1, 2, 33, 65, 32, True, True, 0.1),
+}
+
+
 def parse_args():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    p.add_argument("--cases", default=None, help=f"comma-separated subset of {list(CASES)} (default: all)")
     p.add_argument("--dtype", default="bf16", choices=list(common.DTYPES))
     return p.parse_args()
 
@@ -51,9 +58,14 @@ def main():
     from flashfuse.kernels import forward as kf
 
     tuned = {"fwd": kf._attn_fwd_tuned, "dkdv": kb._bwd_dkdv_tuned, "dq": kb._bwd_dq_tuned}
+    cases = SMOKE_CASES if args.smoke else CASES
+    names = args.cases.split(",") if args.cases else list(cases)
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; choose from {list(cases)}")
     rows = []
-    for name in args.cases.split(","):
-        B, H, N, M, D, causal, br, p = CASES[name]
+    for name in names:
+        B, H, N, M, D, causal, br, p = cases[name]
         q = torch.randn(B, H, N, D, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(B, H, M, D, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(B, H, M, D, device=device, dtype=dtype, requires_grad=True)
@@ -76,7 +88,7 @@ def main():
                 picks = {}
                 for k_, t in tuned.items():
                     new = [key for key in t.cache if key not in before[k_]] or list(t.cache)[-1:]
-                    picks[k_] = describe(t.cache[new[-1]]) if new else "?"
+                    picks[k_] = describe(t.cache[new[-1]]) if new else "-"  # not tuned (CPU)
             times[mode] = (common.bench_ms(fwd, device), common.bench_ms(fwd_bwd, device, grad_to_none=[q, k, v]))
         fl = common.attention_flops(B, H, N, M, D, D, causal=causal, bottom_right=br)
         rows.append([name, picks["fwd"], picks["dkdv"], picks["dq"],

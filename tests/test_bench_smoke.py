@@ -87,3 +87,25 @@ def test_bench_convergence_smoke(tmp_path):
     assert "loss_eager" in rows[0] and "loss_flashfuse" in rows[0]
     assert (tmp_path / "convergence.png").exists()
     assert "max |smoothed loss difference|" in out
+
+
+def test_bench_long_context_single_pass_and_redraw(tmp_path):
+    # From --single-pass-from on, one timed call per size (after a small warm-up).
+    run_script("bench_long_context.py", tmp_path, "--providers", "flashfuse", "--min-n", "128",
+               "--single-pass-from", "128", "--no-plot")
+    rows = read_csv(tmp_path / "long_context.csv")
+    assert [int(r["N"]) for r in rows] == [128, 256] and {r["reps"] for r in rows} == {"1"}
+    redraw = tmp_path / "redraw"
+    out = run_script("bench_long_context.py", redraw, "--from-csv", str(tmp_path / "long_context.csv"))
+    assert "peak memory" in out and (redraw / "long_context_memory.png").exists()
+
+
+def test_profile_model_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_script("profile_model.py", tmp_path, "--variant", "ffuse-hook", "--steps", "1", "--top", "5")
+    assert "ms per step" in out and "flashfuse::attention" in out
+
+
+def test_tuning_report_smoke(tmp_path):
+    out = run_script("tuning_report.py", tmp_path)
+    assert "tiny-causal-dropout" in out and "autotuner picks" in out

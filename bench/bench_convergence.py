@@ -43,6 +43,9 @@ def parse_args():
     p.add_argument("--dtype", default="fp32", choices=list(common.DTYPES), help="model dtype (default fp32)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smooth", type=int, default=20, help="moving-average window for the loss comparison")
+    p.add_argument("--repeat", action="store_true",
+                   help="train the flashfuse model a second time from the same seeds and report how far the two "
+                        "loss curves differ (0 = reproducible bit for bit)")
     return p.parse_args()
 
 
@@ -234,19 +237,22 @@ def main():
     budget = common.make_budget(args)
 
     curves, summary = {}, []
-    for kind in ("eager", "flashfuse"):
+    runs = [("eager", "eager"), ("flashfuse", "flashfuse")]
+    if args.repeat:
+        runs.append(("flashfuse", "flashfuse_repeat"))
+    for kind, label in runs:
         try:
             losses, seconds, first_s, rewrites = train(kind, args, vocab, data_batches, device, dtype, budget)
         except KeyboardInterrupt:
             print("interrupted")
             break
         except Exception as exc:
-            print(f"{kind}: {common.short_error(exc)}")
-            summary.append([kind, "error", common.short_error(exc), "", "", ""])
+            print(f"{label}: {common.short_error(exc)}")
+            summary.append([label, "error", common.short_error(exc), "", "", ""])
             continue
-        curves[kind] = losses
+        curves[label] = losses
         rw = f"{rewrites[0]} of {rewrites[1]}" if rewrites else "-"
-        summary.append([kind, f"{losses[0]:.3f}", f"{sum(losses[-args.smooth:]) / min(len(losses), args.smooth):.3f}",
+        summary.append([label, f"{losses[0]:.3f}", f"{sum(losses[-args.smooth:]) / min(len(losses), args.smooth):.3f}",
                         f"{seconds:.1f}", f"{first_s:.1f}", rw])
 
     # One CSV row per step with both curves side by side.
@@ -267,16 +273,22 @@ def main():
     common.print_table(summary, ["run", "first loss", f"last {args.smooth}-step mean", "train s",
                                  "first step s (compile)", "attention rewritten"],
                        f"Char-level GPT, {args.layers} layers, {args.steps} steps, corpus {len(data)} chars")
-    if len(curves) == 2:
+    if "flashfuse" in curves and "flashfuse_repeat" in curves:
+        a, b = curves["flashfuse"], curves["flashfuse_repeat"]
+        n = min(len(a), len(b))
+        print(f"flashfuse run repeated from the same seeds: max |loss difference| over {n} steps "
+              f"{max(abs(x - y) for x, y in zip(a[:n], b[:n])):.3g}")
+    if "eager" in curves and "flashfuse" in curves:
         n = min(len(curves["eager"]), len(curves["flashfuse"]))
         diffs = [abs(a - b) for a, b in zip(sm["eager"][:n], sm["flashfuse"][:n])]
         late = diffs[n // 2:] or diffs
         print(f"max |smoothed loss difference| (window {args.smooth}): {max(diffs):.4f} over all steps, "
               f"{max(late):.4f} over the second half")
     if not args.no_plot and curves:
-        panels = {"training loss (raw)": {k: (list(range(1, len(v) + 1)), v) for k, v in curves.items()},
+        shown = [k for k in curves if k != "flashfuse_repeat"]  # it lies on the flashfuse curve
+        panels = {"training loss (raw)": {k: (list(range(1, len(curves[k]) + 1)), curves[k]) for k in shown},
                   f"training loss ({args.smooth}-step moving average)":
-                      {k: (list(range(1, len(v) + 1)), v) for k, v in sm.items()}}
+                      {k: (list(range(1, len(sm[k]) + 1)), sm[k]) for k in shown}}
         path = common.plot_panels(os.path.join(args.out, "convergence.png"), panels, "step", "loss", logx=False,
                                   title=f"eager vs flashfuse backend, {env['gpu']}")
         if path:

@@ -203,22 +203,32 @@ def _attention_composite(
         # Drawn from PyTorch's generator so torch.manual_seed reproduces a run;
         # a device tensor so CUDA graphs and Inductor's RNG handling see it.
         seed = torch.randint(2**62, (), dtype=torch.int64, device=query.device)
-    out, _ = torch.ops.flashfuse._attention_forward(
-        query,
-        key,
-        value,
-        attn_mask,
-        seed,
-        dropout_p if seed is not None else 0.0,
-        float(scale),
-        window_left,
-        window_right,
-        alignment == "bottom_right",
+    args = (
+        query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),
+        window_left, window_right, alignment == "bottom_right",
     )
+    if _plain_eager_call(query, key, value, attn_mask):
+        out = _EagerAttention.apply(*args)
+    else:
+        out, _ = torch.ops.flashfuse._attention_forward(*args)
     if dropout_p >= 1.0:
         # Everything dropped: zeros that still carry (zero) gradients.
         out = out * 0.0
     return out
+
+
+def _plain_eager_call(*tensors: Tensor | None) -> bool:
+    """True for an ordinary eager call: real tensors (parameters included), no
+    compiler, tracer, dispatch mode or functorch transform watching. Only then
+    may the op skip its private ops (see ``_EagerAttention``); anything that
+    records or transforms the call must see the ops."""
+    return (
+        all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and torch._C._get_tracing_state() is None
+    )
 
 
 _lib.impl("attention", _attention_composite, "CompositeImplicitAutograd")
@@ -377,6 +387,30 @@ def _backward(ctx, grad_out, _grad_lse):
 torch.library.register_autograd(
     "flashfuse::_attention_forward", _backward, setup_context=_setup_context, lib=_lib
 )
+
+
+class _EagerAttention(torch.autograd.Function):
+    """What ``_attention_forward`` and its registered autograd compute, for
+    plain eager calls: the same implementations, called without the op
+    dispatch and the generic autograd wrapper around them, which cost more host
+    time than the kernels at small sizes. Graphs (Dynamo, AOTAutograd, export)
+    always record the ops instead (``_plain_eager_call``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
+        out, lse = _attention_forward(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
+                                      bottom_right)
+        ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
+        ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
+        mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dmask = _attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params,
+                                                mask_grad)
+        return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
 
 
 def attention(

@@ -5,6 +5,7 @@ tests/test_reference.py (blockwise); here the op is exercised end to end on
 CPU tensors, through both the blockwise path and the Triton interpreter.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -239,3 +240,56 @@ def test_default_scale_is_one_over_sqrt_head_dim(blockwise_cpu):
     a = flashfuse.attention(q, k, v)
     b = flashfuse.attention(q, k, v, scale=1 / math.sqrt(36))
     assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# Eager calls skip the private ops; everything else records them
+# ---------------------------------------------------------------------------
+
+class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Watches every op and changes nothing: enough to make the op take the
+    path that tracers and compilers see (the private ops)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "learned-bias"])
+def test_eager_path_computes_what_the_ops_compute(path, mask_kind, monkeypatch):
+    q, k, v = make_qkv(B=2, Hq=4, Hkv=2, N=19, M=27, D=16, requires_grad=True)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, 19, 27) > 0.3
+    elif mask_kind == "learned-bias":
+        mask = torch.randn(1, 4, 19, 27, requires_grad=True)
+    g = torch.randn(2, 4, 19, 16)
+    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
+
+    eager_calls = []
+    apply = flashfuse.ops._EagerAttention.apply
+    monkeypatch.setattr(flashfuse.ops._EagerAttention, "apply", lambda *a: eager_calls.append(1) or apply(*a))
+
+    def run(mode):
+        for t in leaves:
+            t.grad = None
+        torch.manual_seed(3)
+        with mode if mode is not None else contextlib.nullcontext():
+            out = flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=0.25, enable_gqa=True,
+                                      window_left=7, window_right=2)
+            out.backward(g)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    fast = run(None)
+    assert len(eager_calls) == 1
+    recorded = run(_PassThroughMode())
+    assert len(eager_calls) == 1, "under a dispatch mode the op must go through its private ops"
+    for a, b in zip(fast, recorded):
+        assert torch.equal(a, b)
+
+
+def test_compiled_graphs_record_the_private_ops(blockwise_cpu):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = make_qkv(B=1, Hq=2, Hkv=2, N=8, M=8, D=16)
+    gm = make_fx(lambda q, k, v: flashfuse.attention(q, k, v, is_causal=True))(q, k, v)
+    assert "flashfuse._attention_forward" in gm.code

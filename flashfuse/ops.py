@@ -365,23 +365,29 @@ torch.library.register_fake("flashfuse::_attention_forward", _attention_forward_
 torch.library.register_fake("flashfuse::_attention_backward", _attention_backward_fake, lib=_lib)
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, out, lse):
     q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right = inputs
-    out, lse = output
     ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
     ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
+
+
+def _gradients(ctx, grad_out, backward_impl):
+    """The input gradients of a forward saved by ``_save``, computed by
+    ``backward_impl`` (the private op, or its implementation)."""
+    q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
+    mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = backward_impl(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad)
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+
+
+def _setup_context(ctx, inputs, output):
+    out, lse = output
+    _save(ctx, inputs, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
-    dropout_p, scale, window_left, window_right, bottom_right = ctx.params
-    mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = torch.ops.flashfuse._attention_backward(
-        grad_out, q, k, v, attn_mask, seed, out, lse,
-        dropout_p, scale, window_left, window_right, bottom_right, mask_grad,
-    )
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+    return _gradients(ctx, grad_out, torch.ops.flashfuse._attention_backward)
 
 
 torch.library.register_autograd(
@@ -397,20 +403,14 @@ class _EagerAttention(torch.autograd.Function):
     always record the ops instead (``_plain_eager_call``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
-        out, lse = _attention_forward(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
-                                      bottom_right)
-        ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
-        ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
+    def forward(ctx, *inputs):
+        out, lse = _attention_forward(*inputs)
+        _save(ctx, inputs, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
-        mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask = _attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params,
-                                                mask_grad)
-        return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+        return _gradients(ctx, grad_out, _attention_backward)
 
 
 def attention(

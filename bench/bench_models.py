@@ -142,58 +142,66 @@ def repeated_blocks(model) -> list:
 # One row
 # --------------------------------------------------------------------------
 
+def build_step(spec, variant, task, device, args, counter=None):
+    """The model of ``spec`` with ``variant``'s attention and compiler, and
+    ``step()``: one training step (forward, backward, AdamW) or one inference
+    pass. Returns ``(step, flashfuse backend or None)``; ``counter["graphs"]``
+    counts the graphs the flashfuse backend compiles."""
+    _, attn, compiler = variant
+    torch.manual_seed(0)
+    config = spec["config"]
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = build_model(spec["model"], config, attn).to(device=device, dtype=dtype)
+    model.train(task == "train")
+    backend = ff_backend = None
+    if compiler == "inductor":
+        backend = "aot_eager" if args.smoke else "inductor"
+    elif compiler == "flashfuse":
+        from flashfuse.backend import make_backend
+
+        # Inductor on GPU; on the CPU smoke run aot_eager keeps it in seconds.
+        ff_backend = make_backend(compiler="aot_eager" if args.smoke else "inductor", record=True)
+
+        def backend(gm, example_inputs):
+            if counter is not None:
+                counter["graphs"] += 1
+            return ff_backend(gm, example_inputs)
+    runner = model
+    if backend is not None:
+        if args.compile_scope == "model":
+            runner = torch.compile(model, backend=backend)
+        else:
+            for blk in repeated_blocks(model):
+                blk.compile(backend=backend)
+    batch = make_batch(spec["model"], config.vocab_size, spec["B"], spec["T"], device, task == "train")
+    if task == "train":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+        def step():
+            loss = runner(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        def step():
+            with torch.no_grad():
+                runner(**batch)
+    return step, ff_backend
+
+
 def run_row(results, spec, variant, task, device, args, budget):
-    name, attn, compiler = variant
+    name, _, compiler = variant
     row = dict(model=spec["model"], task=task, variant=name, B=spec["B"], T=spec["T"],
                dtype="fp32" if args.smoke else "bf16", compile_scope=args.compile_scope if compiler else "")
     if budget.exceeded():
         results.add(**row, status="skipped", error="time budget")
         return
-    model = opt = None
+    step = None
     counter = {"graphs": 0}
     ff_backend = None
     try:
         torch._dynamo.reset()  # every compiled row compiles from scratch and is timed alike
-        torch.manual_seed(0)
-        config = spec["config"]
-        dtype = torch.float32 if args.smoke else torch.bfloat16
-        model = build_model(spec["model"], config, attn).to(device=device, dtype=dtype)
-        model.train(task == "train")
-        backend = None
-        if compiler == "inductor":
-            backend = "inductor"
-        elif compiler == "flashfuse":
-            from flashfuse.backend import make_backend
-
-            # Inductor on GPU; on the CPU smoke run aot_eager keeps it in seconds.
-            ff_backend = make_backend(compiler="aot_eager" if args.smoke else "inductor", record=True)
-
-            def backend(gm, example_inputs):
-                counter["graphs"] += 1
-                return ff_backend(gm, example_inputs)
-        if args.smoke and backend == "inductor":
-            backend = "aot_eager"
-        runner = model
-        if backend is not None:
-            if args.compile_scope == "model":
-                runner = torch.compile(model, backend=backend)
-            else:
-                for blk in repeated_blocks(model):
-                    blk.compile(backend=backend)
-        batch = make_batch(spec["model"], config.vocab_size, spec["B"], spec["T"], device, task == "train")
-        if task == "train":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-            def step():
-                loss = runner(**batch).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        else:
-            def step():
-                with torch.no_grad():
-                    runner(**batch)
-
+        step, ff_backend = build_step(spec, variant, task, device, args, counter)
         t0 = time.perf_counter()
         step()  # compiles
         common.sync(device)
@@ -209,7 +217,7 @@ def run_row(results, spec, variant, task, device, args, budget):
         if ff_backend is not None:
             extra = dict(attn_rewritten=sum(c.rewritten for c in ff_backend.candidates),
                          attn_candidates=len(ff_backend.candidates), graphs=counter["graphs"],
-                         layers=config.num_hidden_layers)
+                         layers=spec["config"].num_hidden_layers)
         results.add(**row, status="ok", ms=ms, tokens_per_s=spec["B"] * spec["T"] / (ms / 1e3),
                     peak_mem_mib=peak, first_step_s=first_s, **extra)
         print(f"{spec['model']:>5} T={spec['T']:<5} {task:<5} {name:<16} {ms:9.1f} ms  "
@@ -218,7 +226,7 @@ def run_row(results, spec, variant, task, device, args, budget):
         results.add(**row, status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
         print(f"{spec['model']:>5} T={spec['T']:<5} {task:<5} {name:<16} {common.short_error(exc)}", flush=True)
     finally:
-        model = opt = step = ff_backend = None  # noqa: F841  release before the next row
+        step = ff_backend = None  # release before the next row
         torch._dynamo.reset()
         common.free_memory(collect=True)
 

@@ -43,43 +43,6 @@ def spec_for(args) -> dict:
     return dict(model=args.model, B=B, T=T, config=cfg)
 
 
-def build_step(spec, variant, task, device, args):
-    name, attn, compiler = variant
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
-    model = bench_models.build_model(spec["model"], spec["config"], attn).to(device=device, dtype=dtype)
-    model.train(task == "train")
-    backend = None
-    if compiler == "flashfuse":
-        from flashfuse.backend import make_backend
-
-        backend = make_backend(compiler="aot_eager" if args.smoke else "inductor")
-    elif compiler == "inductor":
-        backend = "aot_eager" if args.smoke else "inductor"
-    runner = model
-    if backend is not None:
-        if args.compile_scope == "model":
-            runner = torch.compile(model, backend=backend)
-        else:
-            for blk in bench_models.repeated_blocks(model):
-                blk.compile(backend=backend)
-    batch = bench_models.make_batch(spec["model"], spec["config"].vocab_size, spec["B"], spec["T"], device,
-                                    task == "train")
-    if task == "train":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-        def step():
-            runner(**batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    else:
-        def step():
-            with torch.no_grad():
-                runner(**batch)
-    return step
-
-
 def main():
     args = parse_args()
     common.quiet_warnings()
@@ -91,7 +54,8 @@ def main():
         raise SystemExit(f"no variant among {wanted}")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for variant in variants:
-        step = build_step(spec, variant, args.task, device, args)
+        torch._dynamo.reset()
+        step, _ = bench_models.build_step(spec, variant, args.task, device, args)
         for _ in range(3):
             step()
         common.sync(device)

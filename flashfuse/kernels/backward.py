@@ -431,9 +431,12 @@ _bwd_dq_tuned = triton.autotune(
 _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
-# Without autotuning: the first candidate that fits, remembered per key.
-_bwd_dkdv_fixed = FixedConfigLauncher(_bwd_dkdv)
-_bwd_dq_fixed = FixedConfigLauncher(_bwd_dq)
+# The two main kernels by name: as written (interpreter), autotuned, and with
+# a fixed config (the first candidate that fits, remembered per key).
+_KERNELS = {"dkdv": _bwd_dkdv, "dq": _bwd_dq}
+_TUNED = {"dkdv": _bwd_dkdv_tuned, "dq": _bwd_dq_tuned}
+_FIXED = {kind: FixedConfigLauncher(kernel) for kind, kernel in _KERNELS.items()}
+_CONFIGS = {"dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 
 
 # Longest sequence-length bucket in the autotuning keys.
@@ -573,20 +576,14 @@ def attention_backward(
         fixed_key = (q.dtype, device, tuple(sorted(flags.items())), do_grad, rowsum, colsum)
         named = {"Q": q, **flags}
 
-        def launch_dkdv(grid, *args, **kwargs):
-            _bwd_dkdv_fixed(fixed_key, lambda: _prune("dkdv")(_DKDV_CONFIGS, named), grid, *args, **kwargs)
-
-        def launch_dq(grid, *args, **kwargs):
-            _bwd_dq_fixed(fixed_key, lambda: _prune("dq")(_DQ_CONFIGS, named), grid, *args, **kwargs)
-    else:
-        dkdv_kernel, dq_kernel = (_bwd_dkdv, _bwd_dq) if interp else (_bwd_dkdv_tuned, _bwd_dq_tuned)
-        meta = dict(_INTERPRET_META) if interp else {}
-
-        def launch_dkdv(grid, *args, **kwargs):
-            dkdv_kernel[grid](*args, **kwargs, **meta)
-
-        def launch_dq(grid, *args, **kwargs):
-            dq_kernel[grid](*args, **kwargs, **meta)
+    def launch(kind, grid, *args, **kwargs):
+        """Launch the "dkdv" or "dq" kernel the way this call runs kernels."""
+        if interp:
+            _KERNELS[kind][grid](*args, **kwargs, **_INTERPRET_META)
+        elif fixed:
+            _FIXED[kind](fixed_key, lambda: _prune(kind)(_CONFIGS[kind], named), grid, *args, **kwargs)
+        else:
+            _TUNED[kind][grid](*args, **kwargs)
 
     # Launch on q's device (the current CUDA device may be another one).
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -608,8 +605,8 @@ def attention_backward(
         for b0 in range(0, B, chunk):
             b1 = min(B, b0 + chunk)
             sl = slice(b0, b1)
-            launch_dkdv(
-                lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
+            launch(
+                "dkdv", lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
                 q[sl], k[sl], v[sl], grad_out[sl], lse[sl], delta[sl], mask_arg[sl] if attn_mask is not None else q,
                 seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
@@ -624,8 +621,8 @@ def attention_backward(
                     gbuf.zero_()
         if do_grad and chunk < B:
             gbuf = dmask_sum
-        launch_dq(
-            lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+        launch(
+            "dq", lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
             q, k, v, grad_out, lse, delta, mask_arg, seed_arg, dq,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
             *dq.stride(),

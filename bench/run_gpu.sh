@@ -4,16 +4,16 @@
 #
 #   bash bench/run_gpu.sh OUTDIR
 #
-# OUTDIR receives (flat, at most 8 files): run.log (everything printed),
-# attention.csv, attention_tflops.png, long_context.csv, long_context_memory.png,
-# models.csv, convergence.csv, convergence.png. The short tables of every step
-# are printed again at the end.
+# OUTDIR receives (flat): run.log (everything printed), attention.csv,
+# attention_tflops.png, host_overhead.csv, long_context.csv,
+# long_context_memory.png, models.csv, convergence.csv, convergence.png. The
+# short tables of every step are printed again at the end.
 #
 # Each step runs under `timeout` and a failing step never stops the others.
 # Environment knobs:
-#   SKIP_TESTS=1 SKIP_ATTENTION=1 SKIP_LONG=1 SKIP_MODELS=1 SKIP_CONVERGENCE=1
-#   TESTS_ARGS, ATTENTION_ARGS, LONG_ARGS, MODELS_ARGS, CONVERGENCE_ARGS  extra arguments
-#   T_TESTS=110 T_ATTENTION=170 T_LONG=90 T_MODELS=130 T_CONVERGENCE=75  time limits (s)
+#   SKIP_TESTS=1 SKIP_ATTENTION=1 SKIP_HOST=1 SKIP_LONG=1 SKIP_MODELS=1 SKIP_CONVERGENCE=1
+#   TESTS_ARGS, ATTENTION_ARGS, HOST_ARGS, LONG_ARGS, MODELS_ARGS, CONVERGENCE_ARGS  extra arguments
+#   T_TESTS=110 T_ATTENTION=170 T_HOST=60 T_LONG=90 T_MODELS=130 T_CONVERGENCE=75  time limits (s)
 #   PYTHON=python3
 set -u
 
@@ -58,6 +58,8 @@ step() {
     "$PY" -m pytest -m gpu -q -p no:cacheprovider ${TESTS_ARGS:-}
 [ "${SKIP_ATTENTION:-0}" = 1 ] || step attention "${T_ATTENTION:-170}" \
     "$PY" bench/bench_attention.py --out "$OUT" ${ATTENTION_ARGS:-}
+[ "${SKIP_HOST:-0}" = 1 ] || step host_overhead "${T_HOST:-60}" \
+    "$PY" bench/host_overhead.py --out "$OUT" ${HOST_ARGS:-}
 [ "${SKIP_LONG:-0}" = 1 ] || step long_context "${T_LONG:-90}" \
     "$PY" bench/bench_long_context.py --out "$OUT" ${LONG_ARGS:-}
 [ "${SKIP_MODELS:-0}" = 1 ] || step models "${T_MODELS:-130}" \
@@ -69,7 +71,7 @@ step() {
 # follow the line "N rows in ... ->" / the last table title).
 echo
 echo "################ SUMMARY ################"
-for name in tests attention long_context models convergence; do
+for name in tests attention host_overhead long_context models convergence; do
     f="$TMP/$name.out"
     [ -f "$f" ] || continue
     echo

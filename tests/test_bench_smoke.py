@@ -111,3 +111,10 @@ def test_profile_model_smoke(tmp_path):
 def test_tuning_report_smoke(tmp_path):
     out = run_script("tuning_report.py", tmp_path)
     assert "tiny-causal-dropout" in out and "autotuner picks" in out
+
+
+def test_host_overhead_smoke(tmp_path):
+    out = run_script("host_overhead.py", tmp_path)
+    rows = read_csv(tmp_path / "host_overhead.csv")
+    assert {r["call"] for r in rows} == {"impl f+b", "op fwd", "op f+b", "compiled f+b"}
+    assert "host time per call" in out

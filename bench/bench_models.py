@@ -231,27 +231,34 @@ def run_row(results, spec, variant, task, device, args, budget):
         common.free_memory(collect=True)
 
 
+# Batch size and default sequence length of each model: (full run, --smoke).
+SIZES = {"gpt2": ((8, 1024), (2, 32)), "llama": ((4, 2048), (2, 32)), "bert": ((16, 512), (2, 32))}
+
+
+def model_spec(model: str, smoke: bool, T: int | None = None) -> dict:
+    """One model's benchmark spec: name, batch size, sequence length, config."""
+    B, default_T = SIZES[model][1 if smoke else 0]
+    T = T or default_T
+    config = {"gpt2": gpt2_config, "llama": llama_config, "bert": bert_config}[model](smoke, T)
+    return dict(model=model, B=B, T=T, config=config)
+
+
 def plan(args) -> list[tuple[dict, str]]:
     """(model spec, task) pairs in run order: GPT-2 at the first T, then the
     LLaMA- and BERT-style models, then GPT-2 at the other lengths."""
-    only = set(args.only.split(",")) if args.only else {"gpt2", "llama", "bert"}
-    unknown = only - {"gpt2", "llama", "bert"}
+    only = set(args.only.split(",")) if args.only else set(SIZES)
+    unknown = only - set(SIZES)
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; choose from gpt2, llama, bert")
-    if args.smoke:
-        ts, gpt2_B, llama_BT, bert_BT = [int(x) for x in (args.t or "32").split(",")], 2, (2, 32), (2, 32)
-    else:
-        ts, gpt2_B, llama_BT, bert_BT = [int(x) for x in (args.t or "1024,2048").split(",")], 8, (4, 2048), (16, 512)
-    gpt2 = [dict(model="gpt2", B=gpt2_B, T=T, config=gpt2_config(args.smoke, T)) for T in ts]
+    ts = [int(x) for x in args.t.split(",")] if args.t else ([32] if args.smoke else [1024, 2048])
+    gpt2 = [model_spec("gpt2", args.smoke, T) for T in ts]
     out = []
     if "gpt2" in only:
         out.append((gpt2[0], "train"))
-    if "llama" in only:
-        spec = dict(model="llama", B=llama_BT[0], T=llama_BT[1], config=llama_config(args.smoke, llama_BT[1]))
-        out += [(spec, "train"), (spec, "infer")]
-    if "bert" in only:
-        spec = dict(model="bert", B=bert_BT[0], T=bert_BT[1], config=bert_config(args.smoke, bert_BT[1]))
-        out += [(spec, "train"), (spec, "infer")]
+    for model in ("llama", "bert"):
+        if model in only:
+            spec = model_spec(model, args.smoke)
+            out += [(spec, "train"), (spec, "infer")]
     if "gpt2" in only:
         out += [(s, "train") for s in gpt2[1:]]
     return out

@@ -32,22 +32,11 @@ def parse_args():
     return p.parse_args()
 
 
-def spec_for(args) -> dict:
-    if args.smoke:
-        B, T = 2, args.t or 32
-    else:
-        B, T = {"gpt2": (8, 1024), "llama": (4, 2048), "bert": (16, 512)}[args.model]
-        T = args.t or T
-    cfg = {"gpt2": bench_models.gpt2_config, "llama": bench_models.llama_config,
-           "bert": bench_models.bert_config}[args.model](args.smoke, T)
-    return dict(model=args.model, B=B, T=T, config=cfg)
-
-
 def main():
     args = parse_args()
     common.quiet_warnings()
     device = common.pick_device(args)
-    spec = spec_for(args)
+    spec = bench_models.model_spec(args.model, args.smoke, args.t)
     wanted = args.variant.split(",")
     variants = [v for v in bench_models.VARIANTS if v[0] in wanted]
     if not variants:

@@ -12,10 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # pragma: no cover - older layouts
-    from triton.runtime.autotuner import OutOfResources
+from triton.runtime.errors import OutOfResources
 
 
 def _autotune_enabled() -> bool:

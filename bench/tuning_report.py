@@ -57,7 +57,7 @@ def main():
     from flashfuse.kernels import backward as kb
     from flashfuse.kernels import forward as kf
 
-    tuned = {"fwd": kf._attn_fwd_tuned, "dkdv": kb._bwd_dkdv_tuned, "dq": kb._bwd_dq_tuned}
+    launchers = {"fwd": kf._attn_fwd_launcher, "dkdv": kb._LAUNCHERS["dkdv"], "dq": kb._LAUNCHERS["dq"]}
     cases = SMOKE_CASES if args.smoke else CASES
     names = args.cases.split(",") if args.cases else list(cases)
     unknown = [n for n in names if n not in cases]
@@ -81,14 +81,15 @@ def main():
         times = {}
         for mode in ("1", "0"):
             os.environ["FLASHFUSE_AUTOTUNE"] = mode
-            before = {k_: set(t.cache) for k_, t in tuned.items()}
+            before = {k_: set(t.chosen) for k_, t in launchers.items()}
             fwd_bwd()  # tunes (mode 1) or compiles (mode 0)
             common.sync(device)
             if mode == "1":
                 picks = {}
-                for k_, t in tuned.items():
-                    new = [key for key in t.cache if key not in before[k_]] or list(t.cache)[-1:]
-                    picks[k_] = describe(t.cache[new[-1]]) if new else "-"  # not tuned (CPU)
+                for k_, t in launchers.items():
+                    new = [key for key in t.chosen if key[1] and key not in before[k_]]
+                    new = new or [key for key in t.chosen if key[1]][-1:]
+                    picks[k_] = describe(t.chosen[new[-1]]) if new else "-"  # not tuned (CPU)
             times[mode] = (common.bench_ms(fwd, device), common.bench_ms(fwd_bwd, device, grad_to_none=[q, k, v]))
         fl = common.attention_flops(B, H, N, M, D, D, causal=causal, bottom_right=br)
         rows.append([name, picks["fwd"], picks["dkdv"], picks["dq"],

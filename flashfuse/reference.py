@@ -199,8 +199,8 @@ _PHILOX_ROUNDS = 10
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """Integer threshold ``round(p * 2**24)``: a word r keeps when ``(r >> 8) >= threshold``."""
-    return int(round(float(dropout_p) * (1 << 24)))
+    """Integer threshold ``round(p * 2**16)``: a 16-bit draw r keeps when ``r >= threshold``."""
+    return int(round(float(dropout_p) * (1 << 16)))
 
 
 def _mul_hi_lo(const: int, x: Tensor) -> Tuple[Tensor, Tensor]:
@@ -253,8 +253,9 @@ def dropout_keep_mask(
     """Dropout keep mask, bit-identical to the Triton rule ``_dropout_keep``.
 
     Element (b, h, i, j) draws Philox4x32-10 with counter
-    ``(j >> 2, i, b * H + h, 0)``, takes word ``j & 3`` and keeps when
-    ``(r >> 8) >= round(dropout_p * 2**24)``.
+    ``(j >> 3, i, b * H + h, 0)``, takes the 16-bit half ``j & 1`` (0: low)
+    of word ``(j >> 1) & 3`` and keeps when it is
+    ``>= round(dropout_p * 2**16)``.
 
     Args:
         seed: the dropout seed (a Python int; 64-bit values, including
@@ -278,19 +279,20 @@ def dropout_keep_mask(
     threshold = dropout_threshold(dropout_p)
     if r1 == r0 or j1 == j0:
         return torch.ones(B, H, r1 - r0, j1 - j0, dtype=torch.bool, device=device)
-    # One Philox call serves four consecutive keys, so draw per group of four
-    # (counter word c0 = j >> 2) and spread the four words over the keys.
-    quad0, quad1 = j0 >> 2, ((j1 - 1) >> 2) + 1
-    c0 = torch.arange(quad0, quad1, dtype=torch.int64, device=device).view(1, 1, 1, -1)
+    # One Philox call serves eight consecutive keys, so draw per group of
+    # eight (counter word c0 = j >> 3) and spread the eight halves over them.
+    grp0, grp1 = j0 >> 3, ((j1 - 1) >> 3) + 1
+    c0 = torch.arange(grp0, grp1, dtype=torch.int64, device=device).view(1, 1, 1, -1)
     c1 = torch.arange(r0, r1, dtype=torch.int64, device=device).view(1, 1, -1, 1)
     c2 = torch.arange(B * H, dtype=torch.int64, device=device).view(B, H, 1, 1)
-    shape = (B, H, r1 - r0, quad1 - quad0)
+    shape = (B, H, r1 - r0, grp1 - grp0)
     c0, c1, c2 = c0.expand(shape), c1.expand(shape), c2.expand(shape)
     c3 = torch.zeros(shape, dtype=torch.int64, device=device)
-    words = torch.stack(_philox4x32(int(seed), c0, c1, c2, c3), dim=-1)  # (..., quads, 4)
-    words = words.reshape(B, H, r1 - r0, 4 * (quad1 - quad0))
-    words = words[..., j0 - 4 * quad0 : j1 - 4 * quad0]
-    return (words >> 8) >= threshold
+    words = torch.stack(_philox4x32(int(seed), c0, c1, c2, c3), dim=-1)  # (..., groups, 4)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # (..., groups, 4, 2)
+    halves = halves.reshape(B, H, r1 - r0, 8 * (grp1 - grp0))
+    halves = halves[..., j0 - 8 * grp0 : j1 - 8 * grp0]
+    return halves >= threshold
 
 
 # ---------------------------------------------------------------------------

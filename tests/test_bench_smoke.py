@@ -118,3 +118,8 @@ def test_host_overhead_smoke(tmp_path):
     rows = read_csv(tmp_path / "host_overhead.csv")
     assert {r["call"] for r in rows} == {"impl f+b", "op fwd", "op f+b", "compiled f+b"}
     assert "host time per call" in out
+
+
+def test_backward_schedules_smoke(tmp_path):
+    out = run_script("backward_schedules.py", tmp_path)
+    assert "tiny drop:" in out and "ff-one_pass bwd=" in out and "ff-two_pass f+b=" in out

@@ -1,6 +1,6 @@
 """Triton backward kernels for flash attention, and their launcher.
 
-FlashAttention-2 style and deterministic (no atomics). Three kernels:
+FlashAttention-2 style. Three kernels:
 
 * ``_bwd_preprocess``: ``delta = rowsum(dO * O)`` in float32, (B, Hq, N).
 * ``_bwd_dkdv``: one program per (key block, kv head, batch). It loops over
@@ -10,6 +10,15 @@ FlashAttention-2 style and deterministic (no atomics). Three kernels:
   learned float mask when asked, since it sees every query row of its keys.
 * ``_bwd_dq``: one program per (query block, q head, batch), looping over the
   visible key blocks and accumulating dQ.
+
+Two schedules (see ``_one_pass_enabled``):
+
+* two passes (deterministic, no atomics): ``_bwd_dkdv`` then ``_bwd_dq``,
+  which recomputes P and dP: 7 block matmuls per (query block, key block).
+* one pass: ``_bwd_dkdv`` with ``DQ_ATOMIC`` also forms ``scale * dS K`` for
+  each tile and adds it into a float32 (B, Hq, N, D) buffer with atomics;
+  ``_bwd_dq`` is not launched. 5 block matmuls per tile, but dQ's rounding
+  then depends on the order in which the atomic adds land.
 
 Conventions (shapes, mask, visibility, dropout, lse) are those of the forward,
 see ARCHITECTURE.md. With ``s = scale * q.k + mask`` and ``P = exp(s - lse)``:
@@ -22,14 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .common import (
-    FixedConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep_block, _interpreting,
-    _visible, max_shared_mem,
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep_block, _interpreting,
+    _visible, dropout_threshold, max_shared_mem,
 )
 
 __all__ = ["attention_backward"]
@@ -43,6 +53,12 @@ _DMASK_BUFFER_BYTES = 1 << 30
 
 # mask kinds (constexpr)
 _NO_MASK, _BOOL_MASK, _FLOAT_MASK = 0, 1, 2
+
+# Schedule when FLASHFUSE_BWD is unset: one pass (dQ by atomics inside the
+# dK/dV kernel) or two passes; see _one_pass_enabled. Two passes measured
+# faster on an H200 (bench/results/backward_schedules.txt, bench/NOTES.md
+# run 5): the atomics cost more than the matmuls they save.
+_ONE_PASS_DEFAULT = False
 
 
 # --------------------------------------------------------------------------
@@ -75,9 +91,9 @@ def _bwd_preprocess(
     tl.store(DELTA + (b * H + h) * N + m0 + rm, delta, mask=(m0 + rm) < N)
 
 
-@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "N_BUCKET", "M_BUCKET", "B_OFF"])
+@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "B_OFF"])
 def _bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, SEED, DK, DV, DMASK,
+    Q, K, V, DO, LSE, DELTA, MASK, SEED, DK, DV, DMASK, DQacc,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -87,13 +103,14 @@ def _bwd_dkdv(
     s_dkb, s_dkh, s_dkn, s_dkd,
     s_dvb, s_dvh, s_dvn, s_dvd,
     s_gb, s_gh, s_gn, s_gm,
+    s_aqb, s_aqh, s_aqn, s_aqd,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR,
-    N_BUCKET, M_BUCKET, B_OFF,
+    DIAG_OFF, WL, WR, B_OFF,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -105,6 +122,12 @@ def _bwd_dkdv(
     (b, h, i, j), with i collapsed to 0 when the mask broadcasts over queries
     (DMASK_ROWSUM: summed here over all query rows) and the block's columns
     summed into column n0 when it broadcasts over keys (DMASK_COLSUM).
+
+    DQ_ATOMIC (one-pass backward): also add each tile's ``scale * dS K``,
+    (BLOCK_M, BLOCK_D) float32, into ``DQacc``, a zero-initialised float32
+    (B, Hq, N, D) buffer with strides ``s_aq*``, at the rows of query head
+    ``h`` (not ``hk``). Every key block of a (batch, head) adds into the same
+    rows, hence atomics; skipped blocks add nothing.
     """
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -163,6 +186,8 @@ def _bwd_dkdv(
             g_base = DMASK + b * s_gb + hl * s_gh
             if DMASK_ROWSUM:
                 col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if DQ_ATOMIC:
+            dq_ptrs = DQacc + b * s_aqb + hl * s_aqh + rm[:, None] * s_aqn + rd[None, :] * s_aqd
         bh = (b + B_OFF) * H + hl  # global batch index: the dropout stream's key
         for start_m in range(lo, hi, BLOCK_M):
             sml = tl.cast(start_m, tl.int64)
@@ -212,7 +237,16 @@ def _bwd_dkdv(
                 pdT = pT
             dv += tl.dot(pdT.to(dtype).to(q.dtype), do, input_precision=PREC)
             dsT = pT * (dpT - delta[None, :])
-            dk += tl.dot(dsT.to(dtype).to(q.dtype), q, input_precision=PREC)
+            dsT_op = dsT.to(dtype).to(q.dtype)
+            dk += tl.dot(dsT_op, q, input_precision=PREC)
+            if DQ_ATOMIC:
+                # dQ rows of this query block += scale * dS K, from the same
+                # rounded dS the two-pass _bwd_dq feeds its dot. The tile is
+                # (query, d) with d contiguous in memory, so the adds coalesce;
+                # only their sum matters, hence relaxed (no fences).
+                dq_part = tl.dot(tl.trans(dsT_op), k, input_precision=PREC) * scale
+                tl.atomic_add(dq_ptrs + sml * s_aqn, dq_part,
+                              mask=m_ok[:, None] & (rd < D_QK)[None, :], sem="relaxed")
 
             if MASK_GRAD:
                 if DMASK_ROWSUM:
@@ -237,7 +271,7 @@ def _bwd_dkdv(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (rdv < D_V)[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "N_BUCKET", "M_BUCKET"])
+@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR"])
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, MASK, SEED, DQ,
     s_qb, s_qh, s_qn, s_qd,
@@ -250,7 +284,6 @@ def _bwd_dq(
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
     DIAG_OFF, WL, WR,
-    N_BUCKET, M_BUCKET,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -381,8 +414,9 @@ def _all_configs(tiles):
 def _prune(kind: str):
     """early_config_prune: keep the candidate tiles of the head-dim class
     that fit in shared memory (fewer for fp32, whose IEEE dots compile slowly
-    and run on CUDA cores)."""
-    tiles = _DKDV_TILES if kind == "dkdv" else _DQ_TILES
+    and run on CUDA cores). ``kind``: "dkdv", "dkdv_dq" (the dK/dV kernel
+    with DQ_ATOMIC, same tiles) or "dq"."""
+    tiles = _DQ_TILES if kind == "dq" else _DKDV_TILES
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -400,8 +434,10 @@ def _prune(kind: str):
             bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
             if (bm, bn, c.num_warps, c.num_stages) not in wanted:
                 continue
-            resident, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+            resident, streamed = (bm, bn) if kind == "dq" else (bn, bm)
             smem = elt * (bd + bdv) * (resident + c.num_stages * streamed) + 4 * bm * bn
+            if kind == "dkdv_dq":
+                smem += elt * bm * bn  # dS staged transposed for the dS K dot
             if smem <= smem_cap:
                 kept.append(c)
         if not kept:  # smallest tile of the class as the fallback
@@ -415,37 +451,55 @@ def _prune(kind: str):
 
 _DKDV_CONFIGS = _all_configs(_DKDV_TILES)
 _DQ_CONFIGS = _all_configs(_DQ_TILES)
-_KEY = ["N_BUCKET", "M_BUCKET", "BLOCK_D", "BLOCK_DV", "HAS_WL", "HAS_WR", "MASK_KIND",
-        "HAS_DROPOUT", "PREC"]
-
-_bwd_dkdv_tuned = triton.autotune(
-    configs=_DKDV_CONFIGS,
-    key=_KEY + ["MASK_GRAD", "DMASK_ROWSUM", "DMASK_COLSUM"],
-    prune_configs_by={"early_config_prune": _prune("dkdv")},
-)(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(
-    configs=_DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune("dq")},
-)(_bwd_dq)
 
 # Under the interpreter: one small fixed tile, for CI speed.
 _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
 
+# The main kernels by name, as written (interpreter) and behind launchers
+# that choose a config once per key (timed when autotuning, else the first
+# that fits) and then launch the compiled binary directly.
+# "dkdv_dq" is _bwd_dkdv launched with DQ_ATOMIC=True (one pass). Choosing
+# its config runs it several times, each run adding into the dQ accumulator,
+# so DQacc is zeroed before each of those runs and before the real launch.
+_KERNELS = {"dkdv": _bwd_dkdv, "dkdv_dq": _bwd_dkdv, "dq": _bwd_dq}
+_LAUNCHERS = {"dkdv": ConfigLauncher(_bwd_dkdv), "dkdv_dq": ConfigLauncher(_bwd_dkdv, reset_to_zero=["DQacc"]),
+              "dq": ConfigLauncher(_bwd_dq)}
+_CONFIGS = {"dkdv": _DKDV_CONFIGS, "dkdv_dq": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
+_preprocess_launcher = ConfigLauncher(_bwd_preprocess)
 
-# The two main kernels by name: as written (interpreter), autotuned, and with
-# a fixed config (the first candidate that fits, remembered per key).
-_KERNELS = {"dkdv": _bwd_dkdv, "dq": _bwd_dq}
-_TUNED = {"dkdv": _bwd_dkdv_tuned, "dq": _bwd_dq_tuned}
-_FIXED = {kind: FixedConfigLauncher(kernel) for kind, kernel in _KERNELS.items()}
-_CONFIGS = {"dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 
-
-# Longest sequence-length bucket in the autotuning keys.
+# Longest sequence-length bucket in the launchers' config keys.
 _BUCKET_CAP = 1 << 14
 
 
 # --------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------
+
+
+def _one_pass_enabled() -> bool:
+    """Whether this backward call computes dQ in the dK/dV kernel (one pass,
+    atomic float32 adds) instead of a second kernel (two passes).
+
+    ``FLASHFUSE_BWD=one_pass`` or ``two_pass`` forces a schedule; unset (or
+    empty) means ``_ONE_PASS_DEFAULT``. Read at every call, so it can change
+    between calls. Always two passes while
+    ``torch.use_deterministic_algorithms(True)`` is on, whatever the variable
+    says: the order in which the atomic adds land varies from run to run, and
+    float32 addition is not associative, so one-pass dQ may differ in its
+    last bits between identical calls. dK, dV and dmask are deterministic in
+    both schedules.
+    """
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    mode = os.environ.get("FLASHFUSE_BWD", "").strip().lower()
+    if mode == "one_pass":
+        return True
+    if mode == "two_pass":
+        return False
+    if mode == "":
+        return _ONE_PASS_DEFAULT
+    raise ValueError(f"FLASHFUSE_BWD must be 'one_pass' or 'two_pass', got {mode!r}")
 
 
 def _dmask_layout(mask: torch.Tensor, B: int, Hq: int, N: int, M: int):
@@ -504,6 +558,10 @@ def attention_backward(
         (dq, dk, dv, dmask): ``empty_like`` of q, k, v; dmask is None unless
         ``mask_grad``, else the mask's own shape and dtype, summed over the
         dimensions where the mask broadcasts.
+
+    dQ comes from one pass (atomics) or two (a second kernel) as
+    ``_one_pass_enabled`` decides: ``FLASHFUSE_BWD``, and always two passes,
+    bitwise reproducible, under ``torch.use_deterministic_algorithms(True)``.
     """
     B, Hq, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
@@ -513,7 +571,17 @@ def attention_backward(
     if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(f"mask_grad needs a floating attn_mask, got {attn_mask.dtype}")
 
-    dq = torch.empty_like(q)
+    one_pass = _one_pass_enabled()
+    if one_pass:
+        # float32 dQ accumulator in dq's layout, zeroed since the kernel only
+        # adds into it (and blocks outside the band add nothing); for float32
+        # inputs it is dq itself.
+        dq_acc = torch.zeros_like(q, dtype=torch.float32)
+        dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(q)
+        dq_acc_strides = dq_acc.stride()
+    else:
+        dq = torch.empty_like(q)
+        dq_acc, dq_acc_strides = q, (0, 0, 0, 0)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
 
@@ -547,7 +615,7 @@ def attention_backward(
 
     has_dropout = dropout_p > 0.0
     if has_dropout:
-        threshold = int(round(dropout_p * 2 ** 24))
+        threshold = dropout_threshold(dropout_p)
         inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
         seed_arg = seed
     else:
@@ -565,37 +633,38 @@ def attention_backward(
 
     common_scalars = (Hq, G, N, M, D, Dv,
                       scale * _LOG2E, scale, inv_keep, threshold,
-                      diag_off, wl, wr, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP))
+                      diag_off, wl, wr)
     lse_strides = lse.stride()
     interp = _interpreting(q)
     flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
-    fixed = not interp and not _autotune_enabled()
-    if fixed:
+    if not interp:
+        tune = _autotune_enabled()
         # Everything the candidate lists and the compiled kernels depend on.
-        fixed_key = (q.dtype, device, tuple(sorted(flags.items())), do_grad, rowsum, colsum)
+        key = (q.dtype, device, tuple(sorted(flags.items())), do_grad, rowsum, colsum, one_pass,
+               _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP))
         named = {"Q": q, **flags}
 
     def launch(kind, grid, *args, **kwargs):
-        """Launch the "dkdv" or "dq" kernel the way this call runs kernels."""
+        """Launch the "dkdv", "dkdv_dq" or "dq" kernel the way this call runs kernels."""
         if interp:
             _KERNELS[kind][grid](*args, **kwargs, **_INTERPRET_META)
-        elif fixed:
-            _FIXED[kind](fixed_key, lambda: _prune(kind)(_CONFIGS[kind], named), grid, *args, **kwargs)
         else:
-            _TUNED[kind][grid](*args, **kwargs)
+            _LAUNCHERS[kind](key, lambda: _prune(kind)(_CONFIGS[kind], named), grid, *args, tune=tune, **kwargs)
 
     # Launch on q's device (the current CUDA device may be another one).
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         # delta = rowsum(dO * O)
         delta = torch.empty((B, Hq, N), device=device, dtype=torch.float32)
-        pre_bm = 16 if interp else max(16, min(128, 8192 // BLOCK_DV))
-        _bwd_preprocess[(triton.cdiv(N, pre_bm), Hq, B)](
-            out, grad_out, delta,
-            *out.stride(), *grad_out.stride(),
-            N, Dv,
-            BLOCK_M=pre_bm, BLOCK_DV=BLOCK_DV,
-        )
+        pre_args = (out, grad_out, delta, *out.stride(), *grad_out.stride(), N, Dv)
+        if interp:
+            _bwd_preprocess[(triton.cdiv(N, 16), Hq, B)](*pre_args, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
+        else:
+            pre_cfg = triton.Config({"BLOCK_M": max(16, min(128, 8192 // BLOCK_DV))}, num_warps=4, num_stages=1)
+            _preprocess_launcher(
+                (device, BLOCK_DV), lambda: [pre_cfg], lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+                *pre_args, BLOCK_DV=BLOCK_DV,
+            )
 
         # When the mask broadcasts over the batch, the dS buffer is filled a
         # batch chunk at a time and summed in a fixed order, which bounds its
@@ -606,13 +675,13 @@ def attention_backward(
             b1 = min(B, b0 + chunk)
             sl = slice(b0, b1)
             launch(
-                "dkdv", lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
+                "dkdv_dq" if one_pass else "dkdv", lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
                 q[sl], k[sl], v[sl], grad_out[sl], lse[sl], delta[sl], mask_arg[sl] if attn_mask is not None else q,
-                seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf,
+                seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf, dq_acc[sl] if one_pass else dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
-                *dk.stride(), *dv.stride(), *g_strides,
+                *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
                 *common_scalars, b0,
-                MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum,
+                MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
                 **flags,
             )
             if do_grad and chunk < B:
@@ -621,14 +690,18 @@ def attention_backward(
                     gbuf.zero_()
         if do_grad and chunk < B:
             gbuf = dmask_sum
-        launch(
-            "dq", lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
-            q, k, v, grad_out, lse, delta, mask_arg, seed_arg, dq,
-            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
-            *dq.stride(),
-            *common_scalars,
-            **flags,
-        )
+        if one_pass:
+            if dq is not dq_acc:
+                dq.copy_(dq_acc)  # same layout: one elementwise cast
+        else:
+            launch(
+                "dq", lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+                q, k, v, grad_out, lse, delta, mask_arg, seed_arg, dq,
+                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
+                *dq.stride(),
+                *common_scalars,
+                **flags,
+            )
 
     dmask = _reduce_dmask(gbuf, attn_mask) if do_grad else None
     return dq, dk, dv, dmask

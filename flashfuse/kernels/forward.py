@@ -19,7 +19,6 @@ lse, output layout).
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -27,9 +26,10 @@ import triton
 import triton.language as tl
 
 from .common import (
-    FixedConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep, _dropout_keep_block,
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep, _dropout_keep_block,
     _interpreting, _visible,
 )
+from .common import dropout_threshold as _keep_threshold
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -184,7 +184,7 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["N", "M", "N_BUCKET", "M_BUCKET", "diag_off", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _attn_fwd(
     Q, K, V, Mask, Seed, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -193,7 +193,6 @@ def _attn_fwd(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     Hq, Hkv, N, M,
-    N_BUCKET, M_BUCKET,  # autotuning key only (sequence lengths rounded up)
     qk_scale, diag_off, window_left, window_right,
     dropout_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -378,40 +377,25 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept
 
 
-# Keep tuning results across processes where this Triton supports it.
-_AUTOTUNE_EXTRA = (
-    {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-)
+_FWD_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                for bm, bn, w, s in _CUDA_CONFIGS]
 
-_attn_fwd_tuned = triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in _CUDA_CONFIGS
-    ],
-    key=["N_BUCKET", "M_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT",
-         "MASK_KIND", "DROPOUT", "SCAN_MASK", "INPUT_PRECISION"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-    **_AUTOTUNE_EXTRA,
-)(_attn_fwd)
-
-# Without autotuning: the first config that fits, remembered per key.
-_attn_fwd_fixed = FixedConfigLauncher(_attn_fwd)
+# Chooses the config once per (dtype, head dims, flags, size bucket): the
+# fastest when autotuning, else the first that fits; then launches directly.
+_attn_fwd_launcher = ConfigLauncher(_attn_fwd)
 
 # Bool masks: skip the key blocks a mask hides entirely for a query tile
 # (found by a cheap pre-pass over the mask). Costs one extra read of the mask
 # tiles, repaid whenever padding or block sparsity removes whole blocks.
 SCAN_BOOL_MASK = True
 
-# On CUDA the kernel is autotuned per (size bucket, head dims, flags);
-# FLASHFUSE_AUTOTUNE=0 takes the first config of _CUDA_CONFIGS that fits
-# instead (see common._autotune_enabled).
 
 # Under the interpreter: one small tile so CPU tests stay fast.
 _INTERPRET_BLOCK_M = 16
 _INTERPRET_BLOCK_N = 16
 
 
-# Longest sequence-length bucket in the autotuning key.
+# Longest sequence-length bucket in the launcher's config key.
 _BUCKET_CAP = 1 << 16
 
 
@@ -479,7 +463,7 @@ def attention_forward(
 
     dropout = dropout_p > 0.0
     if dropout:
-        threshold = int(round(float(dropout_p) * (1 << 24)))
+        threshold = _keep_threshold(dropout_p)
         # p == 1 drops everything; scale 0 keeps the (zero) output finite.
         dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
         seed_arg = seed
@@ -489,10 +473,11 @@ def attention_forward(
     precision = _dot_precision(q)
 
     limit = N + M
+    n_bucket, m_bucket = _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP)
     args = (
         q, k, v, mask, seed_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
-        Hq, Hkv, N, M, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP),
+        Hq, Hkv, N, M,
         float(scale) * _LOG2E, (M - N) if bottom_right else 0,
         _clamp_window(window_left, limit), _clamp_window(window_right, limit),
         threshold, dropout_scale,
@@ -512,19 +497,12 @@ def attention_forward(
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
         with torch.cuda.device(q.device):
-            if not _autotune_enabled():
-                # Fixed config: the first that fits, in _CUDA_CONFIGS order.
-                key = (q.dtype, mask.dtype, q.device, tuple(meta.items()))
-                _attn_fwd_fixed(
-                    key, lambda: _prune_configs(_attn_fwd_tuned.configs, {"Q": q, "Mask": mask}, **meta),
-                    lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
-                    *args, **meta, DOT_UPCAST=False,
-                )
-            else:
-                def grid(cfg):
-                    return (triton.cdiv(N, cfg["BLOCK_M"]), Hq, B)
-
-                _attn_fwd_tuned[grid](*args, **meta, DOT_UPCAST=False)
+            key = (q.dtype, mask.dtype, q.device, n_bucket, m_bucket, tuple(meta.items()))
+            _attn_fwd_launcher(
+                key, lambda: _prune_configs(_FWD_CONFIGS, {"Q": q, "Mask": mask}, **meta),
+                lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+                *args, tune=_autotune_enabled(), **meta, DOT_UPCAST=False,
+            )
     return out, lse
 
 
@@ -558,7 +536,7 @@ def dropout_keep_mask_triton(seed: torch.Tensor, B: int, H: int, N: int, M: int,
         bool tensor (B, H, N, M) on seed's device; True keeps the probability.
     """
     out = torch.empty(B, H, N, M, dtype=torch.uint8, device=seed.device)
-    threshold = int(round(float(dropout_p) * (1 << 24)))
+    threshold = _keep_threshold(dropout_p)
     block_m, block_n = 16, 64
     grid = (B * H, triton.cdiv(N, block_m), triton.cdiv(M, block_n))
     _dropout_mask_kernel[grid](seed, out, H, N, M, threshold, BLOCK_M=block_m, BLOCK_N=block_n)

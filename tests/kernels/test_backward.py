@@ -7,14 +7,20 @@ tests do not depend on the forward kernel (one test chains both).
 
 Without a GPU the kernels run through Triton's interpreter on CPU tensors
 (tests/conftest.py sets TRITON_INTERPRET=1), so CPU shapes stay small.
+
+Tests taking the ``bwd_mode`` fixture run under both backward schedules
+(``FLASHFUSE_BWD``): two passes, and one pass with atomic dQ.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from flashfuse import reference as ref
+from flashfuse.kernels import backward
 from flashfuse.kernels.backward import attention_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,6 +47,52 @@ def poison_allocations(monkeypatch):
 
     monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(params=["two_pass", "one_pass"])
+def bwd_mode(request, monkeypatch):
+    """Run the test under each backward schedule."""
+    monkeypatch.setenv("FLASHFUSE_BWD", request.param)
+    return request.param
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for the block, then the
+    previous setting back."""
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+class _LaunchSpy:
+    """Stands in for a kernel of ``backward._KERNELS`` (indexed by a grid) or
+    a launcher of ``_LAUNCHERS`` (called), recording its kind when launched."""
+
+    def __init__(self, kernel, kind, log):
+        self.kernel, self.kind, self.log = kernel, kind, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.kind)
+        return self.kernel[grid]
+
+    def __call__(self, *args, **kwargs):
+        self.log.append(self.kind)
+        return self.kernel(*args, **kwargs)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The list of kernel kinds ("dkdv", "dkdv_dq", "dq") launched so far."""
+    log = []
+    for table in (backward._KERNELS, backward._LAUNCHERS):
+        for kind, kernel in list(table.items()):
+            monkeypatch.setitem(table, kind, _LaunchSpy(kernel, kind, log))
+    return log
 
 
 def _rand(shape, dtype, noncontig, gen):
@@ -71,7 +123,7 @@ def run_case(
     B=1, Hq=2, Hkv=None, N=17, M=33, D=40, Dv=None, dtype=torch.float32, *,
     mask_shape=None, mask_kind=None, mask_grad=False, window_left=None, window_right=None,
     bottom_right=False, dropout_p=0.0, noncontig=False, seed=0, scale=None, empty_rows=(),
-    go_broadcast=False,
+    go_broadcast=False, deterministic=False,
 ):
     """Compare ``attention_backward`` with float64 autograd on fresh inputs.
 
@@ -79,6 +131,9 @@ def run_case(
     go_broadcast: grad_out constant over queries (stride 0).
     empty_rows: query rows whose keys are all masked out (bool mask) or set to
     -inf (float mask), to test rows with no visible key.
+    deterministic: run the kernels (only them: the float64 reference may use
+    ops with no deterministic CUDA version) under
+    torch.use_deterministic_algorithms(True).
     Returns the four kernel outputs.
     """
     Hkv = Hq if Hkv is None else Hkv
@@ -128,10 +183,11 @@ def run_case(
     out = torch.empty(B, N, Hq, Dv, dtype=dtype, device=DEVICE).transpose(1, 2)
     out.copy_(o64.detach())
 
-    dq, dk, dv, dmask = attention_backward(
-        go, q, k, v, mask, seed_t if dropout_p > 0 else None, out, lse,
-        dropout_p=dropout_p, scale=scale, mask_grad=mask_grad, **band,
-    )
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        dq, dk, dv, dmask = attention_backward(
+            go, q, k, v, mask, seed_t if dropout_p > 0 else None, out, lse,
+            dropout_p=dropout_p, scale=scale, mask_grad=mask_grad, **band,
+        )
     for name, t, src in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         assert t.dtype == src.dtype and t.stride() == torch.empty_like(src).stride(), name
     # When no row sees more than one key every softmax is constant: dq, dk
@@ -163,6 +219,7 @@ def run_case(
     "N, M, D, Dv",
     [(1, 1, 16, 16), (17, 33, 40, 24), (47, 17, 64, 64), (33, 47, 16, 40)],
 )
+@pytest.mark.usefixtures("bwd_mode")
 def test_shapes_dtypes(N, M, D, Dv, dtype):
     run_case(N=N, M=M, D=D, Dv=Dv, dtype=dtype)
 
@@ -179,6 +236,7 @@ def test_shapes_dtypes(N, M, D, Dv, dtype):
         (33, 47, None, -3, False),  # strictly before the diagonal
     ],
 )
+@pytest.mark.usefixtures("bwd_mode")
 def test_causal_and_windows(N, M, window_left, window_right, bottom_right):
     run_case(Hq=1, N=N, M=M, D=16, Dv=24, dtype=torch.float16, window_left=window_left,
              window_right=window_right, bottom_right=bottom_right)
@@ -197,11 +255,13 @@ def test_causal_and_windows(N, M, window_left, window_right, bottom_right):
     ],
     ids=str,
 )
+@pytest.mark.usefixtures("bwd_mode")
 def test_masks(shape, kind, dtype):
     run_case(B=2, Hq=1, N=17, M=33, D=16, dtype=dtype, mask_shape=shape, mask_kind=kind)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.usefixtures("bwd_mode")
 def test_fully_masked_rows_give_zero_gradient(kind):
     # rows 0, 5 and 16 see no key; bottom-right causal with N > M adds more.
     dq, dk, dv, _ = run_case(N=23, M=17, D=16, dtype=torch.float32, mask_shape=(23, 17),
@@ -211,22 +271,26 @@ def test_fully_masked_rows_give_zero_gradient(kind):
 
 
 @pytest.mark.parametrize("Hq, Hkv", [(4, 2), (4, 1)])
+@pytest.mark.usefixtures("bwd_mode")
 def test_gqa_mqa(Hq, Hkv):
     run_case(Hq=Hq, Hkv=Hkv, N=17, M=33, D=16, Dv=24, dtype=torch.float16, window_right=0,
              bottom_right=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.usefixtures("bwd_mode")
 def test_noncontiguous(dtype):
     run_case(B=2, Hq=2, N=17, M=33, D=40, Dv=24, dtype=dtype, noncontig=True,
              mask_shape=(2, 1, 17, 33), mask_kind="float")
 
 
+@pytest.mark.usefixtures("bwd_mode")
 def test_broadcast_grad_out():
     run_case(N=33, M=17, D=16, Dv=40, dtype=torch.float16, go_broadcast=True, window_right=0)
 
 
 @pytest.mark.parametrize("dropout_p", [0.3, pytest.param(0.9, marks=pytest.mark.slow)])
+@pytest.mark.usefixtures("bwd_mode")
 def test_dropout(dropout_p):
     run_case(B=2, Hq=2, Hkv=1, N=17, M=33, D=16, Dv=24, dtype=torch.float32, dropout_p=dropout_p,
              window_left=9, window_right=2, mask_shape=(2, 1, 1, 33), mask_kind="float", mask_grad=True)
@@ -247,6 +311,7 @@ def test_dropout_keep_matches_triton_rule():
     "shape",
     [(1, 2, 17, 33), (2, 17, 33), (2, 2, 17, 33), (17, 33), (2, 1, 1, 33), (2, 2, 17, 1), (1, 1, 1, 1)],
 )
+@pytest.mark.usefixtures("bwd_mode")
 def test_mask_grad_shapes(shape):
     # causal + GQA: skipped blocks must give zero mask gradient, and the
     # reduction over the heads of a group must be complete.
@@ -254,23 +319,25 @@ def test_mask_grad_shapes(shape):
              mask_kind="float", mask_grad=True, window_right=0)
 
 
+@pytest.mark.usefixtures("bwd_mode")
 def test_mask_grad_batch_chunks(monkeypatch):
     """A batch-broadcast mask's dS buffer filled one batch element at a time
     (dropout checks that each chunk keeps its global batch index)."""
-    from flashfuse.kernels import backward
-
     monkeypatch.setattr(backward, "_DMASK_BUFFER_BYTES", 4 * 2 * 17 * 33)
     run_case(B=3, Hq=2, Hkv=1, N=17, M=33, D=16, dtype=torch.float32, mask_shape=(2, 17, 33),
              mask_kind="float", mask_grad=True, dropout_p=0.25, window_left=20, window_right=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.usefixtures("bwd_mode")
 def test_mask_grad_low_precision(dtype):
     run_case(B=1, N=33, M=17, D=16, dtype=dtype, mask_shape=(2, 33, 17), mask_kind="float",
              mask_grad=True, window_left=6, window_right=6, bottom_right=True)
 
 
-def test_deterministic():
+def test_deterministic(monkeypatch):
+    # Two passes are the deterministic schedule (one pass adds dQ atomically).
+    monkeypatch.setenv("FLASHFUSE_BWD", "two_pass")
     kw = dict(B=1, Hq=4, Hkv=2, N=33, M=47, D=16, dtype=torch.float16, mask_shape=(4, 33, 47),
               mask_kind="float", mask_grad=True, seed=3)
     a, b = run_case(**kw), run_case(**kw)
@@ -278,6 +345,85 @@ def test_deterministic():
         assert torch.equal(x, y)
 
 
+# Feature mixes for comparing the two schedules: dtype, then run_case keywords.
+ONE_PASS_CASES = [
+    # GQA, causal, learned float mask broadcast over queries, dropout
+    (torch.float32, dict(B=2, Hq=4, Hkv=2, N=37, M=45, D=24, mask_shape=(2, 1, 1, 45), mask_kind="float",
+                         mask_grad=True, dropout_p=0.25, window_right=0)),
+    # MQA, bottom-right sliding window, bool mask, strided inputs
+    (torch.float16, dict(B=1, Hq=3, Hkv=1, N=37, M=45, D=24, Dv=40, mask_shape=(37, 45), mask_kind="bool",
+                         window_left=9, window_right=2, bottom_right=True, noncontig=True)),
+    # bfloat16 (the interpreter's upcast path), N > M with rows that see no key
+    (torch.bfloat16, dict(B=1, Hq=2, N=45, M=37, D=24, window_right=0, bottom_right=True)),
+]
+
+
+@pytest.mark.parametrize("dtype, kw", ONE_PASS_CASES, ids=["gqa-causal-dmask-dropout", "mqa-window-bool",
+                                                           "bf16-bottom-right"])
+def test_one_pass_matches_two_pass(dtype, kw, monkeypatch, launched):
+    """Each schedule against float64 (in run_case), and against each other:
+    dK, dV and dmask come from the same dK/dV code, dQ differs only in the
+    order of its float32 sums."""
+    results = {}
+    for mode, kinds in (("two_pass", ["dkdv", "dq"]), ("one_pass", ["dkdv_dq"])):
+        monkeypatch.setenv("FLASHFUSE_BWD", mode)
+        launched.clear()
+        results[mode] = run_case(dtype=dtype, **kw)
+        assert launched == kinds, mode
+    one, two = results["one_pass"], results["two_pass"]
+    _check("dq one pass vs two", one[0], two[0], dtype)
+    for name, a, b in zip(("dk", "dv", "dmask"), one[1:], two[1:]):
+        if b is None:
+            assert a is None
+        elif DEVICE == "cpu":  # one program order: the same bits
+            assert torch.equal(a, b), name
+        else:  # a fixed config may differ between the two kernels
+            _check(f"{name} one pass vs two", a, b, dtype)
+
+
+def test_schedule_selection(monkeypatch, launched):
+    """FLASHFUSE_BWD picks the schedule at call time; unset follows
+    _ONE_PASS_DEFAULT; deterministic mode always takes two passes."""
+    kw = dict(B=1, Hq=2, Hkv=1, N=5, M=7, D=16, dtype=torch.float32, window_right=0)
+    cases = [
+        ("one_pass", False, False, ["dkdv_dq"]),
+        ("two_pass", True, False, ["dkdv", "dq"]),
+        (None, False, False, ["dkdv", "dq"]),
+        (None, True, False, ["dkdv_dq"]),
+        ("one_pass", True, True, ["dkdv", "dq"]),
+        (None, True, True, ["dkdv", "dq"]),
+    ]
+    for env, default, det, kinds in cases:
+        if env is None:
+            monkeypatch.delenv("FLASHFUSE_BWD", raising=False)
+        else:
+            monkeypatch.setenv("FLASHFUSE_BWD", env)
+        monkeypatch.setattr(backward, "_ONE_PASS_DEFAULT", default)
+        launched.clear()
+        run_case(deterministic=det, **kw)
+        assert launched == kinds, (env, default, det)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+    monkeypatch.setenv("FLASHFUSE_BWD", "onepass")
+    with pytest.raises(ValueError, match="FLASHFUSE_BWD"):
+        run_case(**kw)
+
+
+def test_deterministic_mode_takes_two_passes(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True), FLASHFUSE_BWD=one_pass
+    gives the bits of the two-pass schedule."""
+    kw = dict(B=1, Hq=4, Hkv=2, N=37, M=45, D=24, dtype=torch.float16, mask_shape=(4, 37, 45),
+              mask_kind="float", mask_grad=True, window_right=0, seed=5)
+    monkeypatch.setenv("FLASHFUSE_BWD", "two_pass")
+    want = run_case(**kw)
+    monkeypatch.setenv("FLASHFUSE_BWD", "one_pass")
+    got = run_case(deterministic=True, **kw)
+    assert not torch.are_deterministic_algorithms_enabled()
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.usefixtures("bwd_mode")
 def test_chained_with_forward_kernel():
     """Forward kernel's out and lse feed the backward kernel."""
     fwd = pytest.importorskip("flashfuse.kernels.forward")
@@ -318,6 +464,7 @@ def test_mask_grad_rejects_bool_mask():
 @pytest.mark.parametrize("N, M", [(1, 47), (47, 1), (70, 70), (65, 33)])
 @pytest.mark.parametrize("D, Dv", [(16, 64), (64, 16), (24, 40)])
 @pytest.mark.parametrize("band", [(None, None, False), (None, 0, False), (3, 0, True), (2, 9, True)])
+@pytest.mark.usefixtures("bwd_mode")
 def test_sweep(N, M, D, Dv, dtype, band):
     wl, wr, br = band
     run_case(B=1, Hq=4, Hkv=2, N=N, M=M, D=D, Dv=Dv, dtype=dtype, window_left=wl, window_right=wr,
@@ -354,6 +501,26 @@ def test_gpu_odd_heads_window_dropout(D, Dv):
 def test_gpu_mask_grad(shape):
     run_case(B=2, Hq=4, Hkv=2, N=1024, M=1024, D=64, dtype=torch.float16, mask_shape=shape,
              mask_kind="float", mask_grad=True, window_right=0)
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["one_pass", "two_pass"])
+@pytest.mark.parametrize(
+    "dtype, kw",
+    [
+        (torch.bfloat16, dict(B=2, Hq=4, N=1000, M=1000, D=128, window_right=0)),
+        (torch.float16, dict(B=2, Hq=8, Hkv=2, N=1000, M=1201, D=64, Dv=96, window_right=0, bottom_right=True,
+                             dropout_p=0.15, mask_shape=(1, 8, 1000, 1201), mask_kind="float", mask_grad=True)),
+    ],
+    ids=["bf16-causal-d128", "fp16-gqa-dropout-dmask"],
+)
+@pytest.mark.parametrize("autotune", ["0", "1"])
+def test_gpu_one_pass(mode, dtype, kw, autotune, monkeypatch):
+    # Autotuning runs each candidate several times: the one-pass tuner must
+    # zero the dQ accumulator before each run and before the real launch.
+    monkeypatch.setenv("FLASHFUSE_BWD", mode)
+    monkeypatch.setenv("FLASHFUSE_AUTOTUNE", autotune)
+    run_case(dtype=dtype, seed=11, **kw)
 
 
 @gpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import triton
 
-from flashfuse.kernels.common import FixedConfigLauncher, OutOfResources
+from flashfuse.kernels.common import ConfigLauncher, OutOfResources
 
 
 class _RecordingKernel:
@@ -31,7 +31,7 @@ def _cfg(bm, warps=4, stages=2):
 
 def test_fixed_launcher_skips_configs_that_do_not_fit_and_remembers_the_choice():
     kernel = _RecordingKernel(too_big={128, 64})
-    launcher = FixedConfigLauncher(kernel)
+    launcher = ConfigLauncher(kernel)
     asked = []
 
     def candidates():
@@ -51,6 +51,46 @@ def test_fixed_launcher_skips_configs_that_do_not_fit_and_remembers_the_choice()
 
 
 def test_fixed_launcher_reports_when_no_config_fits():
-    launcher = FixedConfigLauncher(_RecordingKernel(too_big={128, 64}))
+    launcher = ConfigLauncher(_RecordingKernel(too_big={128, 64}))
     with pytest.raises(OutOfResources):
         launcher("key", lambda: [_cfg(128), _cfg(64)], lambda m: (1, 1, 1))
+
+
+def test_tuning_launcher_times_the_configs_that_fit_and_keeps_the_fastest():
+    kernel = _RecordingKernel(too_big={128})
+    launcher = ConfigLauncher(kernel)
+    speed = {128: 0.1, 64: 3.0, 32: 1.0, 16: 2.0}  # ms; 128 is fastest but does not fit
+    launched = []
+
+    def timer(run):
+        n = len(kernel.launches)
+        run()
+        launched.append(kernel.launches[n][2]["BLOCK_M"])
+        return speed[launched[-1]]
+
+    launcher.timer = timer
+    grid = lambda m: (1, 1, 1)  # noqa: E731
+    launcher("key", lambda: [_cfg(128), _cfg(64), _cfg(32), _cfg(16)], grid, "x", tune=True)
+    assert launched == [64, 32, 16], "every config that fits is timed once"
+    assert launcher.chosen[("key", True)].kwargs["BLOCK_M"] == 32
+    assert [ms for _, ms in launcher.timings[("key", True)]] == [3.0, 1.0, 2.0]
+    # the real launch comes last, with the winner
+    assert kernel.launches[-1][2]["BLOCK_M"] == 32 and kernel.launches[-1][1] == ("x",)
+    n = len(kernel.launches)
+    launcher("key", lambda: [], grid, "y", tune=True)
+    assert len(kernel.launches) == n + 1 and kernel.launches[-1][2]["BLOCK_M"] == 32
+
+
+def test_fingerprint_is_at_least_as_fine_as_triton_specialisation():
+    import torch
+
+    from flashfuse.kernels.common import _fingerprint
+
+    t = torch.empty(64, dtype=torch.float16)
+    assert _fingerprint([t]) != _fingerprint([t[1:]]), "16-byte alignment"
+    assert _fingerprint([t]) != _fingerprint([t.float()]), "dtype"
+    assert _fingerprint([1]) != _fingerprint([17]), "equal to 1"
+    assert _fingerprint([32]) != _fingerprint([33]), "multiple of 16"
+    assert _fingerprint([16]) != _fingerprint([2 ** 36]), "64-bit integers"
+    assert _fingerprint([True]) != _fingerprint([1])
+    assert _fingerprint([48, 3, 2.5]) == _fingerprint([64, 5, 0.5])

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .common import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep_block, _interpreting,
-    _visible, dropout_threshold, max_shared_mem,
+    _visible, cdiv, dropout_threshold, max_shared_mem, next_pow2,
 )
 
 __all__ = ["attention_backward"]
@@ -468,6 +468,12 @@ _CONFIGS = {"dkdv": _DKDV_CONFIGS, "dkdv_dq": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 _preprocess_launcher = ConfigLauncher(_bwd_preprocess)
 
 
+def _preprocess_config(block_dv: int):
+    """The preprocess kernel's one config: rows per program so that a tile
+    holds about 8k elements."""
+    return triton.Config({"BLOCK_M": max(16, min(128, 8192 // block_dv))}, num_warps=4, num_stages=1)
+
+
 # Longest sequence-length bucket in the launchers' config keys.
 _BUCKET_CAP = 1 << 14
 
@@ -585,8 +591,8 @@ def attention_backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
 
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_DV = max(16, triton.next_power_of_2(Dv))
+    BLOCK_D = max(16, next_pow2(D))
+    BLOCK_DV = max(16, next_pow2(Dv))
 
     # mask through its expanded view: broadcast dims have stride 0
     if attn_mask is None:
@@ -658,11 +664,10 @@ def attention_backward(
         delta = torch.empty((B, Hq, N), device=device, dtype=torch.float32)
         pre_args = (out, grad_out, delta, *out.stride(), *grad_out.stride(), N, Dv)
         if interp:
-            _bwd_preprocess[(triton.cdiv(N, 16), Hq, B)](*pre_args, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
+            _bwd_preprocess[(cdiv(N, 16), Hq, B)](*pre_args, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
         else:
-            pre_cfg = triton.Config({"BLOCK_M": max(16, min(128, 8192 // BLOCK_DV))}, num_warps=4, num_stages=1)
             _preprocess_launcher(
-                (device, BLOCK_DV), lambda: [pre_cfg], lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+                (device, BLOCK_DV), lambda: [_preprocess_config(BLOCK_DV)], lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
                 *pre_args, BLOCK_DV=BLOCK_DV,
             )
 
@@ -675,7 +680,7 @@ def attention_backward(
             b1 = min(B, b0 + chunk)
             sl = slice(b0, b1)
             launch(
-                "dkdv_dq" if one_pass else "dkdv", lambda m: (triton.cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
+                "dkdv_dq" if one_pass else "dkdv", lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
                 q[sl], k[sl], v[sl], grad_out[sl], lse[sl], delta[sl], mask_arg[sl] if attn_mask is not None else q,
                 seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf, dq_acc[sl] if one_pass else dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
@@ -695,7 +700,7 @@ def attention_backward(
                 dq.copy_(dq_acc)  # same layout: one elementwise cast
         else:
             launch(
-                "dq", lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+                "dq", lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
                 q, k, v, grad_out, lse, delta, mask_arg, seed_arg, dq,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
                 *dq.stride(),

@@ -108,6 +108,22 @@ class ConfigLauncher:
 
         return self.timer(run)
 
+    def _tail(self, cfg, args, kwargs) -> tuple:
+        """Values of the parameters after the positional ones: keyword
+        arguments, then the config's meta-parameters, then defaults. They are
+        fixed by the fingerprint, so they are computed once per binary."""
+        tail = []
+        for p in self._params[len(args):]:
+            if p.name in kwargs:
+                tail.append(kwargs[p.name])
+            elif p.name in cfg.kwargs:
+                tail.append(cfg.kwargs[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:  # Triton's own launch would have refused this already
+                raise TypeError(f"flashfuse: kernel argument {p.name!r} not given")
+        return tuple(tail)
+
     @staticmethod
     def timer(run) -> float:
         """Median milliseconds of ``run()`` on the GPU."""
@@ -131,31 +147,29 @@ class ConfigLauncher:
         if self._params is None:  # not a JITFunction (tests' stand-ins)
             self._launch(cfg, grid, args, kwargs)
             return
-        fp = (key, _fingerprint(args), tuple(kwargs.values()))
-        binary = self._binaries.get(fp)
-        if binary is None:
+        fp = (key, _fingerprint(args), tuple(kwargs.items()))
+        cached = self._binaries.get(fp)
+        if cached is None:
             binary = self._launch(cfg, grid, args, kwargs)
             if binary is not None and hasattr(binary, "packed_metadata"):
-                missing = [p.name for p in self._params[len(args):] if p.name not in kwargs
-                           and p.name not in cfg.kwargs and p.default is inspect.Parameter.empty]
-                if missing:  # Triton would have refused the launch above
-                    raise TypeError(f"flashfuse: kernel arguments {missing} not given")
-                self._binaries[fp] = binary
+                self._binaries[fp] = (binary, self._tail(cfg, args, kwargs))
             return
+        binary, tail = cached
         # Every parameter in order, constexprs included: Triton's launcher
         # takes the bound arguments as they are and skips the constexprs.
-        meta = cfg.kwargs
-        full = list(args)
-        for p in self._params[len(args):]:
-            name = p.name
-            full.append(kwargs[name] if name in kwargs else meta[name] if name in meta else p.default)
-        g = grid(meta)
+        full = (*args, *tail)
+        g = grid(cfg.kwargs)
         g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
-        driver = triton.runtime.driver.active
-        stream = driver.get_current_stream(driver.get_current_device())
+        stream = _current_stream()
         enter, leave = _launch_hooks()
         metadata = binary.launch_metadata(g, stream, *full) if enter is not None else None
         binary.run(g0, g1, g2, stream, binary.function, binary.packed_metadata, metadata, enter, leave, *full)
+
+
+def _current_stream():
+    """The raw CUDA stream Triton would launch on: the current device's."""
+    driver = triton.runtime.driver.active
+    return driver.get_current_stream(driver.get_current_device())
 
 
 def _launch_hooks():
@@ -179,14 +193,32 @@ def _fingerprint(args) -> tuple:
     maps to two binaries.
     """
     out = []
+    add = out.append
     for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.data_ptr() & 15 == 0))
-        elif type(a) is int:
-            out.append(1 if a == 1 else (2 if a & 15 == 0 else 0) + (4 if not _INT32_MIN <= a <= _INT32_MAX else 0))
+        t = type(a)
+        if t is int:  # most arguments: strides and sizes
+            if a == 1:
+                add(1)
+            else:
+                add((2 if a & 15 == 0 else 0) + (0 if _INT32_MIN <= a <= _INT32_MAX else 4))
+        elif t is bool:
+            add(("bool", a))
+        elif isinstance(a, torch.Tensor):
+            add((a.dtype, a.data_ptr() & 15 == 0))
         else:
-            out.append(("bool", a) if isinstance(a, bool) else type(a))
+            add(t)
     return tuple(out)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host. ``triton.cdiv`` does the same but costs
+    microseconds per call in recent Tritons (it unwraps constexpr arguments)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1), on the host; see ``cdiv``."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,7 +240,7 @@ def _interpreting(t: torch.Tensor) -> bool:
 def _bucket(n: int, cap: int) -> int:
     """Sequence-length bucket for an autotuning key: the next power of two,
     capped, so tuning runs once per size class instead of once per length."""
-    return min(triton.next_power_of_2(max(n, 1)), cap)
+    return min(next_pow2(n), cap)
 
 
 def _dot_precision(q: torch.Tensor) -> str:

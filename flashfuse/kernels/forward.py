@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .common import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep, _dropout_keep_block,
-    _interpreting, _visible,
+    _interpreting, _visible, cdiv, next_pow2,
 )
 from .common import dropout_threshold as _keep_threshold
 
@@ -484,7 +484,7 @@ def attention_forward(
     )
     meta = dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
         MASK_KIND=mask_kind, DROPOUT=dropout, INPUT_PRECISION=precision,
         SCAN_MASK=mask_kind == _MASK_BOOL and SCAN_BOOL_MASK,
@@ -492,7 +492,7 @@ def attention_forward(
         SCALE_NONNEG=scale >= 0,
     )
     if _interpreting(q):
-        grid = (triton.cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
+        grid = (cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
         _attn_fwd[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16,
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
@@ -500,7 +500,7 @@ def attention_forward(
             key = (q.dtype, mask.dtype, q.device, n_bucket, m_bucket, tuple(meta.items()))
             _attn_fwd_launcher(
                 key, lambda: _prune_configs(_FWD_CONFIGS, {"Q": q, "Mask": mask}, **meta),
-                lambda m: (triton.cdiv(N, m["BLOCK_M"]), Hq, B),
+                lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
                 *args, tune=_autotune_enabled(), **meta, DOT_UPCAST=False,
             )
     return out, lse
@@ -538,6 +538,6 @@ def dropout_keep_mask_triton(seed: torch.Tensor, B: int, H: int, N: int, M: int,
     out = torch.empty(B, H, N, M, dtype=torch.uint8, device=seed.device)
     threshold = _keep_threshold(dropout_p)
     block_m, block_n = 16, 64
-    grid = (B * H, triton.cdiv(N, block_m), triton.cdiv(M, block_n))
+    grid = (B * H, cdiv(N, block_m), cdiv(M, block_n))
     _dropout_mask_kernel[grid](seed, out, H, N, M, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
     return out.view(torch.bool)

@@ -94,3 +94,74 @@ def test_fingerprint_is_at_least_as_fine_as_triton_specialisation():
     assert _fingerprint([16]) != _fingerprint([2 ** 36]), "64-bit integers"
     assert _fingerprint([True]) != _fingerprint([1])
     assert _fingerprint([48, 3, 2.5]) == _fingerprint([64, 5, 0.5])
+
+
+def test_host_arithmetic_matches_triton():
+    from flashfuse.kernels.common import cdiv, next_pow2
+
+    for a in (0, 1, 2, 15, 16, 17, 127, 128, 129, 4095, 4097, 2 ** 21 + 3):
+        assert next_pow2(max(a, 1)) == triton.next_power_of_2(max(a, 1)), a
+        for b in (1, 16, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+class _FakeBinary:
+    """A compiled kernel's launch interface, recording what it is given."""
+
+    packed_metadata = "meta"
+    function = "fn"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, g0, g1, g2, stream, function, packed, launch_metadata, enter, leave, *args):
+        self.runs.append(((g0, g1, g2), stream, args))
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+class _FakeJit:
+    """Stands in for a JITFunction: ``fn`` gives the signature, indexing by a
+    grid launches through "Triton's own path" and returns the binary of the
+    arguments' 16-byte alignment."""
+
+    def __init__(self):
+        def fn(X, n, flag, BLOCK_M, BLOCK_N, EXTRA=7):
+            pass
+
+        self.fn = fn
+        self.slow = []
+        self.binaries = {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.slow.append((grid, args, kwargs))
+            aligned = args[0].data_ptr() % 16 == 0
+            return self.binaries.setdefault(aligned, _FakeBinary())
+        return launch
+
+
+def test_direct_launch_passes_every_parameter_in_order_and_respects_specialisation(monkeypatch):
+    import torch
+
+    from flashfuse.kernels import common
+
+    monkeypatch.setattr(common, "_current_stream", lambda: 99)
+    monkeypatch.setattr(common, "_launch_hooks", lambda: (None, None))
+    kernel = _FakeJit()
+    launcher = ConfigLauncher(kernel)
+    grid = lambda m: (64 // m["BLOCK_M"], 3)  # noqa: E731
+    x = torch.zeros(64, dtype=torch.float16)
+    launcher("k", lambda: [_cfg(16)], grid, x, 5, flag=True)  # chooses: Triton's path
+    launcher("k", lambda: [], grid, x, 6, flag=True)  # first of this fingerprint: Triton's path
+    assert len(kernel.slow) == 2 and not kernel.binaries[True].runs
+    launcher("k", lambda: [], grid, x, 8, flag=True)  # same fingerprint: direct
+    assert len(kernel.slow) == 2
+    (g, stream, args), = kernel.binaries[True].runs
+    assert g == (4, 3, 1) and stream == 99
+    assert args == (x, 8, True, 16, 32, 7), "positional, keyword, config, default, in signature order"
+    launcher("k", lambda: [], grid, x[1:], 8, flag=True)  # misaligned: a new fingerprint
+    assert len(kernel.slow) == 3 and kernel.slow[-1][1][0].data_ptr() % 16 != 0
+    launcher("k", lambda: [], grid, x, 16, flag=True)  # multiple of 16: a new fingerprint
+    assert len(kernel.slow) == 4

@@ -32,7 +32,7 @@ SMOKE_PROVIDERS = ["flashfuse", "sdpa", "sdpa_flash", "sdpa_efficient", "naive"]
 
 
 def parse_args():
-    p = common.base_parser(__doc__.splitlines()[0], budget_s=150)
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=200)
     p.add_argument("--providers", default=None,
                    help=f"comma-separated subset of {','.join(common.ATTENTION_PROVIDERS)}")
     p.add_argument("--d", default=None, help="comma-separated head dims (default 64,128)")

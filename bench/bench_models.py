@@ -48,7 +48,7 @@ VARIANTS = [
 
 
 def parse_args():
-    p = common.base_parser(__doc__.splitlines()[0], budget_s=110)
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=270)
     p.add_argument("--only", default=None, help="comma-separated subset of gpt2,llama,bert")
     p.add_argument("--t", default=None, help="GPT-2 sequence lengths, comma-separated (default 1024,2048)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {[v[0] for v in VARIANTS]}")

@@ -22,6 +22,10 @@ if not _has_cuda:
 # Tests need correct kernels, not the fastest config: skip autotuning, which
 # would benchmark every candidate for each of the many small shapes.
 os.environ.setdefault("FLASHFUSE_AUTOTUNE", "0")
+# Tests that autotune must time their candidates, and must not leave tuned
+# configs in the user's cache: the on-disk tuning cache is off unless a test
+# points it at a file of its own.
+os.environ.setdefault("FLASHFUSE_TUNING_CACHE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,8 @@ else. ``flashfuse.reference`` re-implements the same rules in PyTorch.
 
 import functools
 import inspect
+import json
+import logging
 import os
 
 import torch
@@ -14,6 +16,8 @@ import triton
 import triton.language as tl
 
 from triton.runtime.errors import OutOfResources
+
+_log = logging.getLogger("flashfuse")
 
 
 def _autotune_enabled() -> bool:
@@ -52,10 +56,13 @@ class ConfigLauncher:
 
     ``reset_to_zero``: names of tensor arguments the kernel accumulates into
     (atomics); they are zeroed before every benchmarked or repeated launch.
+    Tuned choices are also kept on disk (``TUNING_CACHE``), under ``name``
+    (default: the kernel's), so that later processes skip the timing.
     """
 
-    def __init__(self, kernel, reset_to_zero=()):
+    def __init__(self, kernel, reset_to_zero=(), name=None):
         self.kernel = kernel
+        self.name = name or getattr(getattr(kernel, "fn", kernel), "__name__", type(kernel).__name__)
         self.chosen: dict = {}
         self.timings: dict = {}  # (key, True) -> [(config, ms)] of a tuned choice
         self._binaries: dict = {}
@@ -81,10 +88,22 @@ class ConfigLauncher:
 
     def _choose(self, key, candidates, grid, args, kwargs, tune) -> bool:
         """Pick the config for ``key``; True when that already launched it
-        on these arguments (untuned), False when timing runs have clobbered
-        the outputs (tuned) and a real launch must follow."""
+        on these arguments (untuned, or tuned earlier and read from the
+        tuning cache), False when timing runs have clobbered the outputs and
+        a real launch must follow."""
         error, timed = None, []
-        for cfg in candidates():
+        candidates = list(candidates())
+        stored = TUNING_CACHE.lookup(self.name, key, candidates) if tune else None
+        if stored is not None:
+            try:
+                self._zero(args)
+                self._launch(stored, grid, args, kwargs)
+            except OutOfResources:  # another GPU wrote that entry: time afresh
+                pass
+            else:
+                self.chosen[key] = stored
+                return True
+        for cfg in candidates:
             try:
                 self._zero(args)
                 self._launch(cfg, grid, args, kwargs)
@@ -99,6 +118,7 @@ class ConfigLauncher:
             raise error if error is not None else RuntimeError("flashfuse: no kernel config to launch")
         self.timings[key] = timed
         self.chosen[key] = min(timed, key=lambda ct: ct[1])[0]
+        TUNING_CACHE.store(self.name, key, self.chosen[key])
         return False
 
     def _time(self, cfg, grid, args, kwargs) -> float:
@@ -164,6 +184,94 @@ class ConfigLauncher:
         enter, leave = _launch_hooks()
         metadata = binary.launch_metadata(g, stream, *full) if enter is not None else None
         binary.run(g0, g1, g2, stream, binary.function, binary.packed_metadata, metadata, enter, leave, *full)
+
+
+class TuningCache:
+    """Tuned kernel configs on disk, so that a new process on the same GPU
+    and Triton takes them instead of timing every candidate again.
+
+    One JSON file, ``flashfuse_tuning.json`` in Triton's cache directory, or
+    the path in ``FLASHFUSE_TUNING_CACHE`` (``0`` turns the cache off). An
+    entry maps (Triton version, GPU name, kernel, key) to a config; an entry
+    that matches no current candidate is ignored. A file that cannot be read
+    or written only means the configs are timed again.
+    """
+
+    def __init__(self):
+        self._loaded: dict = {}  # path -> entries read from it
+
+    def path(self) -> str | None:
+        env = os.environ.get("FLASHFUSE_TUNING_CACHE", "")
+        if env == "0":
+            return None
+        if env:
+            return env
+        knobs = getattr(triton, "knobs", None)
+        base = knobs.cache.dir if knobs is not None else os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        return os.path.join(base, "flashfuse_tuning.json")
+
+    @staticmethod
+    def _entry(name, key) -> str:
+        return f"{triton.__version__}|{_device_name()}|{name}|{key!r}"
+
+    @staticmethod
+    def _describe(cfg) -> list:
+        return [sorted(cfg.kwargs.items()), cfg.num_warps, cfg.num_stages]
+
+    def _read(self, path) -> dict:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def lookup(self, name, key, candidates):
+        """The stored config of (name, key) among ``candidates``, or None."""
+        path = self.path()
+        if path is None:
+            return None
+        if path not in self._loaded:
+            self._loaded[path] = self._read(path)
+        want = self._loaded[path].get(self._entry(name, key))
+        if want is None:
+            return None
+        for cfg in candidates:
+            if json.loads(json.dumps(self._describe(cfg))) == want:  # JSON turns tuples into lists
+                return cfg
+        return None
+
+    def store(self, name, key, cfg) -> None:
+        path = self.path()
+        if path is None:
+            return
+        entry = self._entry(name, key)
+        data = self._read(path)  # merge with what other processes wrote
+        data[entry] = self._describe(cfg)
+        self._loaded[path] = data
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=0, sort_keys=True)
+            os.replace(tmp, path)  # readers never see half a file
+        except OSError as exc:
+            _log.debug("flashfuse: tuning cache %s not written: %s", path, exc)
+
+
+TUNING_CACHE = TuningCache()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _device_name() -> str:
+    """Name of the current CUDA device ("cpu" without one)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return _device_name_of(torch.cuda.current_device())
 
 
 def _current_stream():

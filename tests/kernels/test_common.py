@@ -165,3 +165,61 @@ def test_direct_launch_passes_every_parameter_in_order_and_respects_specialisati
     assert len(kernel.slow) == 3 and kernel.slow[-1][1][0].data_ptr() % 16 != 0
     launcher("k", lambda: [], grid, x, 16, flag=True)  # multiple of 16: a new fingerprint
     assert len(kernel.slow) == 4
+
+
+def test_tuning_cache_spares_a_new_process_the_timing(monkeypatch, tmp_path):
+    import json
+
+    path = tmp_path / "cache" / "tuning.json"
+    monkeypatch.setenv("FLASHFUSE_TUNING_CACHE", str(path))
+    speed = {64: 3.0, 32: 1.0, 16: 2.0}
+    candidates = lambda: [_cfg(64), _cfg(32), _cfg(16)]  # noqa: E731
+    grid = lambda m: (1, 1, 1)  # noqa: E731
+
+    def timed_launcher(kernel, name="k"):
+        launcher = ConfigLauncher(kernel, name=name)
+        launcher.timer = lambda run: (run(), speed[kernel.launches[-1][2]["BLOCK_M"]])[1]
+        return launcher
+
+    first = _RecordingKernel()
+    timed_launcher(first)(("key", 1), candidates, grid, "x", tune=True)
+    assert len(first.launches) == 7, "three candidates tried and timed, one real launch"
+    assert len(json.loads(path.read_text())) == 1
+
+    def no_timing(run):
+        raise AssertionError("timed although the cache holds the choice")
+
+    # a new process: a fresh launcher and a fresh in-memory view of the file
+    from flashfuse.kernels import common
+
+    monkeypatch.setattr(common, "TUNING_CACHE", common.TuningCache())
+    again = _RecordingKernel()
+    launcher = ConfigLauncher(again, name="k")
+    launcher.timer = no_timing
+    launcher(("key", 1), candidates, grid, "y", tune=True)
+    assert [(a, kw["BLOCK_M"]) for _, a, kw in again.launches] == [(("y",), 32)]
+
+    # another kernel name or key is timed; an entry naming no candidate is ignored
+    other = _RecordingKernel()
+    timed_launcher(other, name="other")(("key", 1), candidates, grid, "z", tune=True)
+    assert len(other.launches) == 7
+    stale = _RecordingKernel()
+    timed_launcher(stale)(("key", 1), lambda: [_cfg(64), _cfg(16)], grid, "w", tune=True)
+    assert len(stale.launches) == 5 and stale.launches[-1][2]["BLOCK_M"] == 16
+
+
+def test_tuning_cache_survives_a_broken_file_and_can_be_turned_off(monkeypatch, tmp_path):
+    from flashfuse.kernels import common
+
+    path = tmp_path / "tuning.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("FLASHFUSE_TUNING_CACHE", str(path))
+    cache = common.TuningCache()
+    assert cache.lookup("k", "key", [_cfg(16)]) is None
+    cache.store("k", "key", _cfg(16))
+    assert common.TuningCache().lookup("k", "key", [_cfg(32), _cfg(16)]).kwargs["BLOCK_M"] == 16
+
+    monkeypatch.setenv("FLASHFUSE_TUNING_CACHE", "0")
+    off = common.TuningCache()
+    off.store("k", "key2", _cfg(16))
+    assert off.lookup("k", "key2", [_cfg(16)]) is None

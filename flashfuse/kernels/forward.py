@@ -473,7 +473,6 @@ def attention_forward(
     precision = _dot_precision(q)
 
     limit = N + M
-    n_bucket, m_bucket = _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP)
     args = (
         q, k, v, mask, seed_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
@@ -497,7 +496,8 @@ def attention_forward(
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
         with torch.cuda.device(q.device):
-            key = (q.dtype, mask.dtype, q.device, n_bucket, m_bucket, tuple(meta.items()))
+            key = (q.dtype, mask.dtype, q.device, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP),
+                   tuple(meta.items()))
             _attn_fwd_launcher(
                 key, lambda: _prune_configs(_FWD_CONFIGS, {"Q": q, "Mask": mask}, **meta),
                 lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),

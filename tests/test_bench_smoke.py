@@ -123,3 +123,8 @@ def test_host_overhead_smoke(tmp_path):
 def test_backward_schedules_smoke(tmp_path):
     out = run_script("backward_schedules.py", tmp_path)
     assert "tiny drop:" in out and "ff-one_pass bwd=" in out and "ff-two_pass f+b=" in out
+
+
+def test_host_path_cpu_smoke(tmp_path):
+    out = run_script("host_path_cpu.py", tmp_path)
+    assert "launches stubbed: fwd" in out and "fwd+bwd" in out

@@ -3,7 +3,8 @@ then dQ) against the one-pass one (dQ by float32 atomics inside the dK/dV
 kernel), with SDPA's default backend as the reference, at a few shapes.
 
 For each shape it prints forward, backward and forward+backward times
-(microseconds, median of ``triton.testing.do_bench``) and TFLOP/s, the
+(microseconds, median of ``triton.testing.do_bench`` through
+``common.bench_ms``) and TFLOP/s (``common.attention_flops``), the
 backward under ``FLASHFUSE_BWD=two_pass`` and ``one_pass``. Times include
 host overhead when it exceeds the GPU work (the GPT-2-sized shapes).
 
@@ -29,7 +30,6 @@ CASES = {
     "d128 4k drop": (4, 16, 4096, 128, False, 0.1),
 }
 SMOKE_CASES = {"tiny drop": (1, 2, 64, 32, True, 0.1)}
-FACTOR = {"fwd": 1.0, "bwd": 2.5, "f+b": 3.5}
 
 
 def parse_args():
@@ -38,15 +38,7 @@ def parse_args():
     return p.parse_args()
 
 
-def timer(device):
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: do_bench(fn, warmup=10, rep=60)
-    return lambda fn: common.bench_ms(fn, device)
-
-
-def run_case(name, B, H, N, D, causal, p, device, time_ms):
+def run_case(name, B, H, N, D, causal, p, device):
     import flashfuse
 
     torch.manual_seed(0)
@@ -55,6 +47,9 @@ def run_case(name, B, H, N, D, causal, p, device, time_ms):
     k = torch.randn_like(q, requires_grad=True)
     v = torch.randn_like(q, requires_grad=True)
     g = torch.randn_like(q)
+
+    def time_ms(fn):
+        return common.bench_ms(fn, device, warmup_ms=10, rep_ms=60)
 
     def timeit(fn, mode):
         if mode == "fwd":
@@ -87,9 +82,11 @@ def run_case(name, B, H, N, D, causal, p, device, time_ms):
             os.environ.pop("FLASHFUSE_BWD", None)
         else:
             os.environ["FLASHFUSE_BWD"] = before
-    fwd_flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
-    cells = [f"{key}={ms * 1e3:.0f}us/{FACTOR[key.split()[-1]] * fwd_flops / ms / 1e9:.0f}T"
-             for key, ms in res.items()]
+    def tflops(key, ms):
+        mode = {"f+b": "fwd+bwd"}.get(key.split()[-1], key.split()[-1])
+        return common.tflops(common.attention_flops(B, H, N, N, D, D, causal=causal, mode=mode), ms)
+
+    cells = [f"{key}={ms * 1e3:.0f}us/{tflops(key, ms):.0f}T" for key, ms in res.items()]
     print(f"{name}: " + "  ".join(cells), flush=True)
 
 
@@ -103,9 +100,8 @@ def main():
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; choose from {list(cases)}")
     print(common.env_info(device), flush=True)
-    time_ms = timer(device)
     for name in names:
-        run_case(name, *cases[name], device, time_ms)
+        run_case(name, *cases[name], device)
 
 
 if __name__ == "__main__":

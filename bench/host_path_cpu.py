@@ -51,10 +51,10 @@ def force_cuda_path_on_cpu():
     import triton
 
     from flashfuse import ops
-    from flashfuse.kernels import backward, common as kcommon, forward
+    from flashfuse.kernels import backward, forward, launch
 
     triton.runtime.driver.set_active(_StubDriver())
-    kcommon.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: (grid(cfg.kwargs), _StubBinary())[1]
+    launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: (grid(cfg.kwargs), _StubBinary())[1]
     ops._use_triton = lambda q: True
     forward._interpreting = backward._interpreting = lambda t: False
     backward._max_shared_mem = lambda device: 227 * 1024

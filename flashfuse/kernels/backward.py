@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep_block, _interpreting,
-    _visible, cdiv, dropout_threshold, max_shared_mem, next_pow2,
+from .common import _dropout_keep_block, _visible, dropout_threshold
+from .launch import (
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, max_shared_mem, next_pow2,
 )
 
 __all__ = ["attention_backward"]

@@ -25,11 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _dropout_keep, _dropout_keep_block,
-    _interpreting, _visible, cdiv, next_pow2,
-)
+from .common import _dropout_keep, _dropout_keep_block, _visible
 from .common import dropout_threshold as _keep_threshold
+from .launch import ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, next_pow2
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 

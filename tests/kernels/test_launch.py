@@ -1,11 +1,11 @@
-"""The launch helpers of ``flashfuse.kernels.common`` that need no GPU."""
+"""The launch helpers of ``flashfuse.kernels.launch`` that need no GPU."""
 
 from __future__ import annotations
 
 import pytest
 import triton
 
-from flashfuse.kernels.common import ConfigLauncher, OutOfResources
+from flashfuse.kernels.launch import ConfigLauncher, OutOfResources
 
 
 class _RecordingKernel:
@@ -84,7 +84,7 @@ def test_tuning_launcher_times_the_configs_that_fit_and_keeps_the_fastest():
 def test_fingerprint_is_at_least_as_fine_as_triton_specialisation():
     import torch
 
-    from flashfuse.kernels.common import _fingerprint
+    from flashfuse.kernels.launch import _fingerprint
 
     t = torch.empty(64, dtype=torch.float16)
     assert _fingerprint([t]) != _fingerprint([t[1:]]), "16-byte alignment"
@@ -97,7 +97,7 @@ def test_fingerprint_is_at_least_as_fine_as_triton_specialisation():
 
 
 def test_host_arithmetic_matches_triton():
-    from flashfuse.kernels.common import cdiv, next_pow2
+    from flashfuse.kernels.launch import cdiv, next_pow2
 
     for a in (0, 1, 2, 15, 16, 17, 127, 128, 129, 4095, 4097, 2 ** 21 + 3):
         assert next_pow2(max(a, 1)) == triton.next_power_of_2(max(a, 1)), a
@@ -145,10 +145,10 @@ class _FakeJit:
 def test_direct_launch_passes_every_parameter_in_order_and_respects_specialisation(monkeypatch):
     import torch
 
-    from flashfuse.kernels import common
+    from flashfuse.kernels import launch
 
-    monkeypatch.setattr(common, "_current_stream", lambda: 99)
-    monkeypatch.setattr(common, "_launch_hooks", lambda: (None, None))
+    monkeypatch.setattr(launch, "_current_stream", lambda: 99)
+    monkeypatch.setattr(launch, "_launch_hooks", lambda: (None, None))
     kernel = _FakeJit()
     launcher = ConfigLauncher(kernel)
     grid = lambda m: (64 // m["BLOCK_M"], 3)  # noqa: E731
@@ -190,9 +190,9 @@ def test_tuning_cache_spares_a_new_process_the_timing(monkeypatch, tmp_path):
         raise AssertionError("timed although the cache holds the choice")
 
     # a new process: a fresh launcher and a fresh in-memory view of the file
-    from flashfuse.kernels import common
+    from flashfuse.kernels import launch
 
-    monkeypatch.setattr(common, "TUNING_CACHE", common.TuningCache())
+    monkeypatch.setattr(launch, "TUNING_CACHE", launch.TuningCache())
     again = _RecordingKernel()
     launcher = ConfigLauncher(again, name="k")
     launcher.timer = no_timing
@@ -209,17 +209,17 @@ def test_tuning_cache_spares_a_new_process_the_timing(monkeypatch, tmp_path):
 
 
 def test_tuning_cache_survives_a_broken_file_and_can_be_turned_off(monkeypatch, tmp_path):
-    from flashfuse.kernels import common
+    from flashfuse.kernels import launch
 
     path = tmp_path / "tuning.json"
     path.write_text("{not json")
     monkeypatch.setenv("FLASHFUSE_TUNING_CACHE", str(path))
-    cache = common.TuningCache()
+    cache = launch.TuningCache()
     assert cache.lookup("k", "key", [_cfg(16)]) is None
     cache.store("k", "key", _cfg(16))
-    assert common.TuningCache().lookup("k", "key", [_cfg(32), _cfg(16)]).kwargs["BLOCK_M"] == 16
+    assert launch.TuningCache().lookup("k", "key", [_cfg(32), _cfg(16)]).kwargs["BLOCK_M"] == 16
 
     monkeypatch.setenv("FLASHFUSE_TUNING_CACHE", "0")
-    off = common.TuningCache()
+    off = launch.TuningCache()
     off.store("k", "key2", _cfg(16))
     assert off.lookup("k", "key2", [_cfg(16)]) is None

@@ -1,0 +1,363 @@
+"""Host side of the kernels: how a launch finds its config and binary.
+
+``ConfigLauncher`` chooses one config per kernel and key (timed when
+autotuning, else the first that fits), then launches the compiled binary
+directly; ``TuningCache`` keeps tuned choices on disk; the small helpers below
+decide what the launchers are keyed on. Nothing here is a kernel: the rules
+the kernels share are in ``common``.
+"""
+
+import functools
+import inspect
+import json
+import logging
+import os
+
+import torch
+import triton
+
+from triton.runtime.errors import OutOfResources
+
+_log = logging.getLogger("flashfuse")
+
+
+def _autotune_enabled() -> bool:
+    """Autotune on CUDA unless FLASHFUSE_AUTOTUNE=0.
+
+    Autotuning benchmarks every candidate config once per (size bucket, head
+    dims, flags): seconds on the first call of each, then the best config.
+    With FLASHFUSE_AUTOTUNE=0 each kernel takes the first candidate that fits
+    (the lists are ordered best-first from H200 measurements at D = 128, bf16,
+    4k-16k tokens): one compile per kernel variant, for quick start-up and
+    test suites, at some cost in speed elsewhere (see bench/NOTES.md).
+    """
+    return os.environ.get("FLASHFUSE_AUTOTUNE", "1") != "0"
+
+
+class ConfigLauncher:
+    """Launch one Triton kernel with a config chosen once per key, then
+    through its compiled binary. ``chosen`` maps ``(key, tune)`` to the
+    config.
+
+    ``key`` must capture everything the candidate list and the compiled
+    kernel depend on apart from the arguments' specialisation (dtype, head
+    dims, constexpr flags, device). On the first call of a key the launcher
+    takes the first candidate that compiles within the GPU's resources, or,
+    when ``tune`` is set, times every candidate that fits and keeps the
+    fastest. Later calls cost a dict lookup.
+
+    Launches then skip ``JITFunction.run`` (argument binding, cache-key
+    hashing, option parsing: about 40 us of host time per launch on an H200
+    host, more than some of the kernels take). The compiled binary is cached
+    per key and per *specialisation fingerprint* of the runtime arguments:
+    every property Triton specialises a kernel on (a tensor's dtype and
+    16-byte alignment; an integer being 1, a multiple of 16, or beyond
+    32 bits). A fingerprint never seen goes through Triton's own launch path,
+    which compiles or finds the right binary, and is remembered.
+
+    ``reset_to_zero``: names of tensor arguments the kernel accumulates into
+    (atomics); they are zeroed before every benchmarked or repeated launch.
+    Tuned choices are also kept on disk (``TUNING_CACHE``), under ``name``
+    (default: the kernel's), so that later processes skip the timing.
+    """
+
+    def __init__(self, kernel, reset_to_zero=(), name=None):
+        self.kernel = kernel
+        self.name = name or getattr(getattr(kernel, "fn", kernel), "__name__", type(kernel).__name__)
+        self.chosen: dict = {}
+        self.timings: dict = {}  # (key, True) -> [(config, ms)] of a tuned choice
+        self._binaries: dict = {}
+        fn = getattr(kernel, "fn", None)  # the JITFunction's Python function
+        self._params = list(inspect.signature(fn).parameters.values()) if fn is not None else None
+        names = [p.name for p in self._params] if self._params is not None else []
+        self._reset_pos = [names.index(n) for n in reset_to_zero]
+
+    def __call__(self, key, candidates, grid, *args, tune=False, **kwargs):
+        """``candidates()``: configs in preference order; ``grid(cfg)``: the
+        launch grid for a config's meta-parameters (a dict)."""
+        key = (key, tune)  # a tuned choice and an untuned one are kept apart
+        cfg = self.chosen.get(key)
+        if cfg is None:
+            # Without tuning, the first launch that fits was the real one.
+            if self._choose(key, candidates, grid, args, kwargs, tune):
+                return
+            cfg = self.chosen[key]
+            self._zero(args)
+        self._launch_fast(key, cfg, grid, args, kwargs)
+
+    # -- choosing ---------------------------------------------------------
+
+    def _choose(self, key, candidates, grid, args, kwargs, tune) -> bool:
+        """Pick the config for ``key``; True when that already launched it
+        on these arguments (untuned, or tuned earlier and read from the
+        tuning cache), False when timing runs have clobbered the outputs and
+        a real launch must follow."""
+        error, timed = None, []
+        candidates = list(candidates())
+        stored = TUNING_CACHE.lookup(self.name, key, candidates) if tune else None
+        if stored is not None:
+            try:
+                self._zero(args)
+                self._launch(stored, grid, args, kwargs)
+            except OutOfResources:  # another GPU wrote that entry: time afresh
+                pass
+            else:
+                self.chosen[key] = stored
+                return True
+        for cfg in candidates:
+            try:
+                self._zero(args)
+                self._launch(cfg, grid, args, kwargs)
+            except OutOfResources as exc:  # raised before anything runs
+                error = exc
+                continue
+            if not tune:
+                self.chosen[key] = cfg
+                return True
+            timed.append((cfg, self._time(cfg, grid, args, kwargs)))
+        if not timed:
+            raise error if error is not None else RuntimeError("flashfuse: no kernel config to launch")
+        self.timings[key] = timed
+        self.chosen[key] = min(timed, key=lambda ct: ct[1])[0]
+        TUNING_CACHE.store(self.name, key, self.chosen[key])
+        return False
+
+    def _time(self, cfg, grid, args, kwargs) -> float:
+        def run():
+            self._zero(args)
+            self._launch(cfg, grid, args, kwargs)
+
+        return self.timer(run)
+
+    def _tail(self, cfg, args, kwargs) -> tuple:
+        """Values of the parameters after the positional ones: keyword
+        arguments, then the config's meta-parameters, then defaults. They are
+        fixed by the fingerprint, so they are computed once per binary."""
+        tail = []
+        for p in self._params[len(args):]:
+            if p.name in kwargs:
+                tail.append(kwargs[p.name])
+            elif p.name in cfg.kwargs:
+                tail.append(cfg.kwargs[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:  # Triton's own launch would have refused this already
+                raise TypeError(f"flashfuse: kernel argument {p.name!r} not given")
+        return tuple(tail)
+
+    @staticmethod
+    def timer(run) -> float:
+        """Median milliseconds of ``run()`` on the GPU."""
+        from triton.testing import do_bench
+
+        return do_bench(run, warmup=5, rep=25)
+
+    def _zero(self, args):
+        for i in self._reset_pos:
+            args[i].zero_()
+
+    # -- launching --------------------------------------------------------
+
+    def _launch(self, cfg, grid, args, kwargs):
+        """Triton's own launch path; returns the compiled kernel."""
+        g = grid(cfg.kwargs)
+        return self.kernel[g](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps,
+                              num_stages=cfg.num_stages)
+
+    def _launch_fast(self, key, cfg, grid, args, kwargs):
+        if self._params is None:  # not a JITFunction (tests' stand-ins)
+            self._launch(cfg, grid, args, kwargs)
+            return
+        fp = (key, _fingerprint(args), tuple(kwargs.items()))
+        cached = self._binaries.get(fp)
+        if cached is None:
+            binary = self._launch(cfg, grid, args, kwargs)
+            if binary is not None and hasattr(binary, "packed_metadata"):
+                self._binaries[fp] = (binary, self._tail(cfg, args, kwargs))
+            return
+        binary, tail = cached
+        # Every parameter in order, constexprs included: Triton's launcher
+        # takes the bound arguments as they are and skips the constexprs.
+        full = (*args, *tail)
+        g = grid(cfg.kwargs)
+        g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
+        stream = _current_stream()
+        enter, leave = _launch_hooks()
+        metadata = binary.launch_metadata(g, stream, *full) if enter is not None else None
+        binary.run(g0, g1, g2, stream, binary.function, binary.packed_metadata, metadata, enter, leave, *full)
+
+
+class TuningCache:
+    """Tuned kernel configs on disk, so that a new process on the same GPU
+    and Triton takes them instead of timing every candidate again.
+
+    One JSON file, ``flashfuse_tuning.json`` in Triton's cache directory, or
+    the path in ``FLASHFUSE_TUNING_CACHE`` (``0`` turns the cache off). An
+    entry maps (Triton version, GPU name, kernel, key) to a config; an entry
+    that matches no current candidate is ignored. A file that cannot be read
+    or written only means the configs are timed again.
+    """
+
+    def __init__(self):
+        self._loaded: dict = {}  # path -> entries read from it
+
+    def path(self) -> str | None:
+        env = os.environ.get("FLASHFUSE_TUNING_CACHE", "")
+        if env == "0":
+            return None
+        if env:
+            return env
+        knobs = getattr(triton, "knobs", None)
+        base = knobs.cache.dir if knobs is not None else os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        return os.path.join(base, "flashfuse_tuning.json")
+
+    @staticmethod
+    def _entry(name, key) -> str:
+        return f"{triton.__version__}|{_device_name()}|{name}|{key!r}"
+
+    @staticmethod
+    def _describe(cfg) -> list:
+        """A config as JSON gives it back: lists, not tuples."""
+        return [[list(item) for item in sorted(cfg.kwargs.items())], cfg.num_warps, cfg.num_stages]
+
+    def _read(self, path) -> dict:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def lookup(self, name, key, candidates):
+        """The stored config of (name, key) among ``candidates``, or None."""
+        path = self.path()
+        if path is None:
+            return None
+        if path not in self._loaded:
+            self._loaded[path] = self._read(path)
+        want = self._loaded[path].get(self._entry(name, key))
+        if want is None:
+            return None
+        return next((cfg for cfg in candidates if self._describe(cfg) == want), None)
+
+    def store(self, name, key, cfg) -> None:
+        path = self.path()
+        if path is None:
+            return
+        entry = self._entry(name, key)
+        data = self._read(path)  # merge with what other processes wrote
+        data[entry] = self._describe(cfg)
+        self._loaded[path] = data
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=0, sort_keys=True)
+            os.replace(tmp, path)  # readers never see half a file
+        except OSError as exc:
+            _log.debug("flashfuse: tuning cache %s not written: %s", path, exc)
+
+
+TUNING_CACHE = TuningCache()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _device_name() -> str:
+    """Name of the current CUDA device ("cpu" without one)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return _device_name_of(torch.cuda.current_device())
+
+
+def _current_stream():
+    """The raw CUDA stream Triton would launch on: the current device's."""
+    driver = triton.runtime.driver.active
+    return driver.get_current_stream(driver.get_current_device())
+
+
+def _launch_hooks():
+    """Triton's global launch hooks (profilers set them), or (None, None)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return None, None
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
+
+
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def _fingerprint(args) -> tuple:
+    """What Triton specialises a kernel on, for each runtime argument.
+
+    Tensors: dtype and whether the address is 16-byte aligned. Integers:
+    equal to 1, multiple of 16, outside int32 (Triton then passes 64 bits).
+    Floats and others: their type. Finer than Triton's own key (it also
+    honours ``do_not_specialize``), never coarser, so one fingerprint never
+    maps to two binaries.
+    """
+    out = []
+    add = out.append
+    for a in args:
+        t = type(a)
+        if t is int:  # most arguments: strides and sizes
+            if a == 1:
+                add(1)
+            else:
+                add((2 if a & 15 == 0 else 0) + (0 if _INT32_MIN <= a <= _INT32_MAX else 4))
+        elif t is bool:
+            add(("bool", a))
+        elif isinstance(a, torch.Tensor):
+            add((a.dtype, a.data_ptr() & 15 == 0))
+        else:
+            add(t)
+    return tuple(out)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host. ``triton.cdiv`` does the same but costs
+    microseconds per call in recent Tritons (it unwraps constexpr arguments)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1), on the host; see ``cdiv``."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def max_shared_mem(device_index: int) -> int:
+    """Shared memory per block on a CUDA device, in bytes, queried once per
+    device (the query goes through the driver; launches must not pay it)."""
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+        return int(props["max_shared_mem"])
+    except Exception:  # conservative Hopper-class default
+        return 227 * 1024
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    """Launch through Triton's interpreter: CPU tensors cannot run compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type != "cuda"
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Sequence-length bucket for an autotuning key: the next power of two,
+    capped, so tuning runs once per size class instead of once per length."""
+    return min(next_pow2(n), cap)
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    """tl.dot input precision for q's dtype.
+
+    16-bit inputs use tensor cores whatever this says. For fp32 on CUDA,
+    follow PyTorch's matmul setting: "tf32" when TF32 is allowed, else
+    "tf32x3" (three TF32 products, fp32-level accuracy on tensor cores;
+    plain IEEE dots run on CUDA cores about a hundred times slower).
+    """
+    if q.dtype != torch.float32 or q.device.type != "cuda":
+        return "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"

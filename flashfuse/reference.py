@@ -253,8 +253,8 @@ def dropout_keep_mask(
     """Dropout keep mask, bit-identical to the Triton rule ``_dropout_keep``.
 
     Element (b, h, i, j) draws Philox4x32-10 with counter
-    ``(j >> 3, i, b * H + h, 0)``, takes the 16-bit half ``j & 1`` (0: low)
-    of word ``(j >> 1) & 3`` and keeps when it is
+    ``(4 * (j >> 5) + ((j >> 1) & 3), i, b * H + h, 0)``, takes the 16-bit
+    half ``j & 1`` (0: low) of word ``(j >> 3) & 3`` and keeps when it is
     ``>= round(dropout_p * 2**16)``.
 
     Args:
@@ -279,19 +279,21 @@ def dropout_keep_mask(
     threshold = dropout_threshold(dropout_p)
     if r1 == r0 or j1 == j0:
         return torch.ones(B, H, r1 - r0, j1 - j0, dtype=torch.bool, device=device)
-    # One Philox call serves eight consecutive keys, so draw per group of
-    # eight (counter word c0 = j >> 3) and spread the eight halves over them.
-    grp0, grp1 = j0 >> 3, ((j1 - 1) >> 3) + 1
-    c0 = torch.arange(grp0, grp1, dtype=torch.int64, device=device).view(1, 1, 1, -1)
+    # One Philox call serves the eight keys 32a + 8w + 2q + h (words w,
+    # halves h) of a 32-key chunk a and pair slot q: draw per (chunk, slot),
+    # counter word c0 = 4a + q, and put the eight halves back in key order.
+    chunk0, chunk1 = j0 >> 5, ((j1 - 1) >> 5) + 1
+    c0 = torch.arange(4 * chunk0, 4 * chunk1, dtype=torch.int64, device=device).view(1, 1, 1, -1)
     c1 = torch.arange(r0, r1, dtype=torch.int64, device=device).view(1, 1, -1, 1)
     c2 = torch.arange(B * H, dtype=torch.int64, device=device).view(B, H, 1, 1)
-    shape = (B, H, r1 - r0, grp1 - grp0)
+    shape = (B, H, r1 - r0, 4 * (chunk1 - chunk0))
     c0, c1, c2 = c0.expand(shape), c1.expand(shape), c2.expand(shape)
     c3 = torch.zeros(shape, dtype=torch.int64, device=device)
-    words = torch.stack(_philox4x32(int(seed), c0, c1, c2, c3), dim=-1)  # (..., groups, 4)
-    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # (..., groups, 4, 2)
-    halves = halves.reshape(B, H, r1 - r0, 8 * (grp1 - grp0))
-    halves = halves[..., j0 - 8 * grp0 : j1 - 8 * grp0]
+    words = torch.stack(_philox4x32(int(seed), c0, c1, c2, c3), dim=-1)  # (..., 4a + q, w)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # (..., 4a + q, w, h)
+    halves = halves.reshape(B, H, r1 - r0, chunk1 - chunk0, 4, 4, 2)  # [.., a, q, w, h]
+    halves = halves.transpose(-3, -2).reshape(B, H, r1 - r0, 32 * (chunk1 - chunk0))  # key order
+    halves = halves[..., j0 - 32 * chunk0 : j1 - 32 * chunk0]
     return halves >= threshold
 
 

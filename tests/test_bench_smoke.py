@@ -128,3 +128,27 @@ def test_backward_schedules_smoke(tmp_path):
 def test_host_path_cpu_smoke(tmp_path):
     out = run_script("host_path_cpu.py", tmp_path)
     assert "launches stubbed: fwd" in out and "fwd+bwd" in out
+
+
+def test_kernel_times_smoke(tmp_path):
+    out = run_script("kernel_times.py", tmp_path, "--one-pass")
+    assert "tiny drop: fwd candidates" in out and "tiny drop: dkdv_dq candidates" in out
+
+
+def test_kernel_report_compiles_for_hopper():
+    # The kernels compile for sm_90a with this Triton (no GPU needed): every
+    # kernel of a dropout forward+backward, with Hopper matrix instructions.
+    import json
+
+    # Two passes, so that the dQ kernel is compiled too (one pass is the
+    # default with dropout at this head dim).
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, FLASHFUSE_BWD="two_pass")
+    cmd = [sys.executable, os.path.join(BENCH, "kernel_report.py"), "--d", "64", "--n", "256", "--causal",
+           "--dropout", "0.1", "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["kernel"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert {"_attn_fwd", "_bwd_dkdv", "_bwd_dq", "_bwd_preprocess"} <= set(rows), rows
+    for name in ("_attn_fwd", "_bwd_dkdv", "_bwd_dq"):
+        assert "error" not in rows[name] and rows[name]["HGMMA"] > 0, rows[name]
+        assert rows[name]["regs"] is not None, rows[name]

@@ -59,6 +59,11 @@ _NO_MASK, _BOOL_MASK, _FLOAT_MASK = 0, 1, 2
 # faster on an H200 (bench/results/backward_schedules.txt, bench/NOTES.md
 # run 5): the atomics cost more than the matmuls they save.
 _ONE_PASS_DEFAULT = False
+# With dropout at small head dims, drawing the dropout mask a second time
+# costs more than the atomics: one pass measured 13 % faster at GPT-2's shape
+# (D = 64), two passes 8 % faster at D = 128 (bench/results/kernel_times.csv,
+# bench/NOTES.md run 6). Head dims up to this take one pass with dropout.
+_ONE_PASS_DROPOUT_MAX_D = 64
 
 
 # --------------------------------------------------------------------------
@@ -206,6 +211,8 @@ def _bwd_dkdv(
 
             # sT[j, i] in log2 units
             sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+            if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
+                keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
             if MASK_KIND == 2:
                 mT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
                              mask=n_ok[:, None] & m_ok[None, :], other=0.0)
@@ -230,8 +237,7 @@ def _bwd_dkdv(
 
             dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
             if HAS_DROPOUT:
-                keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
-                pdT = tl.where(keepT, pT * inv_keep, 0.0)
+                pdT = tl.where(keepT, pT, 0.0)  # 1 / (1 - p) applied to dV once, at the end
                 dpT = tl.where(keepT, dpT * inv_keep, 0.0)
             else:
                 pdT = pT
@@ -268,6 +274,8 @@ def _bwd_dkdv(
     dk_ptrs = DK + b * s_dkb + hk.to(tl.int64) * s_dkh + n0l * s_dkn + rn[:, None] * s_dkn + rd[None, :] * s_dkd
     dv_ptrs = DV + b * s_dvb + hk.to(tl.int64) * s_dvh + n0l * s_dvn + rn[:, None] * s_dvn + rdv[None, :] * s_dvd
     tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=n_ok[:, None] & (rd < D_QK)[None, :])
+    if HAS_DROPOUT:
+        dv = dv * inv_keep
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (rdv < D_V)[None, :])
 
 
@@ -345,6 +353,8 @@ def _bwd_dq(
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
         s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
+            keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
         if MASK_KIND == 2:
             mt = tl.load(mask_base + snl * s_mm, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
             s = s + mt.to(tl.float32) * 1.4426950408889634
@@ -362,7 +372,6 @@ def _bwd_dq(
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PREC)
         if HAS_DROPOUT:
-            keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(dtype).to(q.dtype), tl.trans(kT), input_precision=PREC)
@@ -389,16 +398,21 @@ def _cfg(bm, bn, w, s):
 # a key block of K, V and two float32 accumulators resident and streams query
 # blocks (wide BLOCK_N, narrow BLOCK_M); dQ is the mirror image.
 _DKDV_TILES = {
-    64: [(64, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3),
-         (16, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3)],
+    # (64, 64, 4, 3) measured best or second on an H200 (Triton 3.6) for D = 64
+    # at GPT-2's shape with and without dropout and at 4k causal
+    # (bench/results/kernel_times.csv), also in the one-pass kernel
+    64: [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3),
+         (32, 128, 8, 3), (16, 128, 8, 3), (64, 128, 8, 3), (32, 64, 8, 3)],
     # (64, 128, 8, 2) measured best on an H200 (Triton 3.6) for D = 128, bf16
     128: [(64, 128, 8, 2), (16, 128, 8, 3), (16, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 3),
           (16, 32, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
     256: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 64, 8, 3), (16, 32, 4, 2)],
 }
 _DQ_TILES = {
-    64: [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 16, 8, 3),
-         (128, 64, 4, 3), (64, 64, 4, 3)],
+    # (64, 64, 4, 3) measured best on an H200 (Triton 3.6) for D = 64 in the
+    # same three cases
+    64: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (128, 32, 4, 3),
+         (128, 64, 4, 3), (128, 16, 8, 3)],
     # (128, 64, 8, 3) measured best on an H200 (Triton 3.6) for D = 128, bf16
     128: [(128, 64, 8, 3), (128, 16, 8, 3), (64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 4, 3),
           (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
@@ -424,16 +438,21 @@ def _prune(kind: str):
         q = args["Q"]
         elt = q.element_size()
         wanted = tiles[64 if max(bd, bdv) <= 64 else 128 if max(bd, bdv) <= 128 else 256]
+        if args.get("HAS_DROPOUT"):
+            # Key blocks under 32 draw dropout one Philox call per element.
+            wanted = [t for t in wanted if t[1] >= 32] or wanted
         if elt == 4:
             # Two candidates, and the smallest tile as a fallback: fp32 tiles
             # need more shared memory than the estimate below counts.
-            wanted = wanted[:2] + [min(wanted, key=lambda t: t[0] * t[1] * t[3])]
+            wanted = list(dict.fromkeys(wanted[:2] + [min(wanted, key=lambda t: t[0] * t[1] * t[3])]))
         smem_cap = _max_shared_mem(q.device)
+        by_tile = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         kept = []
-        for c in configs:
-            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-            if (bm, bn, c.num_warps, c.num_stages) not in wanted:
+        for t in wanted:  # in the class's own best-first order
+            c = by_tile.get(t)
+            if c is None:
                 continue
+            bm, bn = t[0], t[1]
             resident, streamed = (bm, bn) if kind == "dq" else (bn, bm)
             smem = elt * (bd + bdv) * (resident + c.num_stages * streamed) + 4 * bm * bn
             if kind == "dkdv_dq":
@@ -453,7 +472,7 @@ _DKDV_CONFIGS = _all_configs(_DKDV_TILES)
 _DQ_CONFIGS = _all_configs(_DQ_TILES)
 
 # Under the interpreter: one small fixed tile, for CI speed.
-_INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
+_INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 32}  # BLOCK_N >= 32: the block dropout draw
 
 # The main kernels by name, as written (interpreter) and behind launchers
 # that choose a config once per key (timed when autotuning, else the first
@@ -483,13 +502,14 @@ _BUCKET_CAP = 1 << 14
 # --------------------------------------------------------------------------
 
 
-def _one_pass_enabled() -> bool:
+def _one_pass_enabled(has_dropout: bool, head_dim: int) -> bool:
     """Whether this backward call computes dQ in the dK/dV kernel (one pass,
     atomic float32 adds) instead of a second kernel (two passes).
 
     ``FLASHFUSE_BWD=one_pass`` or ``two_pass`` forces a schedule; unset (or
-    empty) means ``_ONE_PASS_DEFAULT``. Read at every call, so it can change
-    between calls. Always two passes while
+    empty) means one pass with dropout at head dims up to
+    ``_ONE_PASS_DROPOUT_MAX_D``, else ``_ONE_PASS_DEFAULT``. Read at every
+    call, so it can change between calls. Always two passes while
     ``torch.use_deterministic_algorithms(True)`` is on, whatever the variable
     says: the order in which the atomic adds land varies from run to run, and
     float32 addition is not associative, so one-pass dQ may differ in its
@@ -504,6 +524,8 @@ def _one_pass_enabled() -> bool:
     if mode == "two_pass":
         return False
     if mode == "":
+        if has_dropout and head_dim <= _ONE_PASS_DROPOUT_MAX_D:
+            return True
         return _ONE_PASS_DEFAULT
     raise ValueError(f"FLASHFUSE_BWD must be 'one_pass' or 'two_pass', got {mode!r}")
 
@@ -577,7 +599,7 @@ def attention_backward(
     if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(f"mask_grad needs a floating attn_mask, got {attn_mask.dtype}")
 
-    one_pass = _one_pass_enabled()
+    one_pass = _one_pass_enabled(dropout_p > 0.0, max(D, Dv))
     if one_pass:
         # float32 dQ accumulator in dq's layout, zeroed since the kernel only
         # adds into it (and blocks outside the band add nothing); for float32

@@ -40,7 +40,7 @@ def _visible(
 
 
 # Dropout draws 16 random bits per element: one Philox4x32-10 call (128
-# bits) serves eight consecutive keys. Fewer bits would make the drop rate a
+# bits) serves eight keys of one query. Fewer bits would make the drop rate a
 # coarse multiple of 2**-DROPOUT_BITS; more would cost more Philox calls, which
 # dominate the kernels' non-matrix work at small head dims.
 DROPOUT_BITS = 16
@@ -53,15 +53,26 @@ def dropout_threshold(dropout_p: float) -> int:
 
 
 @triton.jit
+def _keep_halves(r, threshold):
+    """Keep decisions (low half >= threshold, high half >= threshold) of the
+    two 16-bit draws in each uint32 word of ``r``."""
+    return (r & 0xFFFF).to(tl.int32) >= threshold, (r >> 16).to(tl.int32) >= threshold
+
+
+@triton.jit
 def _dropout_keep(seed, offs_m, offs_n, bh, threshold):
     """(BLOCK_M, BLOCK_N) bool tile: dropout keeps probability (i, j).
 
-    One Philox4x32-10 call with counter ``(j >> 3, i, bh, 0)`` yields four
-    32-bit words; key j takes half ``j & 1`` (0: low 16 bits) of word
-    ``(j >> 1) & 3`` and keeps when that 16-bit draw is ``>= threshold``
-    (``dropout_threshold``). The stream depends only on the seed and the
-    element's coordinates, so the backward regenerates the forward's mask
-    exactly, whatever the tiling.
+    Key j of query i uses Philox4x32-10 with counter
+    ``(4 * (j >> 5) + ((j >> 1) & 3), i, bh, 0)``, takes the 16-bit half
+    ``j & 1`` (0: low) of word ``(j >> 3) & 3`` and keeps when that draw is
+    ``>= threshold`` (``dropout_threshold``). The eight keys of one call,
+    ``32a + 8w + 2q + h`` for words w and halves h, are the ones a thread holds
+    together in the tensor cores' accumulator layout (pairs of keys, eight
+    apart), so the block form below draws them without moving data between
+    threads. The stream depends only on the seed and the element's
+    coordinates, so the backward regenerates the forward's mask exactly,
+    whatever the tiling.
     """
     return _dropout_keep_at(seed, offs_m[:, None], offs_n[None, :], bh, threshold)
 
@@ -72,14 +83,15 @@ def _dropout_keep_at(seed, i, j, bh, threshold):
     and ``j`` (keys), e.g. ``i = offs_m[None, :]``, ``j = offs_n[:, None]``
     for a transposed (BLOCK_N, BLOCK_M) tile. Same stream as ``_dropout_keep``,
     which is this with ``i = offs_m[:, None]``, ``j = offs_n[None, :]``. One
-    Philox call per element: for tests and odd layouts, not hot loops.
+    Philox call per element: for tests, odd layouts and narrow blocks, not hot
+    loops.
     """
-    c0 = (j >> 3).to(tl.uint32) + (i * 0).to(tl.uint32)
+    c0 = (4 * (j >> 5) + ((j >> 1) & 3)).to(tl.uint32) + (i * 0).to(tl.uint32)
     c1 = i.to(tl.uint32) + (j * 0).to(tl.uint32)
     c2 = (c0 * 0) + bh.to(tl.uint32)
     c3 = c0 * 0
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
-    word = (j >> 1) & 3
+    word = (j >> 3) & 3
     r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
     r = tl.where((j & 1) == 0, r & 0xFFFF, r >> 16)
     return r.to(tl.int32) >= threshold
@@ -88,25 +100,34 @@ def _dropout_keep_at(seed, i, j, bh, threshold):
 @triton.jit
 def _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N: tl.constexpr):
     """``_dropout_keep(seed, offs_m, start_n + arange(BLOCK_N), bh, threshold)``
-    at an eighth of the Philox work: one call per eight keys, its sixteen
-    16-bit halves interleaved back into key order. ``start_n`` must be a
-    multiple of 8 (block starts are multiples of BLOCK_N >= 16)."""
-    GROUPS: tl.constexpr = BLOCK_N // 8
-    i = offs_m[:, None]
-    g = (start_n >> 3) + tl.arange(0, GROUPS)[None, :]
-    c0 = g.to(tl.uint32) + (i * 0).to(tl.uint32)
-    c1 = i.to(tl.uint32) + (g * 0).to(tl.uint32)
-    c2 = (c0 * 0) + bh.to(tl.uint32)
-    c3 = c0 * 0
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
-    # Compare before interleaving: booleans are cheaper to move than words.
-    k0l, k0h = (r0 & 0xFFFF).to(tl.int32) >= threshold, (r0 >> 16).to(tl.int32) >= threshold
-    k1l, k1h = (r1 & 0xFFFF).to(tl.int32) >= threshold, (r1 >> 16).to(tl.int32) >= threshold
-    k2l, k2h = (r2 & 0xFFFF).to(tl.int32) >= threshold, (r2 >> 16).to(tl.int32) >= threshold
-    k3l, k3h = (r3 & 0xFFFF).to(tl.int32) >= threshold, (r3 >> 16).to(tl.int32) >= threshold
-    # join(join(w0, w2), join(w1, w3))[m, g, y, x] is word 2y + x; joining the
-    # low and high halves last puts the half innermost, so [m, g, y, x, h] is
-    # key 8g + 2(2y + x) + h after the reshape: key order restored.
-    lo = tl.join(tl.join(k0l, k2l), tl.join(k1l, k3l))
-    hi = tl.join(tl.join(k0h, k2h), tl.join(k1h, k3h))
-    return tl.reshape(tl.join(lo, hi), (offs_m.shape[0], BLOCK_N))
+    at an eighth of the Philox work: one call per eight keys. ``start_n`` must
+    be a multiple of BLOCK_N; blocks narrower than 32 keys take the
+    per-element rule."""
+    if BLOCK_N >= 32:
+        A: tl.constexpr = BLOCK_N // 32
+        i = offs_m[:, None, None]
+        a = (start_n >> 5) + tl.arange(0, A)[None, :, None]
+        q = tl.arange(0, 4)[None, None, :]
+        c0 = (a * 4 + q).to(tl.uint32) + (i * 0).to(tl.uint32)  # (BLOCK_M, A, 4)
+        c1 = i.to(tl.uint32) + (c0 * 0)
+        c2 = (c0 * 0) + bh.to(tl.uint32)
+        c3 = c0 * 0
+        r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+        lo0, hi0 = _keep_halves(r0, threshold)
+        lo1, hi1 = _keep_halves(r1, threshold)
+        lo2, hi2 = _keep_halves(r2, threshold)
+        lo3, hi3 = _keep_halves(r3, threshold)
+        w0 = tl.join(lo0, hi0)  # (BLOCK_M, A, 4, 2): [m, a, q, h]
+        w1 = tl.join(lo1, hi1)
+        w2 = tl.join(lo2, hi2)
+        w3 = tl.join(lo3, hi3)
+        # [m, a, q, h, s, u] is word w = 2s + u; key 32a + 8w + 2q + h once
+        # the word bits move in front of q. The permute and reshape only
+        # rename register and lane indices: no data moves.
+        keep = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+        keep = tl.permute(keep, (0, 1, 4, 5, 2, 3))
+        keep = tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
+    else:
+        keep = _dropout_keep(seed, offs_m, start_n + tl.arange(0, BLOCK_N), bh, threshold)
+    return keep
+

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep, _dropout_keep_block, _visible
+from .common import _dropout_keep_block, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, next_pow2
 
@@ -125,6 +125,10 @@ def _attn_fwd_inner(
         col_ok = offs_n < M
         k = _load_tile(k_ptrs, col_ok[:, None], d_ok, BOUNDARY, BLOCK_D != HEAD_DIM)
         qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST)
+        if DROPOUT:
+            # Drawn while the score product is in flight: the draws do not
+            # depend on it, so integer and tensor-core work overlap.
+            dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
         if MASK_KIND != 0:
             if BOUNDARY:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
@@ -169,7 +173,6 @@ def _attn_fwd_inner(
         # The normaliser uses the undropped probabilities.
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
             p = tl.where(dkeep, p, 0.0)
         v = _load_tile(v_ptrs, col_ok[:, None], dv_ok, BOUNDARY, BLOCK_DV != HEAD_DIM_V)
         acc = acc * alpha[:, None]
@@ -347,6 +350,18 @@ _CUDA_CONFIGS = [
     (64, 64, 4, 4),
 ]
 
+# Dropout at head dims up to 64: 64-row tiles with 4 warps first, measured on
+# an H200 (Triton 3.6) 11 % faster than (128, 64, 8, 3) at GPT-2's shape
+# (bench/results/kernel_times.csv). Without dropout the 128-row tiles stay
+# first: the 64-row ones measured 5-9 % slower on the D = 64 rows of the
+# attention sweep (bench/NOTES.md run 6), though 7 % faster at GPT-2's shape.
+_SMALL_HEAD_DROPOUT_FIRST = (64, 64, 4, 3)
+
+
+def _config_tuple(cfg) -> tuple:
+    return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
+
+
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave room
 _REG_BUDGET = 200  # fp32 accumulator + score values per thread before spilling
 
@@ -367,6 +382,8 @@ def _prune_configs(configs, named_args, **kwargs):
             kept.append(cfg)
     if not kept:  # always leave something to run: the smallest tiles
         kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+    if args["DROPOUT"] and max(bd, bdv) <= 64:
+        kept.sort(key=lambda c: _config_tuple(c) != _SMALL_HEAD_DROPOUT_FIRST)  # stable: the rest keep their order
     if elt == 4:
         # fp32 tiles need more shared memory than this estimate counts (an H200
         # run refused 128x64x2 stages); smallest first, so that the untuned
@@ -390,7 +407,7 @@ SCAN_BOOL_MASK = True
 
 # Under the interpreter: one small tile so CPU tests stay fast.
 _INTERPRET_BLOCK_M = 16
-_INTERPRET_BLOCK_N = 16
+_INTERPRET_BLOCK_N = 32  # >= 32: the block dropout draw
 
 
 # Longest sequence-length bucket in the launcher's config key.
@@ -516,26 +533,31 @@ def _dropout_mask_kernel(Seed, Out, H, N, M, threshold, BLOCK_M: tl.constexpr, B
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     seed = tl.load(Seed)
-    keep = _dropout_keep(seed, offs_m, offs_n, bh, threshold)
+    # The block form the attention kernels use, so tests pin it bit for bit.
+    keep = _dropout_keep_block(seed, offs_m, tl.program_id(2) * BLOCK_N, bh, threshold, BLOCK_N)
     ptrs = Out + bh.to(tl.int64) * N * M + offs_m.to(tl.int64)[:, None] * M + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < N) & (offs_n[None, :] < M))
 
 
-def dropout_keep_mask_triton(seed: torch.Tensor, B: int, H: int, N: int, M: int, dropout_p: float) -> torch.Tensor:
-    """Materialise the kernels' dropout rule (``common._dropout_keep``).
+def dropout_keep_mask_triton(seed: torch.Tensor, B: int, H: int, N: int, M: int, dropout_p: float,
+                             block_n: int = 64) -> torch.Tensor:
+    """Materialise the kernels' dropout rule, drawn the way the attention
+    kernels draw it (``common._dropout_keep_block``).
 
     Args:
         seed: int64 tensor of shape () on the target device.
         B, H: batch size and number of query heads.
         N, M: number of queries and keys.
         dropout_p: dropout probability in [0, 1].
+        block_n: keys per block, a power of two >= 16 (below 32 the kernels
+            fall back to one Philox call per element).
 
     Returns:
         bool tensor (B, H, N, M) on seed's device; True keeps the probability.
     """
     out = torch.empty(B, H, N, M, dtype=torch.uint8, device=seed.device)
     threshold = _keep_threshold(dropout_p)
-    block_m, block_n = 16, 64
+    block_m = 16
     grid = (B * H, cdiv(N, block_m), cdiv(M, block_n))
     _dropout_mask_kernel[grid](seed, out, H, N, M, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
     return out.view(torch.bool)

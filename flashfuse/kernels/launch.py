@@ -72,6 +72,14 @@ class ConfigLauncher:
         names = [p.name for p in self._params] if self._params is not None else []
         self._reset_pos = [names.index(n) for n in reset_to_zero]
 
+    def forget(self) -> None:
+        """Drop every choice and cached binary (the next call chooses again).
+        The binary cache is keyed by the launcher key, not the config, so the
+        two must be dropped together."""
+        self.chosen.clear()
+        self.timings.clear()
+        self._binaries.clear()
+
     def __call__(self, key, candidates, grid, *args, tune=False, **kwargs):
         """``candidates()``: configs in preference order; ``grid(cfg)``: the
         launch grid for a config's meta-parameters (a dict)."""

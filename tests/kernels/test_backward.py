@@ -382,31 +382,38 @@ def test_one_pass_matches_two_pass(dtype, kw, monkeypatch, launched):
 
 
 def test_schedule_selection(monkeypatch, launched):
-    """FLASHFUSE_BWD picks the schedule at call time; unset follows
+    """FLASHFUSE_BWD picks the schedule at call time; unset means one pass
+    with dropout at head dims up to _ONE_PASS_DROPOUT_MAX_D, else
     _ONE_PASS_DEFAULT; deterministic mode always takes two passes."""
-    kw = dict(B=1, Hq=2, Hkv=1, N=5, M=7, D=16, dtype=torch.float32, window_right=0)
+    kw = dict(B=1, Hq=2, Hkv=1, N=5, M=7, dtype=torch.float32, window_right=0)
+    # (FLASHFUSE_BWD, default, dropout-max-D, deterministic, dropout, D) -> kernels
     cases = [
-        ("one_pass", False, False, ["dkdv_dq"]),
-        ("two_pass", True, False, ["dkdv", "dq"]),
-        (None, False, False, ["dkdv", "dq"]),
-        (None, True, False, ["dkdv_dq"]),
-        ("one_pass", True, True, ["dkdv", "dq"]),
-        (None, True, True, ["dkdv", "dq"]),
+        ("one_pass", False, 64, False, 0.0, 16, ["dkdv_dq"]),
+        ("two_pass", True, 64, False, 0.0, 16, ["dkdv", "dq"]),
+        ("two_pass", True, 64, False, 0.3, 16, ["dkdv", "dq"]),
+        (None, False, 64, False, 0.0, 16, ["dkdv", "dq"]),
+        (None, False, 64, False, 0.3, 16, ["dkdv_dq"]),
+        (None, False, 16, False, 0.3, 24, ["dkdv", "dq"]),
+        (None, True, 0, False, 0.0, 16, ["dkdv_dq"]),
+        (None, True, 0, False, 0.3, 16, ["dkdv_dq"]),
+        ("one_pass", True, 64, True, 0.3, 16, ["dkdv", "dq"]),
+        (None, True, 64, True, 0.3, 16, ["dkdv", "dq"]),
     ]
-    for env, default, det, kinds in cases:
+    for env, default, max_d, det, p, D, kinds in cases:
         if env is None:
             monkeypatch.delenv("FLASHFUSE_BWD", raising=False)
         else:
             monkeypatch.setenv("FLASHFUSE_BWD", env)
         monkeypatch.setattr(backward, "_ONE_PASS_DEFAULT", default)
+        monkeypatch.setattr(backward, "_ONE_PASS_DROPOUT_MAX_D", max_d)
         launched.clear()
-        run_case(deterministic=det, **kw)
-        assert launched == kinds, (env, default, det)
+        run_case(deterministic=det, dropout_p=p, D=D, **kw)
+        assert launched == kinds, (env, default, max_d, det, p, D)
     assert not torch.are_deterministic_algorithms_enabled()
 
     monkeypatch.setenv("FLASHFUSE_BWD", "onepass")
     with pytest.raises(ValueError, match="FLASHFUSE_BWD"):
-        run_case(**kw)
+        run_case(D=16, **kw)
 
 
 def test_deterministic_mode_takes_two_passes(monkeypatch):
@@ -524,7 +531,35 @@ def test_gpu_one_pass(mode, dtype, kw, autotune, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_gpu_dropout_default_schedule(D, monkeypatch):
+    # Unforced schedule: one pass with dropout up to D = 64, two passes above.
+    monkeypatch.delenv("FLASHFUSE_BWD", raising=False)
+    run_case(B=2, Hq=4, Hkv=2, N=1031, M=1031, D=D, dtype=torch.bfloat16, window_right=0, dropout_p=0.1, seed=3)
+
+
+@gpu
 def test_gpu_fp32_ieee(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     run_case(B=1, Hq=2, N=777, M=1111, D=128, dtype=torch.float32, mask_shape=(1, 1, 777, 1111),
              mask_kind="bool", window_left=300, window_right=100)
+
+
+@pytest.mark.parametrize("kind", ["dkdv", "dkdv_dq", "dq"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_candidates_follow_the_head_dim_class_order(kind, head_dim, dropout, monkeypatch):
+    """The pruned candidates keep the best-first order of their head-dim
+    class's list, whatever order the shared config list has (a tile that
+    leads one class must not lead another by accident)."""
+    monkeypatch.setattr(backward, "_max_shared_mem", lambda device: 227 * 1024)
+    tiles = backward._DQ_TILES if kind == "dq" else backward._DKDV_TILES
+    cls = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    block = max(16, 1 << (head_dim - 1).bit_length())
+    q = torch.empty(1, dtype=torch.bfloat16)
+    kept = backward._prune(kind)(list(reversed(backward._CONFIGS[kind])),
+                                 {"Q": q, "BLOCK_D": block, "BLOCK_DV": block, "HAS_DROPOUT": dropout})
+    got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+    want = [t for t in tiles[cls] if not (dropout and t[1] < 32)]
+    assert got and got == [t for t in want if t in got], (got, want)
+    assert got[0] == want[0] or cls == 256, "the class's first tile fits on a Hopper-sized GPU"

@@ -353,10 +353,12 @@ def test_non_contiguous_inputs():
 
 @pytest.mark.parametrize("seed", [0, 1234567, -5, 2**62 + 12345])
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_mask_matches_reference(seed, p):
-    B, H, N, M = 2, 3, 17, 37
+@pytest.mark.parametrize("block_n", [16, 32, 64, 128])
+def test_dropout_mask_matches_reference(seed, p, block_n):
+    # block_n 16 takes the per-element rule, the others the block draw.
+    B, H, N, M = 2, 3, 17, 37 if block_n < 128 else 300
     s = torch.tensor(seed, dtype=torch.int64, device=DEVICE)
-    keep = dropout_keep_mask_triton(s, B, H, N, M, p)
+    keep = dropout_keep_mask_triton(s, B, H, N, M, p, block_n=block_n)
     assert keep.shape == (B, H, N, M) and keep.dtype == torch.bool
     ref = dropout_keep_mask(seed, B, H, N, M, p, device=DEVICE)
     assert torch.equal(keep, ref)
@@ -482,3 +484,20 @@ def test_gpu_long_sequence_int64_offsets():
         ref = reference_attention(q[:, :, rows], k[:, :, k0:start + 200], v[:, :, k0:start + 200],
                                   window_left=W, window_right=0, bottom_right=True)
         torch.testing.assert_close(out[:, :, rows].double(), ref, atol=4e-3, rtol=4e-3)
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_forward_candidates_order(dropout, head_dim):
+    """Dropout at head dims up to 64 starts from the 64-row tiles, everything
+    else from the shared list's first tile that fits."""
+    q = torch.empty(1, dtype=torch.bfloat16)
+    block = max(16, 1 << (head_dim - 1).bit_length())
+    meta = dict(BLOCK_D=block, BLOCK_DV=block, MASK_KIND=0, DROPOUT=dropout)
+    kept = fwd._prune_configs(fwd._FWD_CONFIGS, {"Q": q, "Mask": q}, **meta)
+    first = fwd._config_tuple(kept[0])
+    if dropout and head_dim <= 64:
+        assert first == fwd._SMALL_HEAD_DROPOUT_FIRST
+    else:
+        assert first == fwd._CUDA_CONFIGS[0]
+    assert sorted(map(fwd._config_tuple, kept)) == sorted(set(map(fwd._config_tuple, kept))), "no duplicates"

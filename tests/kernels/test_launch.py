@@ -167,6 +167,28 @@ def test_direct_launch_passes_every_parameter_in_order_and_respects_specialisati
     assert len(kernel.slow) == 4
 
 
+def test_forget_drops_the_choice_and_its_binaries(monkeypatch):
+    import torch
+
+    from flashfuse.kernels import launch
+
+    monkeypatch.setattr(launch, "_current_stream", lambda: 0)
+    monkeypatch.setattr(launch, "_launch_hooks", lambda: (None, None))
+    kernel = _FakeJit()
+    launcher = ConfigLauncher(kernel)
+    grid = lambda m: (64 // m["BLOCK_M"],)  # noqa: E731
+    x = torch.zeros(64, dtype=torch.float16)
+    for _ in range(3):  # choose, cache the binary, launch it directly
+        launcher("k", lambda: [_cfg(16)], grid, x, 5, flag=True)
+    launcher.forget()
+    launcher("k", lambda: [_cfg(32)], grid, x, 5, flag=True)
+    launcher("k", lambda: [], grid, x, 5, flag=True)
+    # The new choice runs through Triton's path with its own meta-parameters,
+    # never through the binary cached for the old one.
+    assert [kw["BLOCK_M"] for _, _, kw in kernel.slow] == [16, 16, 32, 32]
+    assert [r[0] for r in kernel.binaries[True].runs] == [(4, 1, 1)]
+
+
 def test_tuning_cache_spares_a_new_process_the_timing(monkeypatch, tmp_path):
     import json
 

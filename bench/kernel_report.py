@@ -1,0 +1,223 @@
+"""What the compiler makes of the attention kernels, without a GPU.
+
+Runs the op's CUDA launch path on CPU tensors (launches captured, not run,
+as in ``host_path_cpu.py``), then compiles every captured kernel launch for
+a Hopper target (sm_90a) with Triton's bundled ``ptxas`` and reports, per
+kernel and config: registers per thread, spill bytes, shared memory, and
+counts of the instructions and IR operations that decide speed: ``HGMMA``
+(Hopper warp-group matrix instructions), ``MMA`` (older ``HMMA``), local
+memory traffic (``LDL``/``STL``, i.e. spills), layout conversions and
+shared-memory tiles in the TTGIR. Read with the measured times: it explains
+them, it does not replace them. The local Triton may be newer than the GPU
+machine's, so counts can differ there.
+
+    python bench/kernel_report.py --d 64 --n 1024 --causal --dropout 0.1
+    python bench/kernel_report.py --d 128 --n 4096 --all-configs --dump kernels_dump
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+          torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}
+
+
+def capture_launches(run):
+    """Run ``run()`` on the forced CUDA path; return the launches it made as
+    (launcher, key, candidates, grid, args, kwargs) tuples."""
+    from host_path_cpu import force_cuda_path_on_cpu
+
+    from flashfuse.kernels import launch
+
+    force_cuda_path_on_cpu()
+    seen = []
+
+    def capture(self, key, candidates, grid, *args, tune=False, **kwargs):
+        seen.append((self, key, candidates(), grid, args, kwargs))
+
+    launch.ConfigLauncher.__call__ = capture
+    run()
+    return seen
+
+
+def _signature(fn, args, kwargs, cfg_kwargs):
+    """Triton signature, constexprs and divisibility attributes of a call,
+    specialised the way the JIT would (16-byte-aligned pointers; integers
+    equal to 1 or divisible by 16 unless marked do_not_specialize)."""
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    values.update(cfg_kwargs)
+    sig, consts, attrs = {}, {}, {}
+    no_spec = set(fn.do_not_specialize) | {names[i] for i in fn.do_not_specialize if isinstance(i, int)}
+    for i, name in enumerate(names):
+        v = values[name]
+        p = fn.params[i]
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            consts[name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + _TYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and name not in no_spec:  # the JIT makes 1 a constant
+                sig[name] = "constexpr"
+                consts[name] = 1
+                continue
+            sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if name not in no_spec and v % 16 == 0 and v != 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot type {type(v).__name__}")
+    return sig, consts, attrs
+
+
+def compile_sm90(fn, args, kwargs, cfg):
+    """Compile one launch for sm_90a; returns Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs = _signature(fn, args, kwargs, cfg.kwargs)
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def _nvidia_tool(name: str) -> str:
+    """Path of a CUDA tool that ships with Triton's NVIDIA backend."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _ptxas_report(ptx: str) -> dict:
+    """Registers, spill bytes and shared memory from ``ptxas -v``."""
+    import tempfile
+
+    from triton.backends.nvidia import compiler
+
+    try:  # the ptxas Triton itself uses for sm_90 (its signature changed across versions)
+        ptxas = compiler.get_ptxas(90).path
+    except TypeError:
+        ptxas = compiler.get_ptxas().path
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    out = {}
+    for key, pat in (("regs", r"Used (\d+) registers"), ("spill_st", r"(\d+) bytes spill stores"),
+                     ("spill_ld", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame")):
+        m = re.search(pat, text)
+        out[key] = int(m.group(1)) if m else None
+    return out
+
+
+def _sass(cubin: bytes) -> str:
+    import tempfile
+
+    cuobjdump = _nvidia_tool("cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def loop_bodies(sass: str) -> list[int]:
+    """Instruction counts of the SASS loops (a branch back to a lower
+    address), largest first: the per-iteration cost of each main loop."""
+    loops = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+[^;]*\bBRA\s+(?:`\()?0x([0-9a-f]+)", sass):
+        at, target = int(m.group(1), 16), int(m.group(2), 16)
+        if target < at:
+            loops.append((at - target) // 16 + 1)  # Hopper instructions are 16 bytes
+    return sorted(loops, reverse=True)
+
+
+def report(kernel, cfg) -> dict:
+    sass = _sass(kernel.asm["cubin"])
+    ttgir = kernel.asm["ttgir"]
+    tile = "x".join(str(cfg.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in cfg.kwargs)
+    row = {"kernel": kernel.name, "config": f"{tile} w{cfg.num_warps} s{cfg.num_stages}"}
+    row.update(_ptxas_report(kernel.asm["ptx"]))
+    row["smem"] = kernel.metadata.shared
+    row["HGMMA"] = len(re.findall(r"\bHGMMA\.", sass))
+    row["HMMA"] = len(re.findall(r"\bHMMA\.", sass))
+    row["LDL/STL"] = len(re.findall(r"\b(?:LDL|STL)\b", sass))
+    row["cvt_layout"] = ttgir.count("ttg.convert_layout")
+    row["local_alloc"] = ttgir.count("ttg.local_alloc")
+    row["loops"] = " ".join(str(n) for n in loop_bodies(sass)[:4])
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--b", type=int, default=2)
+    p.add_argument("--h", type=int, default=2)
+    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
+    p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    a = p.parse_args()
+
+    import flashfuse
+    from tabulate import tabulate
+
+    dtype = getattr(torch, a.dtype)
+
+    def run():
+        q, k, v = (torch.randn(a.b, a.h, a.n, a.d, dtype=dtype, requires_grad=True) for _ in range(3))
+        out = flashfuse.attention(q, k, v, is_causal=a.causal, dropout_p=a.dropout)
+        if not a.no_backward:
+            out.sum().backward()
+
+    rows = []
+    for launcher, _key, candidates, _grid, args, kwargs in capture_launches(run):
+        for cfg in candidates if a.all_configs else candidates[:1]:
+            try:
+                kernel = compile_sm90(launcher.kernel, args, kwargs, cfg)
+            except Exception as e:  # out of resources and the like: say so, go on
+                rows.append({"kernel": launcher.kernel.__name__, "config": str(cfg.kwargs),
+                             "error": f"{type(e).__name__}: {str(e)[:80]}"})
+                continue
+            row = report(kernel, cfg)
+            rows.append(row)
+            if a.dump:
+                os.makedirs(a.dump, exist_ok=True)
+                stem = os.path.join(a.dump, f"{kernel.name}_{row['config'].replace(' ', '_')}")
+                for ext in ("ttgir", "ptx"):
+                    with open(f"{stem}.{ext}", "w") as f:
+                        f.write(kernel.asm[ext])
+                with open(f"{stem}.sass", "w") as f:
+                    f.write(_sass(kernel.asm["cubin"]))
+    if a.json:
+        import json
+
+        print(json.dumps(rows))
+    else:
+        print(tabulate(rows, headers="keys"))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

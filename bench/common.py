@@ -45,6 +45,18 @@ DTYPES = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+# Single-call attention shapes the diagnosis scripts share, by name:
+# (B, H, N, D, causal, dropout_p). "gpt2" is one GPT-2 124M layer at T = 1024.
+KERNEL_CASES = {
+    "gpt2 drop": (8, 12, 1024, 64, True, 0.1),
+    "gpt2 nodrop": (8, 12, 1024, 64, True, 0.0),
+    "d128 4k causal": (4, 16, 4096, 128, True, 0.0),
+    "d128 4k": (4, 16, 4096, 128, False, 0.0),
+    "d128 4k drop": (4, 16, 4096, 128, False, 0.1),
+    "d64 4k causal": (4, 32, 4096, 64, True, 0.0),
+}
+
+
 # --------------------------------------------------------------------------
 # Command line, device, environment
 # --------------------------------------------------------------------------

@@ -26,13 +26,8 @@ import torch
 import torch.nn.functional as F
 
 # name: (B, H, N, D, causal, dropout_p)
-CASES = {
-    "gpt2 drop": (8, 12, 1024, 64, True, 0.1),
-    "gpt2 nodrop": (8, 12, 1024, 64, True, 0.0),
-    "d128 4k drop": (4, 16, 4096, 128, False, 0.1),
-    "d128 4k causal": (4, 16, 4096, 128, True, 0.0),
-    "d64 4k causal": (4, 32, 4096, 64, True, 0.0),
-}
+CASES = {n: common.KERNEL_CASES[n] for n in ("gpt2 drop", "gpt2 nodrop", "d128 4k drop", "d128 4k causal",
+                                             "d64 4k causal")}
 SMOKE_CASES = {"tiny drop": (1, 2, 64, 32, True, 0.1)}
 
 # Kernel name in the profile -> the config list it draws from.

@@ -152,3 +152,25 @@ def test_kernel_report_compiles_for_hopper():
     for name in ("_attn_fwd", "_bwd_dkdv", "_bwd_dq"):
         assert "error" not in rows[name] and rows[name]["HGMMA"] > 0, rows[name]
         assert rows[name]["regs"] is not None, rows[name]
+
+
+def test_kernel_times_forces_one_config_and_restores_the_lists():
+    sys.path.insert(0, BENCH)
+    try:
+        import kernel_times
+    finally:
+        sys.path.remove(BENCH)
+    from flashfuse.kernels import backward, forward
+    from flashfuse.kernels.launch import config_tuple
+
+    before = (list(forward._FWD_CONFIGS), dict(backward._CONFIGS), backward._DKDV_TILES, backward._DQ_TILES)
+    forward._attn_fwd_launcher.chosen["stale"] = object()
+    with kernel_times.forced("fwd", (64, 32, 4, 2)):
+        assert [config_tuple(c) for c in forward._FWD_CONFIGS] == [(64, 32, 4, 2)]
+        assert not forward._attn_fwd_launcher.chosen, "choices made with other configs are dropped"
+    with kernel_times.forced("dq", (128, 32, 8, 3)):
+        assert [config_tuple(c) for c in backward._CONFIGS["dq"]] == [(128, 32, 8, 3)]
+        assert backward._DQ_TILES[128] == [(128, 32, 8, 3)] and backward._DKDV_TILES is before[2]
+    assert [config_tuple(c) for c in forward._FWD_CONFIGS] == [config_tuple(c) for c in before[0]]
+    assert backward._CONFIGS == before[1]
+    assert backward._DKDV_TILES is before[2] and backward._DQ_TILES is before[3]

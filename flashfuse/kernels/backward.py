@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .common import _dropout_keep_block, _visible, dropout_threshold
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, max_shared_mem, next_pow2,
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, config_tuple, max_shared_mem,
+    next_pow2,
 )
 
 __all__ = ["attention_backward"]
@@ -446,7 +447,7 @@ def _prune(kind: str):
             # need more shared memory than the estimate below counts.
             wanted = list(dict.fromkeys(wanted[:2] + [min(wanted, key=lambda t: t[0] * t[1] * t[3])]))
         smem_cap = _max_shared_mem(q.device)
-        by_tile = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+        by_tile = {config_tuple(c): c for c in configs}
         kept = []
         for t in wanted:  # in the class's own best-first order
             c = by_tile.get(t)
@@ -461,8 +462,7 @@ def _prune(kind: str):
                 kept.append(c)
         if not kept:  # smallest tile of the class as the fallback
             small = min(wanted, key=lambda t: t[0] * t[1])
-            kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                           c.num_stages) == small]
+            kept = [by_tile[small]] if small in by_tile else []
         return kept
 
     return prune

@@ -27,7 +27,9 @@ import triton.language as tl
 
 from .common import _dropout_keep_block, _visible
 from .common import dropout_threshold as _keep_threshold
-from .launch import ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, next_pow2
+from .launch import (
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, config_tuple, next_pow2,
+)
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -358,10 +360,6 @@ _CUDA_CONFIGS = [
 _SMALL_HEAD_DROPOUT_FIRST = (64, 64, 4, 3)
 
 
-def _config_tuple(cfg) -> tuple:
-    return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
-
-
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave room
 _REG_BUDGET = 200  # fp32 accumulator + score values per thread before spilling
 
@@ -383,7 +381,7 @@ def _prune_configs(configs, named_args, **kwargs):
     if not kept:  # always leave something to run: the smallest tiles
         kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
     if args["DROPOUT"] and max(bd, bdv) <= 64:
-        kept.sort(key=lambda c: _config_tuple(c) != _SMALL_HEAD_DROPOUT_FIRST)  # stable: the rest keep their order
+        kept.sort(key=lambda c: config_tuple(c) != _SMALL_HEAD_DROPOUT_FIRST)  # stable: the rest keep their order
     if elt == 4:
         # fp32 tiles need more shared memory than this estimate counts (an H200
         # run refused 128x64x2 stages); smallest first, so that the untuned

@@ -325,6 +325,12 @@ def _fingerprint(args) -> tuple:
     return tuple(out)
 
 
+def config_tuple(cfg) -> tuple:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of a tile config: how the
+    kernels' candidate lists name configs."""
+    return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) on the host. ``triton.cdiv`` does the same but costs
     microseconds per call in recent Tritons (it unwraps constexpr arguments)."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flashfuse.kernels.forward as fwd
+from flashfuse.kernels.launch import config_tuple
 from flashfuse.kernels.forward import attention_forward, dropout_keep_mask_triton
 from flashfuse.reference import dropout_keep_mask, reference_attention, reference_lse
 
@@ -495,9 +496,9 @@ def test_forward_candidates_order(dropout, head_dim):
     block = max(16, 1 << (head_dim - 1).bit_length())
     meta = dict(BLOCK_D=block, BLOCK_DV=block, MASK_KIND=0, DROPOUT=dropout)
     kept = fwd._prune_configs(fwd._FWD_CONFIGS, {"Q": q, "Mask": q}, **meta)
-    first = fwd._config_tuple(kept[0])
+    first = config_tuple(kept[0])
     if dropout and head_dim <= 64:
         assert first == fwd._SMALL_HEAD_DROPOUT_FIRST
     else:
         assert first == fwd._CUDA_CONFIGS[0]
-    assert sorted(map(fwd._config_tuple, kept)) == sorted(set(map(fwd._config_tuple, kept))), "no duplicates"
+    assert sorted(map(config_tuple, kept)) == sorted(set(map(config_tuple, kept))), "no duplicates"

@@ -135,23 +135,38 @@ def test_kernel_times_smoke(tmp_path):
     assert "tiny drop: fwd candidates" in out and "tiny drop: dkdv_dq candidates" in out
 
 
+def kernel_report(*args: str, **env_overrides: str) -> dict:
+    """Rows of ``bench/kernel_report.py --json`` by kernel name (compiles for
+    sm_90a on this machine; no GPU needed)."""
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, **env_overrides)
+    cmd = [sys.executable, os.path.join(BENCH, "kernel_report.py"), *args, "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["kernel"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def test_kernel_report_compiles_for_hopper():
     # The kernels compile for sm_90a with this Triton (no GPU needed): every
     # kernel of a dropout forward+backward, with Hopper matrix instructions.
-    import json
-
     # Two passes, so that the dQ kernel is compiled too (one pass is the
     # default with dropout at this head dim).
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, FLASHFUSE_BWD="two_pass")
-    cmd = [sys.executable, os.path.join(BENCH, "kernel_report.py"), "--d", "64", "--n", "256", "--causal",
-           "--dropout", "0.1", "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["kernel"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    rows = kernel_report("--d", "64", "--n", "256", "--causal", "--dropout", "0.1", FLASHFUSE_BWD="two_pass")
     assert {"_attn_fwd", "_bwd_dkdv", "_bwd_dq", "_bwd_preprocess"} <= set(rows), rows
     for name in ("_attn_fwd", "_bwd_dkdv", "_bwd_dq"):
         assert "error" not in rows[name] and rows[name]["HGMMA"] > 0, rows[name]
         assert rows[name]["regs"] is not None, rows[name]
+
+
+def test_dropout_adds_no_layout_conversion_to_the_forward():
+    # The dropout stream is laid out as the accumulator holds the scores, so
+    # drawing it must not move data between threads: as many layout
+    # conversions with dropout as without (same tile config at D = 128).
+    plain = kernel_report("--d", "128", "--n", "256", "--no-backward")["_attn_fwd"]
+    drop = kernel_report("--d", "128", "--n", "256", "--no-backward", "--dropout", "0.1")["_attn_fwd"]
+    assert plain["config"] == drop["config"]
+    assert drop["cvt_layout"] == plain["cvt_layout"], (plain, drop)
 
 
 def test_kernel_times_forces_one_config_and_restores_the_lists():

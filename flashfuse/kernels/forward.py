@@ -129,7 +129,7 @@ def _attn_fwd_inner(
         qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST)
         if DROPOUT:
             # Drawn while the score product is in flight: the draws do not
-            # depend on it, so integer and tensor-core work overlap.
+            # depend on it, so integer and tensor-core work can overlap.
             dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
         if MASK_KIND != 0:
             if BOUNDARY:

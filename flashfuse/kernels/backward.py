@@ -599,7 +599,8 @@ def attention_backward(
     if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(f"mask_grad needs a floating attn_mask, got {attn_mask.dtype}")
 
-    one_pass = _one_pass_enabled(dropout_p > 0.0, max(D, Dv))
+    has_dropout = dropout_p > 0.0
+    one_pass = _one_pass_enabled(has_dropout, max(D, Dv))
     if one_pass:
         # float32 dQ accumulator in dq's layout, zeroed since the kernel only
         # adds into it (and blocks outside the band add nothing); for float32
@@ -641,7 +642,6 @@ def attention_backward(
         rowsum = colsum = False
         gbuf, g_strides = q, (0, 0, 0, 0)
 
-    has_dropout = dropout_p > 0.0
     if has_dropout:
         threshold = dropout_threshold(dropout_p)
         inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0

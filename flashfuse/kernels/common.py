@@ -93,8 +93,8 @@ def _dropout_keep_at(seed, i, j, bh, threshold):
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
     word = (j >> 3) & 3
     r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
-    r = tl.where((j & 1) == 0, r & 0xFFFF, r >> 16)
-    return r.to(tl.int32) >= threshold
+    lo, hi = _keep_halves(r, threshold)
+    return tl.where((j & 1) == 0, lo, hi)
 
 
 @triton.jit

@@ -357,7 +357,8 @@ def test_non_contiguous_inputs():
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
 def test_dropout_mask_matches_reference(seed, p, block_n):
     # block_n 16 takes the per-element rule, the others the block draw.
-    B, H, N, M = 2, 3, 17, 37 if block_n < 128 else 300
+    B, H, N = 2, 3, 17
+    M = 37 if block_n < 128 else 300  # 300: more than one 128-key block
     s = torch.tensor(seed, dtype=torch.int64, device=DEVICE)
     keep = dropout_keep_mask_triton(s, B, H, N, M, p, block_n=block_n)
     assert keep.shape == (B, H, N, M) and keep.dtype == torch.bool

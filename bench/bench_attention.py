@@ -78,6 +78,7 @@ def feature_cases(smoke: bool) -> list[tuple[str, AttnCase]]:
     return [
         ("bool padding mask (B,1,1,N)", base.with_(mask="bool_pad")),
         ("float mask (B,1,N,N)", base.with_(mask="float")),
+        ("causal as a float mask (B,1,N,N)", base.with_(mask="causal_float")),
         ("GQA Hq=4*Hkv", base.with_(Hkv=base.Hq // 4)),
         ("dropout 0.1", base.with_(dropout=0.1)),
         ("causal bottom-right N<M", base.with_(N=n_short, M=base.N, causal=True, bottom_right=True)),

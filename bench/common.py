@@ -54,6 +54,10 @@ KERNEL_CASES = {
     "d128 4k": (4, 16, 4096, 128, False, 0.0),
     "d128 4k drop": (4, 16, 4096, 128, False, 0.1),
     "d64 4k causal": (4, 32, 4096, 64, True, 0.0),
+    # A causal mask passed as a (B, 1, N, N) bfloat16 tensor of 0 and the
+    # lowest value, as Hugging Face models compiled block by block pass it.
+    "gpt2 fmask drop": (8, 12, 1024, 64, False, 0.1, "causal-float"),
+    "llama fmask": (4, 16, 2048, 64, False, 0.0, "causal-float"),
 }
 
 
@@ -487,8 +491,9 @@ def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = 
 class AttnCase:
     """One attention configuration. ``M``, ``Hkv`` and ``Dv`` default to ``N``,
     ``Hq`` and ``D``. ``mask`` is 'none', 'bool_pad' (a (B,1,1,M) bool mask
-    hiding the last quarter of the keys) or 'float' (a (B,1,N,M) additive
-    mask). ``bottom_right`` aligns the causal diagonal to the last key."""
+    hiding the last quarter of the keys), 'float' (a (B,1,N,M) additive
+    mask) or 'causal_float' (a causal mask as a (B,1,N,M) float tensor).
+    ``bottom_right`` aligns the causal diagonal to the last key."""
 
     B: int
     Hq: int
@@ -550,6 +555,12 @@ def make_inputs(case: AttnCase, device: torch.device, requires_grad: bool = True
         mask[..., M - M // 4:] = False  # padding: the last quarter of the keys
     elif case.mask == "float":
         mask = torch.randn(B, 1, N, M, dtype=case.dtype, device=device)
+    elif case.mask == "causal_float":
+        # A causal mask as a tensor of 0 and the dtype's lowest value, the way
+        # Hugging Face models build it and pass it to each layer.
+        later = torch.ones(N, M, dtype=torch.bool, device=device).triu(1)
+        mask = torch.zeros(B, 1, N, M, dtype=case.dtype, device=device).masked_fill(
+            later, torch.finfo(case.dtype).min)
     elif case.mask != "none":
         raise ValueError(f"unknown mask kind {case.mask!r}")
     return q, k, v, mask

@@ -51,12 +51,12 @@ def force_cuda_path_on_cpu():
     import triton
 
     from flashfuse import ops
-    from flashfuse.kernels import backward, forward, launch
+    from flashfuse.kernels import backward, forward, launch, mask_ranges
 
     triton.runtime.driver.set_active(_StubDriver())
     launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: (grid(cfg.kwargs), _StubBinary())[1]
     ops._use_triton = lambda q: True
-    forward._interpreting = backward._interpreting = lambda t: False
+    forward._interpreting = backward._interpreting = mask_ranges._interpreting = lambda t: False
     backward._max_shared_mem = lambda device: 227 * 1024
     torch.cuda.device = lambda device: contextlib.nullcontext()
 

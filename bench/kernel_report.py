@@ -174,6 +174,9 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--mask", choices=["none", "causal-float", "causal-bool", "padding-bool"], default="none",
+                   help="an attention mask tensor: causal as a (N, N) float mask of 0 and the dtype's lowest "
+                        "value (as Hugging Face builds it) or bool, or bool key padding (B, 1, 1, N)")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
@@ -185,9 +188,19 @@ def main():
 
     dtype = getattr(torch, a.dtype)
 
+    def make_mask():
+        later = torch.ones(a.n, a.n, dtype=torch.bool).triu(1)
+        if a.mask == "causal-float":
+            return torch.zeros(a.n, a.n, dtype=dtype).masked_fill(later, torch.finfo(dtype).min)
+        if a.mask == "causal-bool":
+            return ~later
+        if a.mask == "padding-bool":
+            return (torch.arange(a.n) < a.n * 3 // 4).expand(a.b, 1, 1, a.n)
+        return None
+
     def run():
         q, k, v = (torch.randn(a.b, a.h, a.n, a.d, dtype=dtype, requires_grad=True) for _ in range(3))
-        out = flashfuse.attention(q, k, v, is_causal=a.causal, dropout_p=a.dropout)
+        out = flashfuse.attention(q, k, v, attn_mask=make_mask(), is_causal=a.causal, dropout_p=a.dropout)
         if not a.no_backward:
             out.sum().backward()
 

@@ -25,9 +25,10 @@ import common
 import torch
 import torch.nn.functional as F
 
-# name: (B, H, N, D, causal, dropout_p)
+# name: (B, H, N, D, causal, dropout_p[, mask]); mask "causal-float": flashfuse
+# gets the causal mask as a float tensor, SDPA is_causal (what its users get).
 CASES = {n: common.KERNEL_CASES[n] for n in ("gpt2 drop", "gpt2 nodrop", "d128 4k drop", "d128 4k causal",
-                                             "d64 4k causal")}
+                                             "d64 4k causal", "gpt2 fmask drop", "llama fmask")}
 SMOKE_CASES = {"tiny drop": (1, 2, 64, 32, True, 0.1)}
 
 # Kernel name in the profile -> the config list it draws from.
@@ -124,7 +125,7 @@ def main():
         cases = {n: CASES[n.strip()] for n in args.cases.split(",")}
     kinds = [k.strip() for k in args.kernels.split(",")] + (["dkdv_dq"] if args.one_pass else [])
     if args.smoke or device.type != "cuda":
-        for name, (B, H, N, D, causal, p) in cases.items():
+        for name, (B, H, N, D, causal, p, *_) in cases.items():
             for kind in kinds:
                 print(f"{name}: {kind} candidates {candidates(kind, D, args.max_configs)}")
         return
@@ -133,11 +134,16 @@ def main():
 
     res = common.Results(args.out, "kernel_times.csv", common.env_info(device))
     summary = []
-    for name, (B, H, N, D, causal, p) in cases.items():
+    for name, (B, H, N, D, causal, p, *mask_kind) in cases.items():
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         g = torch.randn_like(q)
+        mask = None
+        if mask_kind == ["causal-float"]:
+            later = torch.ones(N, N, dtype=torch.bool, device=device).triu(1)
+            mask = torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device).masked_fill(
+                later, torch.finfo(torch.bfloat16).min)
 
         def step(fn):
             def run():
@@ -145,8 +151,9 @@ def main():
                 torch.autograd.grad(out, (q, k, v), g)
             return run
 
-        ff = step(lambda q, k, v: flashfuse.attention(q, k, v, is_causal=causal, dropout_p=p))
-        sdpa = step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p))
+        ff = step(lambda q, k, v: flashfuse.attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p))
+        sdpa = step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal or mask is not None,
+                                                                   dropout_p=p))
         sdpa_times = profile_kernels(sdpa, args.reps)
         sdpa_us = sum(statistics.median(t) for t in sdpa_times.values())
         for kname, t in sorted(sdpa_times.items(), key=lambda kv: -statistics.median(kv[1])):

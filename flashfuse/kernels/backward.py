@@ -37,11 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep_block, _visible, dropout_threshold
+from .common import _dropout_keep_block, _mask_key_span, _mask_query_span, _visible, dropout_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, config_tuple, max_shared_mem,
     next_pow2,
 )
+from .mask_ranges import GROUP as _RANGE_GROUP
+from .mask_ranges import mask_block_ranges
 
 __all__ = ["attention_backward"]
 
@@ -54,6 +56,10 @@ _DMASK_BUFFER_BYTES = 1 << 30
 
 # mask kinds (constexpr)
 _NO_MASK, _BOOL_MASK, _FLOAT_MASK = 0, 1, 2
+
+# Skip the blocks a mask hides entirely, as the forward does (see
+# forward.SKIP_HIDDEN_BLOCKS), from the same per-call table of ranges.
+SKIP_HIDDEN_BLOCKS = True
 
 # Schedule when FLASHFUSE_BWD is unset: one pass (dQ by atomics inside the
 # dK/dV kernel) or two passes; see _one_pass_enabled. Two passes measured
@@ -70,6 +76,17 @@ _ONE_PASS_DROPOUT_MAX_D = 64
 # --------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------
+
+
+@triton.jit
+def _lse_base2(lse):
+    """Natural-log lse to base 2. A row with no visible key has lse = +inf
+    (or -inf from some producers): +inf, so its probabilities are exactly 0.
+    A row that saw only finite hidden mask values (about -3.4e38) has an lse
+    that overflows in base 2: kept finite, so those probabilities come out 0
+    rather than NaN (see the README's limitations)."""
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    return tl.maximum(lse, -3.0e38)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -99,13 +116,14 @@ def _bwd_preprocess(
 
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "B_OFF"])
 def _bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, SEED, DK, DV, DMASK, DQacc,
+    Q, K, V, DO, LSE, DELTA, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod,
     s_lb, s_lh, s_ln,
     s_mb, s_mh, s_mn, s_mm,
+    s_rb, s_rh,
     s_dkb, s_dkh, s_dkn, s_dkd,
     s_dvb, s_dvh, s_dvn, s_dvd,
     s_gb, s_gh, s_gn, s_gm,
@@ -115,6 +133,7 @@ def _bwd_dkdv(
     DIAG_OFF, WL, WR, B_OFF,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -182,8 +201,11 @@ def _bwd_dkdv(
     for g in range(0, G):
         h = hk * G + g
         hl = h.to(tl.int64)
-        q_ptrs = Q + b * s_qb + hl * s_qh + rm[:, None] * s_qn + rd[None, :] * s_qd
-        do_ptrs = DO + b * s_dob + hl * s_doh + rm[:, None] * s_don + rdv[None, :] * s_dod
+        # Row pointers and column offsets only: the 2-D pointer tiles are
+        # formed inside the loop. Loop-invariant 2-D pointer tiles would hold
+        # two registers per element across the loop and make it spill.
+        q_rows = Q + b * s_qb + hl * s_qh + rm * s_qn
+        do_rows = DO + b * s_dob + hl * s_doh + rm * s_don
         lse_ptr = LSE + b * s_lb + hl * s_lh
         delta_ptr = DELTA + (b * H + hl) * N
         if MASK_KIND != 0:
@@ -193,21 +215,28 @@ def _bwd_dkdv(
             if DMASK_ROWSUM:
                 col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if DQ_ATOMIC:
-            dq_ptrs = DQacc + b * s_aqb + hl * s_aqh + rm[:, None] * s_aqn + rd[None, :] * s_aqd
+            dq_rows = DQacc + b * s_aqb + hl * s_aqh + rm * s_aqn
         bh = (b + B_OFF) * H + hl  # global batch index: the dropout stream's key
-        for start_m in range(lo, hi, BLOCK_M):
+        q_lo = lo
+        q_hi = hi
+        if SKIP_HIDDEN:  # query blocks the mask hides from all these keys
+            q_lo, q_hi = _mask_query_span(RANGES + b * s_rb + hl * s_rh, offs_n, N, M, lo, hi,
+                                          RANGE_GROUP, BLOCK_M)
+        for start_m in range(q_lo, q_hi, BLOCK_M):
             sml = tl.cast(start_m, tl.int64)
             offs_m = start_m + rm
             m_ok = offs_m < N
-            q = tl.load(q_ptrs + sml * s_qn, mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
-            do = tl.load(do_ptrs + sml * s_don, mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
+            q = tl.load((q_rows + sml * s_qn)[:, None] + rd[None, :] * s_qd,
+                        mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
+            do = tl.load((do_rows + sml * s_don)[:, None] + rdv[None, :] * s_dod,
+                         mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
             lse = tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
             # A row with no visible key has lse = +inf (or -inf from some
             # producers); either way its probabilities must be exactly 0.
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+            lse = _lse_base2(lse)
             delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
 
             # sT[j, i] in log2 units
@@ -252,7 +281,7 @@ def _bwd_dkdv(
                 # (query, d) with d contiguous in memory, so the adds coalesce;
                 # only their sum matters, hence relaxed (no fences).
                 dq_part = tl.dot(tl.trans(dsT_op), k, input_precision=PREC) * scale
-                tl.atomic_add(dq_ptrs + sml * s_aqn, dq_part,
+                tl.atomic_add((dq_rows + sml * s_aqn)[:, None] + rd[None, :] * s_aqd, dq_part,
                               mask=m_ok[:, None] & (rd < D_QK)[None, :], sem="relaxed")
 
             if MASK_GRAD:
@@ -282,19 +311,21 @@ def _bwd_dkdv(
 
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR"])
 def _bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, SEED, DQ,
+    Q, K, V, DO, LSE, DELTA, MASK, RANGES, SEED, DQ,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod,
     s_lb, s_lh, s_ln,
     s_mb, s_mh, s_mn, s_mm,
+    s_rb, s_rh,
     s_dqb, s_dqh, s_dqn, s_dqd,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
     DIAG_OFF, WL, WR,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -322,7 +353,7 @@ def _bwd_dq(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(LSE + b * s_lb + hl * s_lh + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    lse = _lse_base2(lse)
     delta = tl.load(DELTA + (b * H + hl) * N + offs_m, mask=m_ok, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -340,16 +371,23 @@ def _bwd_dq(
         hi = tl.minimum(m0 + BLOCK_M + DIAG_OFF + WR, M)
 
     # K^T and V^T tiles (BLOCK_D, BLOCK_N) read through transposed pointers.
-    kT_ptrs = K + b * s_kb + hk * s_kh + rn[None, :] * s_kn + rd[:, None] * s_kd
-    vT_ptrs = V + b * s_vb + hk * s_vh + rn[None, :] * s_vn + rdv[:, None] * s_vd
+    # Column pointers and row offsets only; the 2-D pointer tiles are formed
+    # inside the loop (see _bwd_dkdv).
+    kT_cols = K + b * s_kb + hk * s_kh + rn * s_kn
+    vT_cols = V + b * s_vb + hk * s_vh + rn * s_vn
     if MASK_KIND != 0:
-        mask_base = MASK + b * s_mb + hl * s_mh + m0l * s_mn + rm[:, None] * s_mn + rn[None, :] * s_mm
+        mask_rows = MASK + b * s_mb + hl * s_mh + m0l * s_mn + rm * s_mn
+        if SKIP_HIDDEN:  # key blocks the mask hides from every row of the tile
+            lo, hi = _mask_key_span(RANGES + b * s_rb + hl * s_rh, offs_m, N, lo + 0 * M, hi + 0 * M,
+                                    RANGE_GROUP, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         snl = tl.cast(start_n, tl.int64)
         offs_n = start_n + rn
         n_ok = offs_n < M
-        kT = tl.load(kT_ptrs + snl * s_kn, mask=n_ok[None, :] & (rd < D_QK)[:, None], other=0.0)
-        vT = tl.load(vT_ptrs + snl * s_vn, mask=n_ok[None, :] & (rdv < D_V)[:, None], other=0.0)
+        kT = tl.load((kT_cols + snl * s_kn)[None, :] + rd[:, None] * s_kd,
+                     mask=n_ok[None, :] & (rd < D_QK)[:, None], other=0.0)
+        vT = tl.load((vT_cols + snl * s_vn)[None, :] + rdv[:, None] * s_vd,
+                     mask=n_ok[None, :] & (rdv < D_V)[:, None], other=0.0)
         if UPCAST:
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
@@ -357,11 +395,13 @@ def _bwd_dq(
         if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
             keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
         if MASK_KIND == 2:
-            mt = tl.load(mask_base + snl * s_mm, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+            mt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                         mask=m_ok[:, None] & n_ok[None, :], other=0.0)
             s = s + mt.to(tl.float32) * 1.4426950408889634
         p = tl.exp2(s - lse[:, None])
         if MASK_KIND == 1:
-            bt = tl.load(mask_base + snl * s_mm, mask=m_ok[:, None] & n_ok[None, :], other=0)
+            bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                         mask=m_ok[:, None] & n_ok[None, :], other=0)
             p = tl.where(bt != 0, p, 0.0)
         edge = (m0 + BLOCK_M > N) | (start_n + BLOCK_N > M)
         if HAS_WR:
@@ -659,12 +699,28 @@ def attention_backward(
 
     prec = _dot_precision(q)
 
+    skip_hidden = mask_kind != _NO_MASK and SKIP_HIDDEN_BLOCKS
+    if skip_hidden:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            key_ranges, query_ranges = mask_block_ranges(
+                mask_arg, N, M, diag_off=diag_off, window_left=wl, window_right=wr,
+                has_window_left=has_wl, has_window_right=has_wr)
+
+        def range_strides(r):
+            return tuple(st if n > 1 else 0 for st, n in zip(r.stride()[:2], r.shape[:2]))
+
+        kr_strides, qr_strides = range_strides(key_ranges), range_strides(query_ranges)
+    else:
+        key_ranges = query_ranges = lse  # never read
+        kr_strides = qr_strides = (0, 0)
+
     common_scalars = (Hq, G, N, M, D, Dv,
                       scale * _LOG2E, scale, inv_keep, threshold,
                       diag_off, wl, wr)
     lse_strides = lse.stride()
     interp = _interpreting(q)
     flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,
+                 SKIP_HIDDEN=skip_hidden, RANGE_GROUP=_RANGE_GROUP,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
     if not interp:
         tune = _autotune_enabled()
@@ -704,8 +760,9 @@ def attention_backward(
             launch(
                 "dkdv_dq" if one_pass else "dkdv", lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
                 q[sl], k[sl], v[sl], grad_out[sl], lse[sl], delta[sl], mask_arg[sl] if attn_mask is not None else q,
+                query_ranges[sl] if qr_strides[0] else query_ranges,
                 seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf, dq_acc[sl] if one_pass else dq_acc,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
+                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *qr_strides,
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
                 *common_scalars, b0,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
@@ -723,8 +780,8 @@ def attention_backward(
         else:
             launch(
                 "dq", lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
-                q, k, v, grad_out, lse, delta, mask_arg, seed_arg, dq,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides,
+                q, k, v, grad_out, lse, delta, mask_arg, key_ranges, seed_arg, dq,
+                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *kr_strides,
                 *dq.stride(),
                 *common_scalars,
                 **flags,

@@ -39,6 +39,47 @@ def _visible(
     return vis
 
 
+
+@triton.jit
+def _mask_takes_part(mv, MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr):
+    """Element-wise: the mask lets this score take part. Bool masks (read as
+    bytes): nonzero. Float masks: above HIDDEN_AT, or NaN (which must reach
+    the output as it would without skipping)."""
+    if MASK_KIND == 1:
+        part = mv != 0
+    else:
+        x = mv.to(tl.float32)
+        part = (x > HIDDEN_AT) | (x != x)
+    return part
+
+
+@triton.jit
+def _mask_key_span(key_ranges, offs_m, N, lo_blk, hi_blk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Narrow the key blocks ``[lo_blk, hi_blk)`` of the rows ``offs_m`` to
+    those where some row has a score the mask lets take part, from the
+    per-group key ranges of ``mask_ranges`` (``key_ranges`` points at this
+    (batch, head)'s table). Both bounds stay multiples of BLOCK_N."""
+    g = offs_m // GROUP
+    r_lo = tl.min(tl.load(key_ranges + g * 2, mask=offs_m < N, other=2147483647), 0)
+    r_hi = tl.max(tl.load(key_ranges + g * 2 + 1, mask=offs_m < N, other=0), 0)
+    new_lo = tl.maximum(lo_blk, (r_lo // BLOCK_N) * BLOCK_N)
+    new_hi = tl.minimum(hi_blk, tl.cdiv(r_hi, BLOCK_N) * BLOCK_N)
+    return new_lo, tl.maximum(new_hi, new_lo)  # empty when nothing takes part
+
+
+@triton.jit
+def _mask_query_span(query_ranges, offs_n, N, M, lo, hi, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The column form of ``_mask_key_span`` for the backward's dK/dV: narrow
+    the query rows ``[lo, hi)`` (lo a multiple of BLOCK_M) of the keys
+    ``offs_n`` from the per-chunk query ranges of ``mask_ranges`` (stored as
+    ``(N - lo, hi)``)."""
+    c = offs_n // GROUP
+    r_lo = N - tl.max(tl.load(query_ranges + c * 2, mask=offs_n < M, other=0), 0)
+    r_hi = tl.max(tl.load(query_ranges + c * 2 + 1, mask=offs_n < M, other=0), 0)
+    new_lo = tl.maximum(lo + 0 * M, (r_lo // BLOCK_M) * BLOCK_M)
+    new_hi = tl.minimum(hi + 0 * M, r_hi)
+    return new_lo, tl.maximum(new_hi, new_lo)
+
 # Dropout draws 16 random bits per element: one Philox4x32-10 call (128
 # bits) serves eight keys of one query. Fewer bits would make the drop rate a
 # coarse multiple of 2**-DROPOUT_BITS; more would cost more Philox calls, which

@@ -19,17 +19,20 @@ lse, output layout).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep_block, _visible
+from .common import _dropout_keep_block, _mask_key_span, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, config_tuple, next_pow2,
 )
+from .mask_ranges import GROUP as _RANGE_GROUP
+from .mask_ranges import mask_block_ranges
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -114,7 +117,10 @@ def _attn_fwd_inner(
     k_ptrs = k_base + lo.to(tl.int64) * stride_kn + offs_n_base[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + lo.to(tl.int64) * stride_vn + offs_n_base[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     if MASK_KIND != 0:
-        mask_ptrs = mask_base + lo.to(tl.int64) * stride_mn + offs_n_base[None, :] * stride_mn
+        # The mask's 2-D pointer tile is formed in each iteration from the row
+        # pointers: carried across the loop (like K's and V's) it held two
+        # more registers per element and the masked loops spilled.
+        mask_cols = offs_n_base[None, :] * stride_mn
     # Rows that can hold -inf everywhere (masked blocks, -inf in a float mask)
     # need a finite shift for exp2, else -inf - -inf = NaN.
     SAFE: tl.constexpr = BOUNDARY or (MASK_KIND != 0)
@@ -132,6 +138,7 @@ def _attn_fwd_inner(
             # depend on it, so integer and tensor-core work can overlap.
             dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
         if MASK_KIND != 0:
+            mask_ptrs = mask_base + tl.cast(start_n, tl.int64) * stride_mn + mask_cols
             if BOUNDARY:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
             else:
@@ -182,18 +189,17 @@ def _attn_fwd_inner(
         m_i = m_ij
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-        if MASK_KIND != 0:
-            mask_ptrs += BLOCK_N * stride_mn
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _attn_fwd(
-    Q, K, V, Mask, Seed, Out, Lse,
+    Q, K, V, Mask, KeyRanges, Seed, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_rb, stride_rh,
     stride_ob, stride_oh, stride_om, stride_od,
     Hq, Hkv, N, M,
     qk_scale, diag_off, window_left, window_right,
@@ -202,8 +208,8 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    SCAN_MASK: tl.constexpr, MASK_ROW_BCAST: tl.constexpr, SCALE_NONNEG: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SKIP_HIDDEN: tl.constexpr, SCALE_NONNEG: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, RANGE_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_M), Hq, B): one query tile of one (batch, head).
@@ -235,8 +241,6 @@ def _attn_fwd(
     v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
     if MASK_KIND != 0:
         mask_base = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh
-        if SCAN_MASK and MASK_ROW_BCAST:
-            mask_row = mask_base  # the scan reads one (broadcast) row
         mask_base = mask_base + offs_m64[:, None] * stride_mm
     else:
         mask_base = Mask
@@ -263,26 +267,9 @@ def _attn_fwd(
     lo_blk = (lo // BLOCK_N) * BLOCK_N
     # Empty band (e.g. bottom-right alignment with N > M): no iteration.
     hi_blk = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo_blk)
-    if SCAN_MASK:
-        # Narrow [lo_blk, hi_blk) to the key blocks where the bool mask keeps
-        # something for this tile (key padding on either side, block-sparse
-        # masks): a pass over the mask alone, so the main loops stay free of
-        # data-dependent branches (which would stop Triton pipelining them).
-        first = hi_blk
-        last = lo_blk - BLOCK_N
-        for start_n in range(lo_blk, hi_blk, BLOCK_N):
-            offs_n = start_n + offs_n_base
-            if MASK_ROW_BCAST:
-                # Same mask row for every query: one vector per block.
-                mv = tl.load(mask_row + offs_n * stride_mn, mask=offs_n < M, other=0)
-            else:
-                mv = tl.load(mask_base + offs_n[None, :] * stride_mn,
-                             mask=row_ok[:, None] & (offs_n < M)[None, :], other=0)
-            any_kept = tl.max(mv.to(tl.int32)) > 0
-            first = tl.minimum(first, tl.where(any_kept, start_n, hi_blk))
-            last = tl.maximum(last, tl.where(any_kept, start_n, lo_blk - BLOCK_N))
-        lo_blk = first
-        hi_blk = tl.maximum(last + BLOCK_N, first)  # empty when nothing is kept
+    if SKIP_HIDDEN:  # key blocks the mask hides from every row of the tile
+        lo_blk, hi_blk = _mask_key_span(KeyRanges + b64 * stride_rb + h.to(tl.int64) * stride_rh, offs_m, N,
+                                        lo_blk, hi_blk, RANGE_GROUP, BLOCK_N)
     full_lo_blk = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
     full_hi_blk = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
     mid_lo = tl.minimum(tl.maximum(full_lo_blk, lo_blk), hi_blk)
@@ -397,10 +384,10 @@ _FWD_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_s
 # fastest when autotuning, else the first that fits; then launches directly.
 _attn_fwd_launcher = ConfigLauncher(_attn_fwd)
 
-# Bool masks: skip the key blocks a mask hides entirely for a query tile
-# (found by a cheap pre-pass over the mask). Costs one extra read of the mask
-# tiles, repaid whenever padding or block sparsity removes whole blocks.
-SCAN_BOOL_MASK = True
+# Skip the key blocks a mask hides from a whole query tile, found by one pass
+# over the mask per call (mask_ranges): padding, block-sparse masks, and
+# causal masks that arrive as tensors.
+SKIP_HIDDEN_BLOCKS = True
 
 
 # Under the interpreter: one small tile so CPU tests stay fast.
@@ -486,12 +473,21 @@ def attention_forward(
     precision = _dot_precision(q)
 
     limit = N + M
+    band = dict(diag_off=(M - N) if bottom_right else 0, window_left=_clamp_window(window_left, limit),
+                window_right=_clamp_window(window_right, limit), has_window_left=window_left is not None,
+                has_window_right=window_right is not None)
+    skip_hidden = mask_kind != _MASK_NONE and SKIP_HIDDEN_BLOCKS
+    if skip_hidden:
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            key_ranges, _ = mask_block_ranges(mask, N, M, **band)
+        range_strides = tuple(st if n > 1 else 0 for st, n in zip(key_ranges.stride()[:2], key_ranges.shape[:2]))
+    else:
+        key_ranges, range_strides = lse, (0, 0)  # never read
     args = (
-        q, k, v, mask, seed_arg, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
+        q, k, v, mask, key_ranges, seed_arg, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *range_strides, *out.stride(),
         Hq, Hkv, N, M,
-        float(scale) * _LOG2E, (M - N) if bottom_right else 0,
-        _clamp_window(window_left, limit), _clamp_window(window_right, limit),
+        float(scale) * _LOG2E, band["diag_off"], band["window_left"], band["window_right"],
         threshold, dropout_scale,
     )
     meta = dict(
@@ -499,9 +495,8 @@ def attention_forward(
         BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
         MASK_KIND=mask_kind, DROPOUT=dropout, INPUT_PRECISION=precision,
-        SCAN_MASK=mask_kind == _MASK_BOOL and SCAN_BOOL_MASK,
-        MASK_ROW_BCAST=mask_kind != _MASK_NONE and mask_strides[2] == 0,
-        SCALE_NONNEG=scale >= 0,
+        SKIP_HIDDEN=skip_hidden,
+        SCALE_NONNEG=scale >= 0, RANGE_GROUP=_RANGE_GROUP,
     )
     if _interpreting(q):
         grid = (cdiv(N, _INTERPRET_BLOCK_M), Hq, B)

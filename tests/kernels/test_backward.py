@@ -124,7 +124,7 @@ def run_case(
     B=1, Hq=2, Hkv=None, N=17, M=33, D=40, Dv=None, dtype=torch.float32, *,
     mask_shape=None, mask_kind=None, mask_grad=False, window_left=None, window_right=None,
     bottom_right=False, dropout_p=0.0, noncontig=False, seed=0, scale=None, empty_rows=(),
-    go_broadcast=False, deterministic=False,
+    go_broadcast=False, deterministic=False, mask_tensor=None, zero_go_rows=(),
 ):
     """Compare ``attention_backward`` with float64 autograd on fresh inputs.
 
@@ -135,6 +135,8 @@ def run_case(
     deterministic: run the kernels (only them: the float64 reference may use
     ops with no deterministic CUDA version) under
     torch.use_deterministic_algorithms(True).
+    mask_tensor: a given mask (on the CPU) instead of a random one.
+    zero_go_rows: query rows whose output gradient is 0.
     Returns the four kernel outputs.
     """
     Hkv = Hq if Hkv is None else Hkv
@@ -146,10 +148,15 @@ def run_case(
     go = _rand((B, Hq, N, Dv), dtype, noncontig, gen)
     if go_broadcast:  # e.g. the gradient of out.sum(dim=2): stride 0 over queries
         go = go[:, :, :1].expand(B, Hq, N, Dv)
+    if zero_go_rows:
+        go[:, :, list(zero_go_rows)] = 0
     scale = D ** -0.5 if scale is None else scale
 
     mask = None
-    if mask_kind == "bool":
+    if mask_tensor is not None:
+        mask_kind = "bool" if mask_tensor.dtype == torch.bool else "float"
+        mask = mask_tensor.to(DEVICE)
+    elif mask_kind == "bool":
         mask = torch.rand(mask_shape, generator=gen) > 0.25
         if mask.dim() >= 2 and mask.shape[-2] == N:
             for i in empty_rows:
@@ -259,6 +266,95 @@ def test_causal_and_windows(N, M, window_left, window_right, bottom_right):
 @pytest.mark.usefixtures("bwd_mode")
 def test_masks(shape, kind, dtype):
     run_case(B=2, Hq=1, N=17, M=33, D=16, dtype=dtype, mask_shape=shape, mask_kind=kind)
+
+
+def _hiding_mask(hidden, dtype, value, gen_seed=1):
+    """bool mask (``dtype`` bool) or a random float bias with ``value`` where
+    ``hidden`` is True."""
+    if dtype == torch.bool:
+        return ~hidden
+    bias = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(gen_seed)).to(dtype)
+    return bias.masked_fill(hidden, value)
+
+
+def _structured_hidden(pattern, N, M):
+    """Where a mask hides keys, in whole blocks that the kernels skip."""
+    i = torch.arange(N)[:, None]
+    j = torch.arange(M)[None, :]
+    if pattern == "causal":
+        return j > i
+    if pattern == "band":  # hidden on both sides of a band of 20 keys
+        return (j < i - 10) | (j > i + 10)
+    if pattern == "causal+hidden-rows":  # two rows see only hidden values
+        h = j > i
+        h[[3, 37]] = True
+        return h
+    raise ValueError(pattern)
+
+
+@pytest.mark.parametrize(
+    "pattern, dtype, hidden_value",
+    [
+        ("causal", torch.bool, False),
+        ("causal", torch.float32, torch.finfo(torch.float32).min),
+        ("causal", torch.bfloat16, torch.finfo(torch.bfloat16).min),
+        ("band", torch.float16, torch.finfo(torch.float16).min),
+        ("band", torch.float32, float("-inf")),
+        ("causal+hidden-rows", torch.float32, torch.finfo(torch.float32).min),
+        ("causal+hidden-rows", torch.float32, float("-inf")),
+    ],
+    ids=str,
+)
+@pytest.mark.usefixtures("bwd_mode")
+def test_masks_hiding_whole_blocks(pattern, dtype, hidden_value):
+    # Masks that hide whole blocks (a causal mask passed as a tensor, a band):
+    # the dK/dV and dQ kernels skip those blocks; gradients stay exact. Rows
+    # hidden by a finite value average all keys, so their blocks are kept.
+    N, M = 50, 96
+    mask = _hiding_mask(_structured_hidden(pattern, N, M), dtype, hidden_value)
+    # Rows hidden by a finite value get no gradient (a documented limitation;
+    # padding queries get none from a loss either), so give them none.
+    zero_rows = (3, 37) if pattern == "causal+hidden-rows" else ()
+    run_case(B=2, Hq=2, N=N, M=M, D=16, dtype=torch.float32, mask_tensor=mask, zero_go_rows=zero_rows)
+
+
+@pytest.mark.parametrize("dtype, hidden_value", [(torch.bool, False), (torch.float32, float("-inf")),
+                                                 (torch.bfloat16, torch.finfo(torch.bfloat16).min)], ids=str)
+@pytest.mark.usefixtures("bwd_mode")
+def test_mask_hidden_key_blocks_are_skipped(dtype, hidden_value):
+    # Keys [128, 256) are hidden from every query: their blocks are never
+    # read (NaN there must not leak into dq), and their dk, dv are exactly 0.
+    # 128 is a multiple of every BLOCK_N.
+    N, M, D = 20, 256, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, go = (torch.randn(1, 2, L, D, generator=gen).to(DEVICE) for L in (N, M, M, N))
+    hidden = torch.zeros(N, M, dtype=torch.bool)
+    hidden[:, 128:] = True
+    mask = _hiding_mask(hidden, dtype, hidden_value).to(DEVICE)
+    kc, vc = (t[:, :, :128].clone() for t in (k, v))
+    k[:, :, 128:] = float("nan")
+    v[:, :, 128:] = float("nan")
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, kc, vc))
+    m64 = mask[:, :128] if dtype == torch.bool else mask[:, :128].double()
+    o64 = ref.reference_attention(q64, k64, v64, m64)
+    o64.backward(go.double())
+    lse = ref.reference_lse(q64, k64, m64).float()
+    out = o64.detach().to(q.dtype)
+    dq, dk, dv, _ = attention_backward(go, q, k, v, mask, None, out, lse, dropout_p=0.0, scale=D ** -0.5,
+                                       mask_grad=False, window_left=None, window_right=None, bottom_right=False)
+    assert (dk[:, :, 128:] == 0).all() and (dv[:, :, 128:] == 0).all()
+    _check("dq", dq, q64.grad, torch.float32)
+    _check("dk", dk[:, :, :128], k64.grad, torch.float32)
+    _check("dv", dv[:, :, :128], v64.grad, torch.float32)
+
+
+@pytest.mark.usefixtures("bwd_mode")
+def test_mask_grad_with_hidden_blocks():
+    # A learned float mask with whole hidden blocks: skipped blocks get a
+    # gradient of exactly 0, as the reference's.
+    N, M = 50, 96
+    mask = _hiding_mask(_structured_hidden("band", N, M), torch.float32, torch.finfo(torch.float32).min)
+    run_case(B=1, Hq=2, N=N, M=M, D=16, dtype=torch.float32, mask_tensor=mask, mask_grad=True)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])

@@ -284,21 +284,46 @@ def test_finfo_min_mask():
     assert (lse[:, :, 5] < -1e37).all()
 
 
+# How each kind of mask hides a key: bool False, or a float value at or
+# below the dtype's lowest (what Hugging Face models build), or -inf.
+HIDDEN = {
+    "bool": (torch.bool, False),
+    "float32-inf": (torch.float32, float("-inf")),
+    "float32-min": (torch.float32, torch.finfo(torch.float32).min),
+    "bfloat16-min": (torch.bfloat16, torch.finfo(torch.bfloat16).min),
+    "float16-min": (torch.float16, torch.finfo(torch.float16).min),
+}
+
+
+def _hiding_mask(hidden, kind, gen_seed=0):
+    """A mask of ``kind`` (a HIDDEN key) that hides where ``hidden`` is True;
+    visible float entries are random (a bias), not zeros."""
+    dtype, value = HIDDEN[kind]
+    if dtype == torch.bool:
+        return ~hidden
+    g = torch.Generator().manual_seed(gen_seed)
+    bias = torch.randn(hidden.shape, generator=g).to(dtype)
+    return bias.masked_fill(hidden, value)
+
+
+@pytest.mark.parametrize("kind", list(HIDDEN))
 @pytest.mark.parametrize("row_broadcast", [True, False])
-def test_bool_key_padding_skips_blocks(row_broadcast):
+def test_key_padding_skips_blocks(row_broadcast, kind):
     # Right and left key padding hiding whole key blocks: those blocks are
     # skipped (their NaN keys and values must not leak) and the result is
     # exact. Block edges at multiples of 128 suit every BLOCK_N.
     N, M = 16, 512
     q, k, v = _inputs(2, 1, 1, N, M, 16, 16, torch.float32)
-    mask = torch.ones(2, 1, 1, M, dtype=torch.bool)
-    mask[0, ..., 256:] = False
-    mask[1, ..., :128] = False
-    mask[1, ..., 384:] = False
+    hidden = torch.zeros(2, 1, 1, M, dtype=torch.bool)
+    hidden[0, ..., 256:] = True
+    hidden[1, ..., :128] = True
+    hidden[1, ..., 384:] = True
     if not row_broadcast:
-        mask = mask.expand(2, 1, N, M).clone()
-        mask[1, :, 3] = False  # one fully masked row as well
-    mask = mask.to(DEVICE)
+        hidden = hidden.expand(2, 1, N, M).clone()
+        if kind in ("bool", "float32-inf"):
+            # A row that sees nothing has no output either way: skipping stays on.
+            hidden[1, :, 3] = True
+    mask = _hiding_mask(hidden, kind).to(DEVICE)
     for t in (k, v):
         t[0, :, 256:] = float("nan")
         t[1, :, :128] = float("nan")
@@ -309,6 +334,65 @@ def test_bool_key_padding_skips_blocks(row_broadcast):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
     ref_lse = reference_lse(q, k.nan_to_num(), mask)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(HIDDEN))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_causal_mask_tensor(kind, dtype):
+    # A causal mask given as a tensor (what a model compiled block by block
+    # passes in) gives the causal result; the blocks above the diagonal are
+    # skipped (mask_ranges). Sizes leave partial tiles at both ends.
+    N = M = 83
+    q, k, v = _inputs(2, 2, 2, N, M, 24, 24, dtype)
+    hidden = torch.ones(N, M, dtype=torch.bool).triu(1)
+    mask = _hiding_mask(hidden, kind).to(DEVICE)
+    _check(q, k, v, mask)
+    if kind == "bool":
+        out, lse = _run(q, k, v, mask)
+        want, want_lse = _run(q, k, v, window_right=0)
+        torch.testing.assert_close(out, want, atol=OUT_TOL[dtype][0], rtol=OUT_TOL[dtype][1])
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["float32-min", "bfloat16-min", "float16-min"])
+def test_causal_mask_tensor_with_fully_hidden_rows(kind):
+    # Rows whose every key is hidden by the dtype's lowest value average all
+    # their keys (the float64 reference does too), so their tiles must not
+    # skip any key block; the other tiles still do.
+    N = M = 83
+    q, k, v = _inputs(1, 2, 2, N, M, 16, 16, torch.float32)
+    hidden = torch.ones(N, M, dtype=torch.bool).triu(1)
+    hidden[[4, 40]] = True
+    mask = _hiding_mask(hidden, kind).to(DEVICE)
+    out, lse = _run(q, k, v, mask)
+    ref = reference_attention(q, k, v, mask)
+    rows = [i for i in range(N) if i not in (4, 40)]
+    torch.testing.assert_close(out[:, :, rows].double(), ref[:, :, rows], atol=1e-4, rtol=1e-4)
+    # In float16 the hidden value (-65504) keeps the scores' differences, and
+    # in float32 units of log2 they lose about 1e-2 of precision at that size;
+    # a skipped block would change those rows' averages far more.
+    tol = 3e-2 if kind == "float16-min" else 1e-4
+    torch.testing.assert_close(out[:, :, [4, 40]].double(), ref[:, :, [4, 40]], atol=tol, rtol=tol)
+    # Those rows' lse is hugely negative; the others match.
+    torch.testing.assert_close(lse[:, :, rows].double(), reference_lse(q, k, mask)[:, :, rows],
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float32-min"])
+def test_mask_ranges_respect_the_band(kind):
+    # Rows whose only visible mask entry lies outside the causal band: within
+    # the band they see only hidden values (a float row then averages them),
+    # so visibility must be judged inside the band.
+    N, M = 40, 96
+    q, k, v = _inputs(1, 1, 1, N, M, 16, 16, torch.float32)
+    hidden = torch.ones(N, M, dtype=torch.bool)
+    hidden[:, :8] = False
+    hidden[5:9, :] = True
+    hidden[5:9, 70] = False  # visible only beyond the diagonal
+    mask = _hiding_mask(hidden, kind).to(DEVICE)
+    out, _ = _run(q, k, v, mask, window_right=0)
+    ref = reference_attention(q, k, v, mask, window_right=0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------

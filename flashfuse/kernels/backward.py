@@ -43,7 +43,7 @@ from .launch import (
     next_pow2,
 )
 from .mask_ranges import GROUP as _RANGE_GROUP
-from .mask_ranges import mask_block_ranges
+from .mask_ranges import mask_block_ranges, table_strides
 
 __all__ = ["attention_backward"]
 
@@ -233,10 +233,7 @@ def _bwd_dkdv(
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
-            lse = tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
-            # A row with no visible key has lse = +inf (or -inf from some
-            # producers); either way its probabilities must be exactly 0.
-            lse = _lse_base2(lse)
+            lse = _lse_base2(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")))
             delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
 
             # sT[j, i] in log2 units
@@ -378,8 +375,7 @@ def _bwd_dq(
     if MASK_KIND != 0:
         mask_rows = MASK + b * s_mb + hl * s_mh + m0l * s_mn + rm * s_mn
         if SKIP_HIDDEN:  # key blocks the mask hides from every row of the tile
-            lo, hi = _mask_key_span(RANGES + b * s_rb + hl * s_rh, offs_m, N, lo + 0 * M, hi + 0 * M,
-                                    RANGE_GROUP, BLOCK_N)
+            lo, hi = _mask_key_span(RANGES + b * s_rb + hl * s_rh, offs_m, N, lo, hi, RANGE_GROUP, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         snl = tl.cast(start_n, tl.int64)
         offs_n = start_n + rn
@@ -705,11 +701,7 @@ def attention_backward(
             key_ranges, query_ranges = mask_block_ranges(
                 mask_arg, N, M, diag_off=diag_off, window_left=wl, window_right=wr,
                 has_window_left=has_wl, has_window_right=has_wr)
-
-        def range_strides(r):
-            return tuple(st if n > 1 else 0 for st, n in zip(r.stride()[:2], r.shape[:2]))
-
-        kr_strides, qr_strides = range_strides(key_ranges), range_strides(query_ranges)
+        kr_strides, qr_strides = table_strides(key_ranges), table_strides(query_ranges)
     else:
         key_ranges = query_ranges = lse  # never read
         kr_strides = qr_strides = (0, 0)

@@ -62,8 +62,8 @@ def _mask_key_span(key_ranges, offs_m, N, lo_blk, hi_blk, GROUP: tl.constexpr, B
     g = offs_m // GROUP
     r_lo = tl.min(tl.load(key_ranges + g * 2, mask=offs_m < N, other=2147483647), 0)
     r_hi = tl.max(tl.load(key_ranges + g * 2 + 1, mask=offs_m < N, other=0), 0)
-    new_lo = tl.maximum(lo_blk, (r_lo // BLOCK_N) * BLOCK_N)
-    new_hi = tl.minimum(hi_blk, tl.cdiv(r_hi, BLOCK_N) * BLOCK_N)
+    new_lo = tl.maximum(lo_blk + 0 * N, (r_lo // BLOCK_N) * BLOCK_N)  # + 0 * N: bounds may be Python ints
+    new_hi = tl.minimum(hi_blk + 0 * N, tl.cdiv(r_hi, BLOCK_N) * BLOCK_N)
     return new_lo, tl.maximum(new_hi, new_lo)  # empty when nothing takes part
 
 
@@ -76,7 +76,7 @@ def _mask_query_span(query_ranges, offs_n, N, M, lo, hi, GROUP: tl.constexpr, BL
     c = offs_n // GROUP
     r_lo = N - tl.max(tl.load(query_ranges + c * 2, mask=offs_n < M, other=0), 0)
     r_hi = tl.max(tl.load(query_ranges + c * 2 + 1, mask=offs_n < M, other=0), 0)
-    new_lo = tl.maximum(lo + 0 * M, (r_lo // BLOCK_M) * BLOCK_M)
+    new_lo = tl.maximum(lo + 0 * M, (r_lo // BLOCK_M) * BLOCK_M)  # + 0 * M: bounds may be Python ints
     new_hi = tl.minimum(hi + 0 * M, r_hi)
     return new_lo, tl.maximum(new_hi, new_lo)
 

@@ -32,7 +32,7 @@ from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, config_tuple, next_pow2,
 )
 from .mask_ranges import GROUP as _RANGE_GROUP
-from .mask_ranges import mask_block_ranges
+from .mask_ranges import mask_block_ranges, table_strides
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -480,7 +480,7 @@ def attention_forward(
     if skip_hidden:
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             key_ranges, _ = mask_block_ranges(mask, N, M, **band)
-        range_strides = tuple(st if n > 1 else 0 for st, n in zip(key_ranges.stride()[:2], key_ranges.shape[:2]))
+        range_strides = table_strides(key_ranges)
     else:
         key_ranges, range_strides = lse, (0, 0)  # never read
     args = (

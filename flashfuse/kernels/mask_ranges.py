@@ -23,7 +23,7 @@ import triton.language as tl
 from .common import _mask_takes_part, _visible
 from .launch import ConfigLauncher, _interpreting, cdiv
 
-__all__ = ["GROUP", "mask_block_ranges", "mask_hidden_at"]
+__all__ = ["GROUP", "mask_block_ranges", "mask_hidden_at", "table_strides"]
 
 # Rows and keys per table entry: a divisor of every BLOCK_M and BLOCK_N.
 GROUP = 16
@@ -170,6 +170,13 @@ def mask_block_ranges(
         _launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_CONFIG], lambda m: (groups, Hm, Bm),
                   *args, **meta)
     return key_ranges, query_ranges
+
+
+def table_strides(table: torch.Tensor) -> tuple[int, int]:
+    """Batch and head strides of a range table for the kernels: 0 over a
+    dimension the mask broadcasts (size 1), so every (batch, head) finds its
+    entry with the same indexing."""
+    return tuple(st if n > 1 else 0 for st, n in zip(table.stride()[:2], table.shape[:2]))
 
 
 _CONFIG = triton.Config({"STEP": _STEP}, num_warps=4, num_stages=2)

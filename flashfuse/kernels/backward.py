@@ -697,10 +697,9 @@ def attention_backward(
 
     skip_hidden = mask_kind != _NO_MASK and SKIP_HIDDEN_BLOCKS
     if skip_hidden:
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            key_ranges, query_ranges = mask_block_ranges(
-                mask_arg, N, M, diag_off=diag_off, window_left=wl, window_right=wr,
-                has_window_left=has_wl, has_window_right=has_wr)
+        key_ranges, query_ranges = mask_block_ranges(
+            mask_arg, N, M, diag_off=diag_off, window_left=wl, window_right=wr,
+            has_window_left=has_wl, has_window_right=has_wr)
         kr_strides, qr_strides = table_strides(key_ranges), table_strides(query_ranges)
     else:
         key_ranges = query_ranges = lse  # never read

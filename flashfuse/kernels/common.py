@@ -39,20 +39,6 @@ def _visible(
     return vis
 
 
-
-@triton.jit
-def _mask_takes_part(mv, MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr):
-    """Element-wise: the mask lets this score take part. Bool masks (read as
-    bytes): nonzero. Float masks: above HIDDEN_AT, or NaN (which must reach
-    the output as it would without skipping)."""
-    if MASK_KIND == 1:
-        part = mv != 0
-    else:
-        x = mv.to(tl.float32)
-        part = (x > HIDDEN_AT) | (x != x)
-    return part
-
-
 @triton.jit
 def _mask_key_span(key_ranges, offs_m, N, lo_blk, hi_blk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     """Narrow the key blocks ``[lo_blk, hi_blk)`` of the rows ``offs_m`` to
@@ -79,6 +65,7 @@ def _mask_query_span(query_ranges, offs_n, N, M, lo, hi, GROUP: tl.constexpr, BL
     new_lo = tl.maximum(lo + 0 * M, (r_lo // BLOCK_M) * BLOCK_M)  # + 0 * M: bounds may be Python ints
     new_hi = tl.minimum(hi + 0 * M, r_hi)
     return new_lo, tl.maximum(new_hi, new_lo)
+
 
 # Dropout draws 16 random bits per element: one Philox4x32-10 call (128
 # bits) serves eight keys of one query. Fewer bits would make the drop rate a

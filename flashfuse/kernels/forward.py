@@ -19,7 +19,6 @@ lse, output layout).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -478,8 +477,7 @@ def attention_forward(
                 has_window_right=window_right is not None)
     skip_hidden = mask_kind != _MASK_NONE and SKIP_HIDDEN_BLOCKS
     if skip_hidden:
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            key_ranges, _ = mask_block_ranges(mask, N, M, **band)
+        key_ranges, _ = mask_block_ranges(mask, N, M, **band)
         range_strides = table_strides(key_ranges)
     else:
         key_ranges, range_strides = lse, (0, 0)  # never read

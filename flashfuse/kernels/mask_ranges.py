@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _mask_takes_part, _visible
+from .common import _visible
 from .launch import ConfigLauncher, _interpreting, cdiv
 
 __all__ = ["GROUP", "mask_block_ranges", "mask_hidden_at", "table_strides"]
@@ -29,6 +29,19 @@ __all__ = ["GROUP", "mask_block_ranges", "mask_hidden_at", "table_strides"]
 GROUP = 16
 # Keys per step of the pass (a multiple of GROUP).
 _STEP = 128
+
+
+@triton.jit
+def _mask_takes_part(mv, MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr):
+    """Element-wise: the mask lets this score take part. Bool masks (read as
+    bytes): nonzero. Float masks: above HIDDEN_AT, or NaN (which must reach
+    the output as it would without skipping)."""
+    if MASK_KIND == 1:
+        part = mv != 0
+    else:
+        x = mv.to(tl.float32)
+        part = (x > HIDDEN_AT) | (x != x)
+    return part
 
 
 @triton.jit
@@ -167,8 +180,9 @@ def mask_block_ranges(
     if _interpreting(mask):
         _mask_ranges[(groups, Hm, Bm)](*args, **meta, STEP=_STEP)
     else:
-        _launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_CONFIG], lambda m: (groups, Hm, Bm),
-                  *args, **meta)
+        with torch.cuda.device(mask.device):  # the mask's device, whatever the current one
+            _launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_CONFIG],
+                      lambda m: (groups, Hm, Bm), *args, **meta)
     return key_ranges, query_ranges
 
 

@@ -24,6 +24,8 @@ from flashfuse.kernels import backward
 from flashfuse.kernels.backward import attention_backward
 from flashfuse.kernels.launch import config_tuple
 
+from .masks import hiding_mask
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Relative-norm error bounds per input dtype: 16-bit inputs are rounded,
@@ -268,13 +270,8 @@ def test_masks(shape, kind, dtype):
     run_case(B=2, Hq=1, N=17, M=33, D=16, dtype=dtype, mask_shape=shape, mask_kind=kind)
 
 
-def _hiding_mask(hidden, dtype, value, gen_seed=1):
-    """bool mask (``dtype`` bool) or a random float bias with ``value`` where
-    ``hidden`` is True."""
-    if dtype == torch.bool:
-        return ~hidden
-    bias = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(gen_seed)).to(dtype)
-    return bias.masked_fill(hidden, value)
+def _hiding_mask(hidden, kind):
+    return hiding_mask(hidden, kind, torch.Generator().manual_seed(1))
 
 
 def _structured_hidden(pattern, N, M):
@@ -293,35 +290,33 @@ def _structured_hidden(pattern, N, M):
 
 
 @pytest.mark.parametrize(
-    "pattern, dtype, hidden_value",
+    "pattern, kind",
     [
-        ("causal", torch.bool, False),
-        ("causal", torch.float32, torch.finfo(torch.float32).min),
-        ("causal", torch.bfloat16, torch.finfo(torch.bfloat16).min),
-        ("band", torch.float16, torch.finfo(torch.float16).min),
-        ("band", torch.float32, float("-inf")),
-        ("causal+hidden-rows", torch.float32, torch.finfo(torch.float32).min),
-        ("causal+hidden-rows", torch.float32, float("-inf")),
+        ("causal", "bool"),
+        ("causal", "float32-min"),
+        ("causal", "bfloat16-min"),
+        ("band", "float16-min"),
+        ("band", "float32-inf"),
+        ("causal+hidden-rows", "float32-min"),
+        ("causal+hidden-rows", "float32-inf"),
     ],
-    ids=str,
 )
 @pytest.mark.usefixtures("bwd_mode")
-def test_masks_hiding_whole_blocks(pattern, dtype, hidden_value):
+def test_masks_hiding_whole_blocks(pattern, kind):
     # Masks that hide whole blocks (a causal mask passed as a tensor, a band):
     # the dK/dV and dQ kernels skip those blocks; gradients stay exact. Rows
     # hidden by a finite value average all keys, so their blocks are kept.
     N, M = 50, 96
-    mask = _hiding_mask(_structured_hidden(pattern, N, M), dtype, hidden_value)
+    mask = _hiding_mask(_structured_hidden(pattern, N, M), kind)
     # Rows hidden by a finite value get no gradient (a documented limitation;
     # padding queries get none from a loss either), so give them none.
     zero_rows = (3, 37) if pattern == "causal+hidden-rows" else ()
     run_case(B=2, Hq=2, N=N, M=M, D=16, dtype=torch.float32, mask_tensor=mask, zero_go_rows=zero_rows)
 
 
-@pytest.mark.parametrize("dtype, hidden_value", [(torch.bool, False), (torch.float32, float("-inf")),
-                                                 (torch.bfloat16, torch.finfo(torch.bfloat16).min)], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float32-inf", "bfloat16-min"])
 @pytest.mark.usefixtures("bwd_mode")
-def test_mask_hidden_key_blocks_are_skipped(dtype, hidden_value):
+def test_mask_hidden_key_blocks_are_skipped(kind):
     # Keys [128, 256) are hidden from every query: their blocks are never
     # read (NaN there must not leak into dq), and their dk, dv are exactly 0.
     # 128 is a multiple of every BLOCK_N.
@@ -330,12 +325,12 @@ def test_mask_hidden_key_blocks_are_skipped(dtype, hidden_value):
     q, k, v, go = (torch.randn(1, 2, L, D, generator=gen).to(DEVICE) for L in (N, M, M, N))
     hidden = torch.zeros(N, M, dtype=torch.bool)
     hidden[:, 128:] = True
-    mask = _hiding_mask(hidden, dtype, hidden_value).to(DEVICE)
+    mask = _hiding_mask(hidden, kind).to(DEVICE)
     kc, vc = (t[:, :, :128].clone() for t in (k, v))
     k[:, :, 128:] = float("nan")
     v[:, :, 128:] = float("nan")
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, kc, vc))
-    m64 = mask[:, :128] if dtype == torch.bool else mask[:, :128].double()
+    m64 = mask[:, :128] if mask.dtype == torch.bool else mask[:, :128].double()
     o64 = ref.reference_attention(q64, k64, v64, m64)
     o64.backward(go.double())
     lse = ref.reference_lse(q64, k64, m64).float()
@@ -353,7 +348,7 @@ def test_mask_grad_with_hidden_blocks():
     # A learned float mask with whole hidden blocks: skipped blocks get a
     # gradient of exactly 0, as the reference's.
     N, M = 50, 96
-    mask = _hiding_mask(_structured_hidden("band", N, M), torch.float32, torch.finfo(torch.float32).min)
+    mask = _hiding_mask(_structured_hidden("band", N, M), "float32-min")
     run_case(B=1, Hq=2, N=N, M=M, D=16, dtype=torch.float32, mask_tensor=mask, mask_grad=True)
 
 

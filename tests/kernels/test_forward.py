@@ -19,6 +19,8 @@ from flashfuse.kernels.launch import config_tuple
 from flashfuse.kernels.forward import attention_forward, dropout_keep_mask_triton
 from flashfuse.reference import dropout_keep_mask, reference_attention, reference_lse
 
+from .masks import HIDDEN, hiding_mask
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (atol, rtol) of the output against float64, per input dtype. fp16/bf16 lose
@@ -284,26 +286,8 @@ def test_finfo_min_mask():
     assert (lse[:, :, 5] < -1e37).all()
 
 
-# How each kind of mask hides a key: bool False, or a float value at or
-# below the dtype's lowest (what Hugging Face models build), or -inf.
-HIDDEN = {
-    "bool": (torch.bool, False),
-    "float32-inf": (torch.float32, float("-inf")),
-    "float32-min": (torch.float32, torch.finfo(torch.float32).min),
-    "bfloat16-min": (torch.bfloat16, torch.finfo(torch.bfloat16).min),
-    "float16-min": (torch.float16, torch.finfo(torch.float16).min),
-}
-
-
-def _hiding_mask(hidden, kind, gen_seed=0):
-    """A mask of ``kind`` (a HIDDEN key) that hides where ``hidden`` is True;
-    visible float entries are random (a bias), not zeros."""
-    dtype, value = HIDDEN[kind]
-    if dtype == torch.bool:
-        return ~hidden
-    g = torch.Generator().manual_seed(gen_seed)
-    bias = torch.randn(hidden.shape, generator=g).to(dtype)
-    return bias.masked_fill(hidden, value)
+def _hiding_mask(hidden, kind):
+    return hiding_mask(hidden, kind, torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("kind", list(HIDDEN))

@@ -9,6 +9,8 @@ import torch
 from flashfuse import reference as ref
 from flashfuse.kernels.mask_ranges import GROUP, mask_block_ranges, mask_hidden_at
 
+from .masks import hiding_mask
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -49,15 +51,7 @@ def _mask(kind, B, H, N, M, gen):
     hidden = (j > i + 5).expand(B, H, N, M).clone()  # causal-like, with some hidden blocks
     hidden[0, :, :, M - 40:] = True  # key padding in batch 0
     hidden[..., 7, :] = True  # a row that sees nothing
-    if kind == "bool":
-        return ~hidden
-    dtype, value = {
-        "float32-min": (torch.float32, torch.finfo(torch.float32).min),
-        "float32-inf": (torch.float32, float("-inf")),
-        "bfloat16-min": (torch.bfloat16, torch.finfo(torch.bfloat16).min),
-        "float16-min": (torch.float16, torch.finfo(torch.float16).min),
-    }[kind]
-    return torch.randn(B, H, N, M, generator=gen).to(dtype).masked_fill(hidden, value)
+    return hiding_mask(hidden, kind, gen)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float32-min", "float32-inf", "bfloat16-min", "float16-min"])

@@ -15,21 +15,20 @@ from hypothesis import strategies as st
 import flashfuse
 from flashfuse import reference as ref
 
+from .masks import hiding_mask
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-HIDDEN = {
-    "bool": (torch.bool, False),
-    "float32-min": (torch.float32, torch.finfo(torch.float32).min),
-    "float32-inf": (torch.float32, float("-inf")),
-    "bfloat16-min": (torch.bfloat16, torch.finfo(torch.bfloat16).min),
-}
+# float16 masks are left out: a row hidden by -65504 keeps its scores'
+# differences, which float32 units of log2 resolve only to about 1e-2.
+KINDS = ["bfloat16-min", "bool", "float32-inf", "float32-min"]
 
 
 @st.composite
 def cases(draw):
     N = draw(st.integers(1, 70))
     M = draw(st.integers(1, 90))
-    kind = draw(st.sampled_from(sorted(HIDDEN)))
+    kind = draw(st.sampled_from(KINDS))
     shape = draw(st.sampled_from(["B1NM", "11NM", "B11M"]))
     band = draw(st.sampled_from([{}, {"window_right": 0}, {"window_right": 0, "bottom_right": True},
                                  {"window_left": 12, "window_right": 5}]))
@@ -51,10 +50,7 @@ def _mask(case, B, gen):
     hidden = hidden | (torch.rand(hidden.shape, generator=gen) < 0.1)  # scattered too
     for i in case["hidden_rows"]:
         hidden[:, :, i] = True
-    dtype, value = HIDDEN[case["kind"]]
-    if dtype == torch.bool:
-        return ~hidden
-    return torch.randn(hidden.shape, generator=gen).to(dtype).masked_fill(hidden, value)
+    return hiding_mask(hidden, case["kind"], gen)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

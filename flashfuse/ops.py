@@ -10,19 +10,22 @@ Three ops live in the ``flashfuse`` namespace:
     it stays a single node in Dynamo graphs (which the graph pass emits) and is
     decomposed by AOTAutograd into the two private ops.
 ``flashfuse::_attention_forward`` / ``flashfuse::_attention_backward``
-    Opaque ops with fake implementations and autograd. They dispatch to the
-    Triton kernels for CUDA tensors (and for CPU tensors under
-    ``TRITON_INTERPRET=1``) and to the blockwise PyTorch implementation for
-    CPU tensors otherwise.
+    The forward and backward, with fake implementations and autograd
+    (``torch.library.triton_op``). On CUDA tensors they launch the Triton
+    kernels; when AOTAutograd traces them for ``torch.compile``, those
+    launches are recorded into the graph, so that Inductor launches the
+    kernels from its generated code without calling back into Python. On CPU
+    tensors they call ``_attention_forward_cpu`` / ``_attention_backward_cpu``,
+    opaque ops that run the kernels in Triton's interpreter under
+    ``TRITON_INTERPRET=1`` and the blockwise PyTorch implementation otherwise.
 
 Everything that can be checked without the data is checked here, once, so the
 kernels can assume valid input.
 """
 
-from __future__ import annotations
-
 import math
 import os
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -253,24 +256,24 @@ def _empty_out(q: Tensor, v: Tensor) -> Tensor:
     B, Hq, N, _ = q.shape
     Dv = v.shape[-1]
     # (B, N, H, Dv) in memory: the usual out.transpose(1, 2).reshape(B, N, H*Dv) is free.
-    return q.new_empty(B, N, Hq, Dv).transpose(1, 2)
+    return q.new_empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1))
 
 
-# The private ops are declared with ``Library.define`` and given one plain
-# kernel per device key, rather than through ``torch.library.custom_op``: the
-# latter wraps every call in Python checks that cost more host time than the
-# kernels themselves at small sizes. Fake kernels and autograd are registered
-# through the same public ``torch.library`` functions.
-_lib.define(
-    "_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? seed, "
-    "float dropout_p, float scale, SymInt? window_left, SymInt? window_right, bool bottom_right) "
-    "-> (Tensor, Tensor)"
+# The CPU ops are declared with ``Library.define`` and given one plain kernel,
+# rather than through ``torch.library.custom_op``: the latter wraps every call
+# in Python checks that cost host time. They have no autograd of their own:
+# they are only called from the private ops, below autograd.
+_FORWARD_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? seed, "
+    "float dropout_p, float scale, SymInt? window_left, SymInt? window_right, bool bottom_right"
 )
-_lib.define(
-    "_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
+_BACKWARD_ARGS = (
+    "Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
     "Tensor? seed, Tensor out, Tensor lse, float dropout_p, float scale, SymInt? window_left, "
-    "SymInt? window_right, bool bottom_right, bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)"
+    "SymInt? window_right, bool bottom_right, bool mask_grad"
 )
+_lib.define(f"_attention_forward_cpu({_FORWARD_ARGS}) -> (Tensor, Tensor)")
+_lib.define(f"_attention_backward_cpu({_BACKWARD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _attention_forward(
@@ -358,11 +361,43 @@ def _attention_backward_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropo
     )
 
 
-for _key in ("CPU", "CUDA"):
-    _lib.impl("_attention_forward", _attention_forward, _key)
-    _lib.impl("_attention_backward", _attention_backward, _key)
-torch.library.register_fake("flashfuse::_attention_forward", _attention_forward_fake, lib=_lib)
-torch.library.register_fake("flashfuse::_attention_backward", _attention_backward_fake, lib=_lib)
+_lib.impl("_attention_forward_cpu", _attention_forward, "CPU")
+_lib.impl("_attention_backward_cpu", _attention_backward, "CPU")
+torch.library.register_fake("flashfuse::_attention_forward_cpu", _attention_forward_fake, lib=_lib)
+torch.library.register_fake("flashfuse::_attention_backward_cpu", _attention_backward_fake, lib=_lib)
+
+
+# Annotations, not strings: the schemas are inferred from them.
+@torch.library.triton_op("flashfuse::_attention_forward", mutates_args=())
+def _attention_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
+    dropout_p: float, scale: float, window_left: Optional[int], window_right: Optional[int],
+    bottom_right: bool,
+) -> tuple[Tensor, Tensor]:
+    """``_attention_forward`` as an op: see the module docstring."""
+    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right)
+    if q.device.type == "cuda":
+        return _attention_forward(*args)
+    return torch.ops.flashfuse._attention_forward_cpu(*args)
+
+
+@torch.library.triton_op("flashfuse::_attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
+    out: Tensor, lse: Tensor, dropout_p: float, scale: float, window_left: Optional[int],
+    window_right: Optional[int], bottom_right: bool, mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_attention_backward`` as an op: see the module docstring."""
+    args = (grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
+            bottom_right, mask_grad)
+    if q.device.type == "cuda":
+        return _attention_backward(*args)
+    return torch.ops.flashfuse._attention_backward_cpu(*args)
+
+
+# triton_op takes the implementation as the fake one; these skip its Python.
+_attention_forward_op.register_fake(_attention_forward_fake)
+_attention_backward_op.register_fake(_attention_backward_fake)
 
 
 def _save(ctx, inputs, out, lse):
@@ -390,9 +425,7 @@ def _backward(ctx, grad_out, _grad_lse):
     return _gradients(ctx, grad_out, torch.ops.flashfuse._attention_backward)
 
 
-torch.library.register_autograd(
-    "flashfuse::_attention_forward", _backward, setup_context=_setup_context, lib=_lib
-)
+_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):

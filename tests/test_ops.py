@@ -293,3 +293,101 @@ def test_compiled_graphs_record_the_private_ops(blockwise_cpu):
     q, k, v = make_qkv(B=1, Hq=2, Hkv=2, N=8, M=8, D=16)
     gm = make_fx(lambda q, k, v: flashfuse.attention(q, k, v, is_causal=True))(q, k, v)
     assert "flashfuse._attention_forward" in gm.code
+
+
+@pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask_dropout"])
+def test_traced_cuda_graph_launches_the_kernels_itself(case):
+    """Under torch.compile the private ops decompose into their kernel
+    launches (torch.library.triton_op), so that Inductor launches the kernels
+    from its generated code instead of calling back into Python. Traced on
+    fake CUDA tensors in a fresh process (see tests/trace_cuda_graph.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "trace_cuda_graph.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, script, case], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "assuming every input is mutated" not in proc.stderr, proc.stderr[-3000:]
+    (graph,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    kernels = [launch["kernel"] for launch in graph["launches"]]
+    expected = {
+        "causal": ["_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq"],
+        "bool_mask": ["_mask_ranges", "_attn_fwd", "_mask_ranges", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq"],
+        # dropout at small head dims: one backward pass, dQ by atomics
+        "float_mask_dropout": ["_mask_ranges", "_attn_fwd", "_mask_ranges", "_bwd_preprocess", "_bwd_dkdv"],
+    }
+    assert kernels == expected[case]
+    assert not [op for op in graph["ops"] if "flashfuse" in op], graph["ops"]
+    fresh = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
+             "aten.zeros.default", "aten.zeros_like.default"}
+    for launch in graph["launches"]:
+        # Kernels write only buffers allocated for them, which Inductor then
+        # hands to the kernel in place; writing an input would mean a copy.
+        assert launch["written_from"], launch
+        assert set(launch["written_from"].values()) <= fresh, launch
+
+
+def _gpu_case(case):
+    """Inputs of one compiled-graph case on the GPU: (q, k, v, mask, kwargs)."""
+    B, Hq, Hkv, N, D = 2, 4, 2 if case == "gqa_window" else 4, 200, 64
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+    mask, kwargs = None, {}
+    if case == "causal":
+        kwargs = {"is_causal": True}
+    elif case == "bool_padding":
+        mask = torch.ones(B, 1, 1, N, dtype=torch.bool, device="cuda")
+        mask[0, ..., 150:] = False  # hides whole key blocks of batch 0
+    elif case == "learned_bias":
+        mask = torch.randn(1, Hq, N, N, device="cuda", dtype=torch.bfloat16)
+    elif case == "gqa_window":
+        kwargs = {"enable_gqa": True, "window_left": 37, "window_right": 5}
+    return q, k, v, mask, kwargs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "bool_padding", "learned_bias", "gqa_window"])
+def test_gpu_inductor_launches_the_kernels_and_matches_float64(case):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q, k, v, mask, kwargs = _gpu_case(case)
+    leaves = [q, k, v] + ([mask] if mask is not None and mask.is_floating_point() else [])
+    for t in leaves:
+        t.requires_grad_(True)
+    grad_out = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[3], device="cuda", dtype=torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def fn(q, k, v, mask):
+        return flashfuse.attention(q, k, v, mask, **kwargs)
+
+    def run():
+        out = fn(q, k, v, mask)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        return out, grads
+
+    (out, grads), code = run_and_get_code(run)
+    code = "\n".join(code)
+    # Inductor launches the kernels from its own code: no call back into the op.
+    assert "_attn_fwd" in code and "_bwd_dkdv" in code
+    assert "flashfuse._attention_forward" not in code and "flashfuse._attention_backward" not in code
+
+    leaves64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    q64, k64, v64 = leaves64[:3]
+    mask64 = leaves64[3] if len(leaves64) > 3 else mask
+    ref_kwargs = {"window_right": 0} if case == "causal" else {
+        key: val for key, val in kwargs.items() if key.startswith("window")}
+    ref = reference.reference_attention(q64, k64, v64, mask64, **ref_kwargs)
+    ref_grads = torch.autograd.grad(ref, leaves64, grad_out.double())
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    for name, g, rg in zip(["dq", "dk", "dv", "dmask"], grads, ref_grads):
+        assert rel_err(g, rg) < 2 * TOL[torch.bfloat16], name
+
+    # A second call replays the compiled graph: same answer, bit for bit.
+    out2, grads2 = run()
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from .common import _dropout_keep_block, _mask_key_span, _mask_query_span, _visible, dropout_threshold
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, config_tuple, max_shared_mem,
-    next_pow2,
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
+    max_shared_mem, next_pow2,
 )
 from .mask_ranges import GROUP as _RANGE_GROUP
 from .mask_ranges import mask_block_ranges, table_strides
@@ -76,6 +76,13 @@ _ONE_PASS_DROPOUT_MAX_D = 64
 # --------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp32_scalars(qk_scale, scale, inv_keep):
+    """The float arguments as fp32: Inductor passes Python floats as fp64,
+    which would turn the tiles' arithmetic into fp64."""
+    return tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32), tl.cast(inv_keep, tl.float32)
 
 
 @triton.jit
@@ -154,6 +161,7 @@ def _bwd_dkdv(
     ``h`` (not ``hk``). Every key block of a (batch, head) adds into the same
     rows, hence atomics; skipped blocks add nothing.
     """
+    qk_scale, scale, inv_keep = _fp32_scalars(qk_scale, scale, inv_keep)
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -327,6 +335,7 @@ def _bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query block of one (batch, q head)."""
+    qk_scale, scale, inv_keep = _fp32_scalars(qk_scale, scale, inv_keep)
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -642,7 +651,7 @@ def attention_backward(
         # adds into it (and blocks outside the band add nothing); for float32
         # inputs it is dq itself.
         dq_acc = torch.zeros_like(q, dtype=torch.float32)
-        dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(q)
+        dq = None  # dq_acc cast to q's dtype once the kernel is done
         dq_acc_strides = dq_acc.stride()
     else:
         dq = torch.empty_like(q)
@@ -660,7 +669,7 @@ def attention_backward(
         mask_kind = _BOOL_MASK if attn_mask.dtype == torch.bool else _FLOAT_MASK
         mask_arg = attn_mask.expand(B, Hq, N, M)
         if mask_kind == _BOOL_MASK:
-            mask_arg = mask_arg.view(torch.uint8)  # same strides; read as bytes
+            mask_arg = bool_mask_as_bytes(mask_arg)
         mask_strides = mask_arg.stride()
 
     do_grad = bool(mask_grad) and attn_mask is not None and mask_kind == _FLOAT_MASK
@@ -747,12 +756,18 @@ def attention_backward(
             dmask_sum = torch.zeros((1,) + tuple(gbuf.shape[1:]), device=device, dtype=torch.float32)
         for b0 in range(0, B, chunk):
             b1 = min(B, b0 + chunk)
-            sl = slice(b0, b1)
+
+            def rows(t, b0=b0, b1=b1):
+                # The whole tensor when one chunk covers the batch: in a traced
+                # graph a kernel must write whole tensors, not views.
+                return t if (b0, b1) == (0, B) else t[b0:b1]
+
             launch(
                 "dkdv_dq" if one_pass else "dkdv", lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
-                q[sl], k[sl], v[sl], grad_out[sl], lse[sl], delta[sl], mask_arg[sl] if attn_mask is not None else q,
-                query_ranges[sl] if qr_strides[0] else query_ranges,
-                seed_arg, dk[sl], dv[sl], gbuf[: b1 - b0] if do_grad else gbuf, dq_acc[sl] if one_pass else dq_acc,
+                rows(q), rows(k), rows(v), rows(grad_out), rows(lse), rows(delta),
+                rows(mask_arg) if attn_mask is not None else q,
+                rows(query_ranges) if qr_strides[0] else query_ranges,
+                seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if do_grad else gbuf, rows(dq_acc) if one_pass else dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *qr_strides,
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
                 *common_scalars, b0,
@@ -766,8 +781,7 @@ def attention_backward(
         if do_grad and chunk < B:
             gbuf = dmask_sum
         if one_pass:
-            if dq is not dq_acc:
-                dq.copy_(dq_acc)  # same layout: one elementwise cast
+            dq = dq_acc.to(q.dtype)  # same layout: one elementwise cast (none for float32)
         else:
             launch(
                 "dq", lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),

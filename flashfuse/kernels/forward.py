@@ -28,7 +28,8 @@ import triton.language as tl
 from .common import _dropout_keep_block, _mask_key_span, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, config_tuple, next_pow2,
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
+    next_pow2,
 )
 from .mask_ranges import GROUP as _RANGE_GROUP
 from .mask_ranges import mask_block_ranges, table_strides
@@ -218,6 +219,9 @@ def _attn_fwd(
     through its strides, Lse (B, Hq, N) contiguous fp32. ``qk_scale`` is
     ``scale * log2(e)``; ``diag_off`` the visibility diagonal offset.
     """
+    # Inductor passes Python floats as fp64; the arithmetic must stay fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)
     # Last query tiles first: under causal masking they have the most keys,
     # so starting them early balances the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -444,7 +448,8 @@ def attention_forward(
     B, Hq, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
     Dv = v.shape[3]
-    out = torch.empty(B, N, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    # (B, N, Hq, Dv) in memory; a tensor of its own, not a view (see launch._traced).
+    out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
 
     if attn_mask is None:
@@ -455,7 +460,7 @@ def attention_forward(
         mask = attn_mask.expand(B, Hq, N, M)
         if mask.dtype == torch.bool:
             mask_kind = _MASK_BOOL
-            mask = mask.view(torch.uint8)  # same strides; Triton reads bytes
+            mask = bool_mask_as_bytes(mask)
         else:
             mask_kind = _MASK_FLOAT
         mask_strides = mask.stride()

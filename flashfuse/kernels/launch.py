@@ -84,6 +84,9 @@ class ConfigLauncher:
         """``candidates()``: configs in preference order; ``grid(cfg)``: the
         launch grid for a config's meta-parameters (a dict)."""
         key = (key, tune)  # a tuned choice and an untuned one are kept apart
+        if _traced(args):
+            self._record(key, candidates, grid, args, kwargs, tune)
+            return
         cfg = self.chosen.get(key)
         if cfg is None:
             # Without tuning, the first launch that fits was the real one.
@@ -92,6 +95,27 @@ class ConfigLauncher:
             cfg = self.chosen[key]
             self._zero(args)
         self._launch_fast(key, cfg, grid, args, kwargs)
+
+    def _record(self, key, candidates, grid, args, kwargs, tune):
+        """Put the launch into the graph being traced (``torch.compile``), so
+        that Inductor launches the kernel from its generated code instead of
+        calling back into this Python on every step.
+
+        Nothing runs while tracing, so nothing can be timed: the config is
+        the one this process already chose for the key (tuned by an earlier
+        eager call, or untuned), else the tuning cache's, else the first
+        candidate, which is what ``FLASHFUSE_AUTOTUNE=0`` takes.
+        """
+        from torch.library import wrap_triton
+
+        cands = list(candidates())
+        cfg = self.chosen.get(key)
+        if cfg is None and tune:
+            cfg = TUNING_CACHE.lookup(self.name, key, cands)
+        if cfg is None:
+            cfg = cands[0]
+        wrap_triton(self.kernel)[grid(cfg.kwargs)](
+            *args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     # -- choosing ---------------------------------------------------------
 
@@ -279,6 +303,23 @@ def _device_name() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return _device_name_of(torch.cuda.current_device())
+
+
+def _traced(args) -> bool:
+    """The call is being traced into a graph: its tensors are stand-ins
+    (functional or fake tensors), not plain tensors holding data."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter
+    return False
+
+
+def bool_mask_as_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask for the kernels, which read it as bytes (nonzero: takes
+    part): viewed as uint8, same strides, no copy. In a traced graph the bool
+    tensor itself, which Triton reads as bytes too, because Inductor cannot
+    lower a view from bool to another dtype."""
+    return mask if _traced((mask,)) else mask.view(torch.uint8)
 
 
 def _current_stream():

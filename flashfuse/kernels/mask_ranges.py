@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import _visible
-from .launch import ConfigLauncher, _interpreting, cdiv
+from .launch import ConfigLauncher, _interpreting, _traced, cdiv
 
 __all__ = ["GROUP", "mask_block_ranges", "mask_hidden_at", "table_strides"]
 
@@ -147,8 +147,8 @@ def mask_block_ranges(
     GROUP keys, of an attention mask.
 
     Args:
-        mask: the mask expanded to (B, Hq, N, M): bool (read as uint8 bytes:
-            pass ``mask.view(torch.uint8)``) or floating. Dimensions it
+        mask: the mask expanded to (B, Hq, N, M): bool (as
+            ``launch.bool_mask_as_bytes`` gives it) or floating. Dimensions it
             broadcasts over (stride 0) are computed once.
         N, M: queries and keys.
         diag_off, window_left, window_right, has_window_left,
@@ -166,16 +166,22 @@ def mask_block_ranges(
     Bm = 1 if s_mb == 0 else B
     Hm = 1 if s_mh == 0 else H
     groups, chunks = cdiv(N, GROUP), cdiv(M, GROUP)
-    # One zeroed buffer for both tables (one allocation, one fill: host time
-    # counts at small shapes); zeros are the empty query range.
-    buf = torch.zeros(Bm * Hm * 2 * (groups + chunks), dtype=torch.int32, device=mask.device)
-    key_ranges = buf[: Bm * Hm * groups * 2].view(Bm, Hm, groups, 2)
-    query_ranges = buf[Bm * Hm * groups * 2:].view(Bm, Hm, chunks, 2)
+    # Zeros are the empty query range.
+    if _traced((mask,)):
+        # In a traced graph, a kernel must write whole tensors, not views.
+        key_ranges = torch.zeros(Bm, Hm, groups, 2, dtype=torch.int32, device=mask.device)
+        query_ranges = torch.zeros(Bm, Hm, chunks, 2, dtype=torch.int32, device=mask.device)
+    else:
+        # One zeroed buffer for both tables: one allocation and one fill, as
+        # host time counts at small shapes.
+        buf = torch.zeros(Bm * Hm * 2 * (groups + chunks), dtype=torch.int32, device=mask.device)
+        key_ranges = buf[: Bm * Hm * groups * 2].view(Bm, Hm, groups, 2)
+        query_ranges = buf[Bm * Hm * groups * 2:].view(Bm, Hm, chunks, 2)
     args = (mask, key_ranges, query_ranges, s_mb, s_mh, s_mn, s_mm,
             *key_ranges.stride()[:2], *query_ranges.stride()[:2],
             N, M, diag_off, window_left, window_right)
     meta = dict(HAS_WINDOW_LEFT=has_window_left, HAS_WINDOW_RIGHT=has_window_right,
-                MASK_KIND=1 if mask.dtype == torch.uint8 else 2,
+                MASK_KIND=1 if mask.dtype in (torch.uint8, torch.bool) else 2,
                 HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16), GROUP=GROUP)
     if _interpreting(mask):
         _mask_ranges[(groups, Hm, Bm)](*args, **meta, STEP=_STEP)

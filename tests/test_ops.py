@@ -295,12 +295,14 @@ def test_compiled_graphs_record_the_private_ops(blockwise_cpu):
     assert "flashfuse._attention_forward" in gm.code
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask_dropout"])
-def test_traced_cuda_graph_launches_the_kernels_itself(case):
+def test_traced_cuda_graph_launches_the_kernels_itself(case, dynamic):
     """Under torch.compile the private ops decompose into their kernel
     launches (torch.library.triton_op), so that Inductor launches the kernels
     from its generated code instead of calling back into Python. Traced on
-    fake CUDA tensors in a fresh process (see tests/trace_cuda_graph.py)."""
+    fake CUDA tensors in a fresh process (see tests/trace_cuda_graph.py);
+    with a symbolic sequence length the graph must stay general in it."""
     import json
     import os
     import subprocess
@@ -309,10 +311,16 @@ def test_traced_cuda_graph_launches_the_kernels_itself(case):
     script = os.path.join(os.path.dirname(__file__), "trace_cuda_graph.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, script, case], capture_output=True, text=True, env=env, timeout=600)
+    argv = [sys.executable, script, case] + (["dynamic"] if dynamic else [])
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "assuming every input is mutated" not in proc.stderr, proc.stderr[-3000:]
-    (graph,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    traced = json.loads(proc.stdout.strip().splitlines()[-1])
+    (graph,) = traced["graphs"]
+    if dynamic:
+        assert graph["inputs"][0][2] != "80", graph["inputs"]  # still symbolic
+        # Only range guards (e.g. N > 16): no guard pins the length to a value.
+        assert not [g for g in traced["guards"] if g.startswith("Eq(")], traced["guards"]
     kernels = [launch["kernel"] for launch in graph["launches"]]
     expected = {
         "causal": ["_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq"],
@@ -391,3 +399,30 @@ def test_gpu_inductor_launches_the_kernels_and_matches_float64(case):
     # A second call replays the compiled graph: same answer, bit for bit.
     out2, grads2 = run()
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_dynamic_sequence_lengths():
+    # Compiled with dynamic shapes, one graph serves every sequence length:
+    # the launches are recorded with symbolic grids and lengths.
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def fn(q, k, v, mask):
+        return flashfuse.attention(q, k, v, mask)
+
+    for i, N in enumerate((200, 333)):
+        gen = torch.Generator().manual_seed(N)
+        q, k, v, go = (torch.randn(2, 4, N, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
+        mask = torch.ones(2, 1, 1, N, dtype=torch.bool, device="cuda")
+        mask[0, ..., N // 2:] = False
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = fn(q, k, v, mask)
+            grads = torch.autograd.grad(out, leaves, go)
+        leaves64 = [t.detach().double().requires_grad_(True) for t in leaves]
+        ref = reference.reference_attention(*leaves64, mask)
+        ref_grads = torch.autograd.grad(ref, leaves64, go.double())
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        for name, g, rg in zip(["dq", "dk", "dv"], grads, ref_grads):
+            assert rel_err(g, rg) < 2 * TOL[torch.bfloat16], name

@@ -8,7 +8,12 @@ by the compiler hook and never run, and Triton is given a stand-in driver
 that names a Hopper GPU, which is all the tracer asks of it (it compiles each
 kernel to Triton IR to learn which arguments the kernel writes).
 
-    python tests/trace_cuda_graph.py CASE     (CASE: causal, bool_mask, float_mask_dropout)
+    python tests/trace_cuda_graph.py CASE [dynamic]
+        (CASE: causal, bool_mask, float_mask_dropout; "dynamic": the sequence
+        length is symbolic, as Dynamo makes it after a second length)
+
+Prints {"graphs": [...], "guards": [...]}: each graph's launches (see
+``_describe``) and the guards the trace put on the symbolic length.
 """
 
 import contextlib
@@ -20,8 +25,10 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from torch._dynamo.source import ConstantSource  # noqa: E402
 from torch._functorch.aot_autograd import aot_function  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import flashfuse  # noqa: E402,F401
@@ -40,12 +47,15 @@ class _HopperDriver:
 
 
 def _describe(gm) -> dict:
-    """Each kernel launch in the graph: kernel name, the arguments it
-    writes, and which node made each of those."""
+    """Each kernel launch in the graph (kernel name, the arguments it
+    writes, and which node made each of those), the other ops, and the
+    shapes of the graph's inputs."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    launches, ops = [], []
+    launches, ops, inputs = [], [], []
     for node in gm.graph.nodes:
+        if node.op == "placeholder" and hasattr(node.meta.get("val"), "shape"):
+            inputs.append([str(size) for size in node.meta["val"].shape])
         if node.op != "call_function":
             continue
         if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
@@ -57,10 +67,10 @@ def _describe(gm) -> dict:
             launches.append({"kernel": kernel.__name__, "written_from": written})
         else:
             ops.append(str(node.target))
-    return {"launches": launches, "ops": ops}
+    return {"launches": launches, "ops": ops, "inputs": inputs}
 
 
-def main(case: str) -> None:
+def main(case: str, dynamic: bool) -> None:
     triton.runtime.driver.set_active(_HopperDriver())
     torch.cuda.device = lambda device: contextlib.nullcontext()  # no CUDA runtime here
     backward._max_shared_mem = lambda device: 227 * 1024
@@ -81,12 +91,16 @@ def main(case: str) -> None:
             grad_out, q, k, v, mask, seed, out, lse, dropout, 0.25, None, 0 if causal else None, False, False)
         return out, dq, dk, dv
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        q, k, v, grad_out = (torch.randn(2, 4, 80, 32, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    shape_env = ShapeEnv()
+    n = 80
+    if dynamic:
+        n = shape_env.create_symintnode(shape_env.create_symbol(80, ConstantSource("N")), hint=80)
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env):
+        q, k, v, grad_out = (torch.randn(2, 4, n, 32, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         if case == "bool_mask":
-            mask = torch.ones(2, 1, 1, 80, device="cuda", dtype=torch.bool)
+            mask = torch.ones(2, 1, 1, n, device="cuda", dtype=torch.bool)
         elif case == "float_mask_dropout":
-            mask = torch.randn(2, 1, 80, 80, device="cuda", dtype=torch.bfloat16)
+            mask = torch.randn(2, 1, n, n, device="cuda", dtype=torch.bfloat16)
         else:
             mask = None
         seed = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -99,8 +113,8 @@ def main(case: str) -> None:
             if not graphs:
                 raise
             print(f"not run: {str(exc).splitlines()[0]}", file=sys.stderr)
-    print(json.dumps(graphs))
+    print(json.dumps({"graphs": graphs, "guards": [str(guard.expr) for guard in shape_env.guards]}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["dynamic"])

@@ -754,7 +754,10 @@ def attention_backward(
         # memory without atomics.
         if do_grad and chunk < B:
             dmask_sum = torch.zeros((1,) + tuple(gbuf.shape[1:]), device=device, dtype=torch.float32)
-        for b0 in range(0, B, chunk):
+        # One chunk unless the dS buffer is chunked (no loop over a symbolic
+        # batch size, which would specialise a traced graph to it).
+        chunks = range(0, B, chunk) if do_grad and chunk < B else (0,)
+        for b0 in chunks:
             b1 = min(B, b0 + chunk)
 
             def rows(t, b0=b0, b1=b1):

@@ -401,7 +401,18 @@ def _interpreting(t: torch.Tensor) -> bool:
 
 def _bucket(n: int, cap: int) -> int:
     """Sequence-length bucket for an autotuning key: the next power of two,
-    capped, so tuning runs once per size class instead of once per length."""
+    capped, so tuning runs once per size class instead of once per length.
+
+    A symbolic length (a graph traced with dynamic shapes) is bucketed by its
+    example value, without a guard: the config changes speed, not results,
+    so the graph must not be specialised to one length for it.
+    """
+    if not isinstance(n, int):
+        from torch.fx.experimental import symbolic_shapes
+
+        # The guard-free hint is optimization_hint in newer PyTorch, hint_int before.
+        hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+        n = hint(n)
     return min(next_pow2(n), cap)
 
 

@@ -104,7 +104,8 @@ class ConfigLauncher:
         Nothing runs while tracing, so nothing can be timed: the config is
         the one this process already chose for the key (tuned by an earlier
         eager call, or untuned), else the tuning cache's, else the first
-        candidate, which is what ``FLASHFUSE_AUTOTUNE=0`` takes.
+        candidate (untuned eager calls take the first that fits the GPU,
+        which the candidate lists' pruning makes the first in practice).
         """
         from torch.library import wrap_triton
 

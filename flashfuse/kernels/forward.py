@@ -507,7 +507,10 @@ def attention_forward(
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
         with torch.cuda.device(q.device):
-            key = (q.dtype, mask.dtype, q.device, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP),
+            # A bool mask is keyed as the bytes eager calls pass, so that a
+            # traced launch (which passes the bool tensor) finds their choice.
+            mask_dtype = torch.uint8 if mask.dtype == torch.bool else mask.dtype
+            key = (q.dtype, mask_dtype, q.device, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP),
                    tuple(meta.items()))
             _attn_fwd_launcher(
                 key, lambda: _prune_configs(_FWD_CONFIGS, {"Q": q, "Mask": mask}, **meta),

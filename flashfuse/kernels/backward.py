@@ -751,37 +751,35 @@ def attention_backward(
 
         # When the mask broadcasts over the batch, the dS buffer is filled a
         # batch chunk at a time and summed in a fixed order, which bounds its
-        # memory without atomics.
-        if do_grad and chunk < B:
+        # memory without atomics. Otherwise one launch takes whole tensors: in
+        # a traced graph a kernel must write whole tensors, not views, and a
+        # loop over a symbolic batch size would specialise the graph to it.
+        chunked = do_grad and chunk < B
+        if chunked:
             dmask_sum = torch.zeros((1,) + tuple(gbuf.shape[1:]), device=device, dtype=torch.float32)
-        # One chunk unless the dS buffer is chunked (no loop over a symbolic
-        # batch size, which would specialise a traced graph to it).
-        chunks = range(0, B, chunk) if do_grad and chunk < B else (0,)
-        for b0 in chunks:
+        for b0 in range(0, B, chunk) if chunked else (0,):
             b1 = min(B, b0 + chunk)
 
             def rows(t, b0=b0, b1=b1):
-                # The whole tensor when one chunk covers the batch: in a traced
-                # graph a kernel must write whole tensors, not views.
-                return t if (b0, b1) == (0, B) else t[b0:b1]
+                return t[b0:b1] if chunked else t
 
             launch(
                 "dkdv_dq" if one_pass else "dkdv", lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
                 rows(q), rows(k), rows(v), rows(grad_out), rows(lse), rows(delta),
                 rows(mask_arg) if attn_mask is not None else q,
                 rows(query_ranges) if qr_strides[0] else query_ranges,
-                seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if do_grad else gbuf, rows(dq_acc) if one_pass else dq_acc,
+                seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if chunked else gbuf, rows(dq_acc) if one_pass else dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *qr_strides,
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
                 *common_scalars, b0,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
                 **flags,
             )
-            if do_grad and chunk < B:
+            if chunked:
                 dmask_sum += gbuf[: b1 - b0].sum(dim=0, keepdim=True)
                 if b1 < B:
                     gbuf.zero_()
-        if do_grad and chunk < B:
+        if chunked:
             gbuf = dmask_sum
         if one_pass:
             dq = dq_acc.to(q.dtype)  # same layout: one elementwise cast (none for float32)

@@ -324,9 +324,11 @@ def test_traced_cuda_graph_launches_the_kernels_itself(case, dynamic):
     kernels = [launch["kernel"] for launch in graph["launches"]]
     expected = {
         "causal": ["_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq"],
-        "bool_mask": ["_mask_ranges", "_attn_fwd", "_mask_ranges", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq"],
+        "bool_mask": ["_mask_key_table", "_attn_fwd", "_mask_key_table", "_mask_query_table", "_bwd_preprocess",
+                      "_bwd_dkdv", "_bwd_dq"],
         # dropout at small head dims: one backward pass, dQ by atomics
-        "float_mask_dropout": ["_mask_ranges", "_attn_fwd", "_mask_ranges", "_bwd_preprocess", "_bwd_dkdv"],
+        "float_mask_dropout": ["_mask_key_table", "_attn_fwd", "_mask_key_table", "_mask_query_table",
+                               "_bwd_preprocess", "_bwd_dkdv"],
     }
     assert kernels == expected[case]
     assert not [op for op in graph["ops"] if "flashfuse" in op], graph["ops"]

@@ -37,13 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep_block, _mask_key_span, _mask_query_span, _visible, dropout_threshold
+from .common import _dropout_keep_block, _mask_key_span, _visible, dropout_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
     max_shared_mem, next_pow2,
 )
-from .mask_ranges import GROUP as _RANGE_GROUP
-from .mask_ranges import mask_block_ranges, table_strides
+from .mask_ranges import COL_GROUP as _COL_GROUP
+from .mask_ranges import ROW_GROUP as _ROW_GROUP
+from .mask_ranges import mask_key_table, mask_query_table, table_strides
 
 __all__ = ["attention_backward"]
 
@@ -121,6 +122,100 @@ def _bwd_preprocess(
     tl.store(DELTA + (b * H + h) * N + m0 + rm, delta, mask=(m0 + rm) < N)
 
 
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, col_acc, k, v,
+    q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+    lo, hi, lo2, hi2, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
+    s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
+    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fold the query blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
+    multiples of BLOCK_M) of one query head into dK, dV (and dmask, dQ) of
+    the key block ``n0``. One loop over both ranges: a loop of its own would
+    keep its own pipeline state live and the kernel spilled.
+
+    MASK_KIND 0 with a mask present: blocks where its values are all neutral
+    (``mask_ranges``); the mask is not read, its gradient still written.
+    """
+    dtype = q_rows.dtype.element_ty
+    n1 = tl.cdiv(hi - lo, BLOCK_M)
+    for t in range(0, n1 + tl.cdiv(hi2 - lo2, BLOCK_M)):
+        start_m = tl.where(t < n1, lo + t * BLOCK_M, lo2 + (t - n1) * BLOCK_M)
+        sml = tl.cast(start_m, tl.int64)
+        offs_m = start_m + rm
+        m_ok = offs_m < N
+        q = tl.load((q_rows + sml * s_qn)[:, None] + rd[None, :] * s_qd,
+                    mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
+        do = tl.load((do_rows + sml * s_don)[:, None] + rdv[None, :] * s_dod,
+                     mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = _lse_base2(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")))
+        delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
+
+        # sT[j, i] in log2 units
+        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
+            keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
+        if MASK_KIND == 2:
+            mT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                         mask=n_ok[:, None] & m_ok[None, :], other=0.0)
+            sT = sT + mT.to(tl.float32) * 1.4426950408889634
+        pT = tl.exp2(sT - lse[None, :])
+        if MASK_KIND == 1:
+            bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                         mask=n_ok[:, None] & m_ok[None, :], other=0)
+            pT = tl.where(bT != 0, pT, 0.0)
+        # Element-wise visibility only on blocks that cross an edge of the
+        # band or of the tensor. The transposed tile is _visible with the
+        # roles of queries and keys swapped (offset negated, windows
+        # exchanged), which is the same integer test.
+        edge = (start_m + BLOCK_M > N) | (n0 + BLOCK_N > M)
+        if HAS_WR:
+            edge = edge | (n0 + BLOCK_N - 1 > start_m + DIAG_OFF + WR)
+        if HAS_WL:
+            edge = edge | (n0 < start_m + BLOCK_M - 1 + DIAG_OFF - WL)
+        if edge:
+            visT = _visible(offs_n, offs_m, M, N, -DIAG_OFF, WR, WL, HAS_WR, HAS_WL)
+            pT = tl.where(visT, pT, 0.0)
+
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if HAS_DROPOUT:
+            pdT = tl.where(keepT, pT, 0.0)  # 1 / (1 - p) applied to dV once, at the end
+            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+        else:
+            pdT = pT
+        dv += tl.dot(pdT.to(dtype).to(q.dtype), do, input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dsT_op = dsT.to(dtype).to(q.dtype)
+        dk += tl.dot(dsT_op, q, input_precision=PREC)
+        if DQ_ATOMIC:
+            # dQ rows of this query block += scale * dS K, from the same
+            # rounded dS the two-pass _bwd_dq feeds its dot. The tile is
+            # (query, d) with d contiguous in memory, so the adds coalesce;
+            # only their sum matters, hence relaxed (no fences).
+            dq_part = tl.dot(tl.trans(dsT_op), k, input_precision=PREC) * scale
+            tl.atomic_add((dq_rows + sml * s_aqn)[:, None] + rd[None, :] * s_aqd, dq_part,
+                          mask=m_ok[:, None] & (rd < D_QK)[None, :], sem="relaxed")
+
+        if MASK_GRAD:
+            if DMASK_ROWSUM:
+                col_acc += tl.sum(dsT, axis=1)
+            elif DMASK_COLSUM:
+                tl.store(g_base + offs_m.to(tl.int64) * s_gn + n0l * s_gm,
+                         tl.sum(dsT, axis=0), mask=m_ok)
+            else:
+                tl.store(g_base + sml * s_gn + n0l * s_gm
+                         + rn[:, None] * s_gm + rm[None, :] * s_gn,
+                         dsT, mask=n_ok[:, None] & m_ok[None, :])
+    return dk, dv, col_acc
+
+
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "B_OFF"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
@@ -172,7 +267,6 @@ def _bwd_dkdv(
     rdv = tl.arange(0, BLOCK_DV)
     offs_n = n0 + rn
     n_ok = offs_n < M
-    dtype = Q.dtype.element_ty
 
     # K and V tiles stay in registers for the whole program.
     n0l = n0.to(tl.int64)
@@ -193,6 +287,7 @@ def _bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
+    seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
 
@@ -216,89 +311,54 @@ def _bwd_dkdv(
         do_rows = DO + b * s_dob + hl * s_doh + rm * s_don
         lse_ptr = LSE + b * s_lb + hl * s_lh
         delta_ptr = DELTA + (b * H + hl) * N
+        mask_base = MASK
         if MASK_KIND != 0:
             mask_base = MASK + b * s_mb + hl * s_mh + n0l * s_mm
+        g_base = DMASK
         if MASK_GRAD:
             g_base = DMASK + b * s_gb + hl * s_gh
-            if DMASK_ROWSUM:
-                col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # DMASK_ROWSUM's column sums
+        dq_rows = DQacc
         if DQ_ATOMIC:
             dq_rows = DQacc + b * s_aqb + hl * s_aqh + rm * s_aqn
         bh = (b + B_OFF) * H + hl  # global batch index: the dropout stream's key
         q_lo = lo
         q_hi = hi
-        if SKIP_HIDDEN:  # query blocks the mask hides from all these keys
-            q_lo, q_hi = _mask_query_span(RANGES + b * s_rb + hl * s_rh, offs_n, N, M, lo, hi,
-                                          RANGE_GROUP, BLOCK_M)
-        for start_m in range(q_lo, q_hi, BLOCK_M):
-            sml = tl.cast(start_m, tl.int64)
-            offs_m = start_m + rm
-            m_ok = offs_m < N
-            q = tl.load((q_rows + sml * s_qn)[:, None] + rd[None, :] * s_qd,
-                        mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
-            do = tl.load((do_rows + sml * s_don)[:, None] + rdv[None, :] * s_dod,
-                         mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = _lse_base2(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")))
-            delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
-
-            # sT[j, i] in log2 units
-            sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
-                keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
-            if MASK_KIND == 2:
-                mT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
-                             mask=n_ok[:, None] & m_ok[None, :], other=0.0)
-                sT = sT + mT.to(tl.float32) * 1.4426950408889634
-            pT = tl.exp2(sT - lse[None, :])
-            if MASK_KIND == 1:
-                bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
-                             mask=n_ok[:, None] & m_ok[None, :], other=0)
-                pT = tl.where(bT != 0, pT, 0.0)
-            # Element-wise visibility only on blocks that cross an edge of the
-            # band or of the tensor. The transposed tile is _visible with the
-            # roles of queries and keys swapped (offset negated, windows
-            # exchanged), which is the same integer test.
-            edge = (start_m + BLOCK_M > N) | (n0 + BLOCK_N > M)
-            if HAS_WR:
-                edge = edge | (n0 + BLOCK_N - 1 > start_m + DIAG_OFF + WR)
-            if HAS_WL:
-                edge = edge | (n0 < start_m + BLOCK_M - 1 + DIAG_OFF - WL)
-            if edge:
-                visT = _visible(offs_n, offs_m, M, N, -DIAG_OFF, WR, WL, HAS_WR, HAS_WL)
-                pT = tl.where(visT, pT, 0.0)
-
-            dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-            if HAS_DROPOUT:
-                pdT = tl.where(keepT, pT, 0.0)  # 1 / (1 - p) applied to dV once, at the end
-                dpT = tl.where(keepT, dpT * inv_keep, 0.0)
-            else:
-                pdT = pT
-            dv += tl.dot(pdT.to(dtype).to(q.dtype), do, input_precision=PREC)
-            dsT = pT * (dpT - delta[None, :])
-            dsT_op = dsT.to(dtype).to(q.dtype)
-            dk += tl.dot(dsT_op, q, input_precision=PREC)
-            if DQ_ATOMIC:
-                # dQ rows of this query block += scale * dS K, from the same
-                # rounded dS the two-pass _bwd_dq feeds its dot. The tile is
-                # (query, d) with d contiguous in memory, so the adds coalesce;
-                # only their sum matters, hence relaxed (no fences).
-                dq_part = tl.dot(tl.trans(dsT_op), k, input_precision=PREC) * scale
-                tl.atomic_add((dq_rows + sml * s_aqn)[:, None] + rd[None, :] * s_aqd, dq_part,
-                              mask=m_ok[:, None] & (rd < D_QK)[None, :], sem="relaxed")
-
-            if MASK_GRAD:
-                if DMASK_ROWSUM:
-                    col_acc += tl.sum(dsT, axis=1)
-                elif DMASK_COLSUM:
-                    tl.store(g_base + offs_m.to(tl.int64) * s_gn + n0l * s_gm,
-                             tl.sum(dsT, axis=0), mask=m_ok)
-                else:
-                    tl.store(g_base + sml * s_gn + n0l * s_gm
-                             + rn[:, None] * s_gm + rm[None, :] * s_gn,
-                             dsT, mask=n_ok[:, None] & m_ok[None, :])
+        free_lo = hi
+        free_hi = hi
+        if SKIP_HIDDEN:
+            # The query rows where some of these keys take part, and within
+            # them the blocks where the mask is neutral for all of them, from
+            # the query table of mask_ranges (entries of four int32). Written
+            # out here, not called: torch's analysis of which tensors a kernel
+            # writes treats every argument of a call whose result reaches a
+            # store address as written, and these bounds reach dQ's atomics.
+            e = RANGES + b * s_rb + hl * s_rh + (offs_n // RANGE_GROUP) * 4
+            r_lo = tl.min(tl.load(e, mask=n_ok, other=2147483647), 0)
+            r_hi = tl.max(tl.load(e + 1, mask=n_ok, other=0), 0)
+            f_lo = tl.max(tl.load(e + 2, mask=n_ok, other=0), 0)
+            f_hi = tl.min(tl.load(e + 3, mask=n_ok, other=2147483647), 0)
+            q_lo = tl.maximum(lo + 0 * M, (r_lo // BLOCK_M) * BLOCK_M)  # + 0 * M: lo may be a Python int
+            q_hi = tl.maximum(tl.minimum(hi + 0 * M, r_hi), q_lo)
+            free_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_M) * BLOCK_M, q_lo), q_hi)
+            free_hi = tl.maximum(tl.minimum((f_hi // BLOCK_M) * BLOCK_M, q_hi), free_lo)
+        # The blocks that read the mask (before and after the neutral
+        # rows), then those that need not.
+        dk, dv, col_acc = _bwd_dkdv_inner(
+            dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+            q_lo, free_lo, free_hi, q_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
+            s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
+            N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
+            HAS_WL, HAS_WR, MASK_KIND, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
+            PREC, UPCAST, BLOCK_M, BLOCK_N)
+        if SKIP_HIDDEN:
+            dk, dv, col_acc = _bwd_dkdv_inner(
+                dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+                free_lo, free_hi, free_hi, free_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
+                s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
+                N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
+                HAS_WL, HAS_WR, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
+                PREC, UPCAST, BLOCK_M, BLOCK_N)
         if MASK_GRAD:
             if DMASK_ROWSUM:
                 if DMASK_COLSUM:
@@ -312,6 +372,62 @@ def _bwd_dkdv(
     if HAS_DROPOUT:
         dv = dv * inv_keep
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (rdv < D_V)[None, :])
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse, delta, kT_cols, vT_cols, mask_rows,
+    lo, hi, lo2, hi2, m0, offs_m, m_ok, rn, rd, rdv,
+    s_kn, s_kd, s_vn, s_vd, s_mm,
+    N, M, D_QK, D_V, qk_scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fold the key blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
+    multiples of BLOCK_N) into the dQ tile of the query block ``m0``, in one
+    loop (see ``_bwd_dkdv_inner``). MASK_KIND 0 with a mask present: blocks
+    where its values are all neutral (``mask_ranges``), computed without it."""
+    dtype = kT_cols.dtype.element_ty
+    n1 = tl.cdiv(hi - lo, BLOCK_N)
+    for t in range(0, n1 + tl.cdiv(hi2 - lo2, BLOCK_N)):
+        start_n = tl.where(t < n1, lo + t * BLOCK_N, lo2 + (t - n1) * BLOCK_N)
+        snl = tl.cast(start_n, tl.int64)
+        offs_n = start_n + rn
+        n_ok = offs_n < M
+        kT = tl.load((kT_cols + snl * s_kn)[None, :] + rd[:, None] * s_kd,
+                     mask=n_ok[None, :] & (rd < D_QK)[:, None], other=0.0)
+        vT = tl.load((vT_cols + snl * s_vn)[None, :] + rdv[:, None] * s_vd,
+                     mask=n_ok[None, :] & (rdv < D_V)[:, None], other=0.0)
+        if UPCAST:
+            kT = kT.to(tl.float32)
+            vT = vT.to(tl.float32)
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
+            keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
+        if MASK_KIND == 2:
+            mt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                         mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+            s = s + mt.to(tl.float32) * 1.4426950408889634
+        p = tl.exp2(s - lse[:, None])
+        if MASK_KIND == 1:
+            bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                         mask=m_ok[:, None] & n_ok[None, :], other=0)
+            p = tl.where(bt != 0, p, 0.0)
+        edge = (m0 + BLOCK_M > N) | (start_n + BLOCK_N > M)
+        if HAS_WR:
+            edge = edge | (start_n + BLOCK_N - 1 > m0 + DIAG_OFF + WR)
+        if HAS_WL:
+            edge = edge | (start_n < m0 + BLOCK_M - 1 + DIAG_OFF - WL)
+        if edge:
+            vis = _visible(offs_m, offs_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PREC)
+        if HAS_DROPOUT:
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(dtype).to(q.dtype), tl.trans(kT), input_precision=PREC)
+
+    return dq
 
 
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR"])
@@ -349,7 +465,6 @@ def _bwd_dq(
     rdv = tl.arange(0, BLOCK_DV)
     offs_m = m0 + rm
     m_ok = offs_m < N
-    dtype = Q.dtype.element_ty
 
     q = tl.load(Q + b * s_qb + hl * s_qh + m0l * s_qn + rm[:, None] * s_qn + rd[None, :] * s_qd,
                 mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
@@ -363,6 +478,7 @@ def _bwd_dq(
     delta = tl.load(DELTA + (b * H + hl) * N + offs_m, mask=m_ok, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
     bh = b * H + hl
@@ -381,46 +497,25 @@ def _bwd_dq(
     # inside the loop (see _bwd_dkdv).
     kT_cols = K + b * s_kb + hk * s_kh + rn * s_kn
     vT_cols = V + b * s_vb + hk * s_vh + rn * s_vn
+    mask_rows = MASK
     if MASK_KIND != 0:
         mask_rows = MASK + b * s_mb + hl * s_mh + m0l * s_mn + rm * s_mn
-        if SKIP_HIDDEN:  # key blocks the mask hides from every row of the tile
-            lo, hi = _mask_key_span(RANGES + b * s_rb + hl * s_rh, offs_m, N, lo, hi, RANGE_GROUP, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        snl = tl.cast(start_n, tl.int64)
-        offs_n = start_n + rn
-        n_ok = offs_n < M
-        kT = tl.load((kT_cols + snl * s_kn)[None, :] + rd[:, None] * s_kd,
-                     mask=n_ok[None, :] & (rd < D_QK)[:, None], other=0.0)
-        vT = tl.load((vT_cols + snl * s_vn)[None, :] + rdv[:, None] * s_vd,
-                     mask=n_ok[None, :] & (rdv < D_V)[:, None], other=0.0)
-        if UPCAST:
-            kT = kT.to(tl.float32)
-            vT = vT.to(tl.float32)
-        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
-        if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
-            keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
-        if MASK_KIND == 2:
-            mt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
-                         mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-            s = s + mt.to(tl.float32) * 1.4426950408889634
-        p = tl.exp2(s - lse[:, None])
-        if MASK_KIND == 1:
-            bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
-                         mask=m_ok[:, None] & n_ok[None, :], other=0)
-            p = tl.where(bt != 0, p, 0.0)
-        edge = (m0 + BLOCK_M > N) | (start_n + BLOCK_N > M)
-        if HAS_WR:
-            edge = edge | (start_n + BLOCK_N - 1 > m0 + DIAG_OFF + WR)
-        if HAS_WL:
-            edge = edge | (start_n < m0 + BLOCK_M - 1 + DIAG_OFF - WL)
-        if edge:
-            vis = _visible(offs_m, offs_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR)
-            p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, vT, input_precision=PREC)
-        if HAS_DROPOUT:
-            dp = tl.where(keep, dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(dtype).to(q.dtype), tl.trans(kT), input_precision=PREC)
+    free_lo = hi
+    free_hi = hi
+    if SKIP_HIDDEN:  # key blocks the mask hides from every row of the tile, and those it leaves neutral
+        lo, hi, free_lo, free_hi = _mask_key_span(RANGES + b * s_rb + hl * s_rh, offs_m, N, lo, hi,
+                                                  RANGE_GROUP, BLOCK_N)
+    # The blocks that read the mask (before and after the neutral keys),
+    # then those that need not.
+    dq = _bwd_dq_inner(
+        dq, q, do, lse, delta, kT_cols, vT_cols, mask_rows, lo, free_lo, free_hi, hi, m0, offs_m, m_ok,
+        rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, inv_keep, threshold, seed, bh,
+        DIAG_OFF, WL, WR, HAS_WL, HAS_WR, MASK_KIND, HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N)
+    if SKIP_HIDDEN:
+        dq = _bwd_dq_inner(
+            dq, q, do, lse, delta, kT_cols, vT_cols, mask_rows, free_lo, free_hi, free_hi, free_hi, m0, offs_m,
+            m_ok, rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, inv_keep, threshold, seed,
+            bh, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, 0, HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N)
 
     tl.store(DQ + b * s_dqb + hl * s_dqh + m0l * s_dqn + rm[:, None] * s_dqn + rd[None, :] * s_dqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (rd < D_QK)[None, :])
@@ -706,10 +801,15 @@ def attention_backward(
 
     skip_hidden = mask_kind != _NO_MASK and SKIP_HIDDEN_BLOCKS
     if skip_hidden:
-        key_ranges, query_ranges = mask_block_ranges(
-            mask_arg, N, M, diag_off=diag_off, window_left=wl, window_right=wr,
-            has_window_left=has_wl, has_window_right=has_wr)
-        kr_strides, qr_strides = table_strides(key_ranges), table_strides(query_ranges)
+        band = dict(diag_off=diag_off, window_left=wl, window_right=wr,
+                    has_window_left=has_wl, has_window_right=has_wr)
+        # The key table serves dQ, and the query table's pass for float masks
+        # (rows that average); one pass with a bool mask needs only the latter.
+        need_keys = not one_pass or mask_kind == _FLOAT_MASK
+        key_ranges = mask_key_table(mask_arg, N, M, **band) if need_keys else lse
+        query_ranges = mask_query_table(mask_arg, key_ranges, N, M, **band)
+        kr_strides = table_strides(key_ranges) if need_keys else (0, 0)
+        qr_strides = table_strides(query_ranges)
     else:
         key_ranges = query_ranges = lse  # never read
         kr_strides = qr_strides = (0, 0)
@@ -720,7 +820,7 @@ def attention_backward(
     lse_strides = lse.stride()
     interp = _interpreting(q)
     flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,
-                 SKIP_HIDDEN=skip_hidden, RANGE_GROUP=_RANGE_GROUP,
+                 SKIP_HIDDEN=skip_hidden,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
     if not interp:
         tune = _autotune_enabled()
@@ -773,7 +873,7 @@ def attention_backward(
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
                 *common_scalars, b0,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
-                **flags,
+                RANGE_GROUP=_COL_GROUP, **flags,
             )
             if chunked:
                 dmask_sum += gbuf[: b1 - b0].sum(dim=0, keepdim=True)
@@ -790,7 +890,7 @@ def attention_backward(
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *kr_strides,
                 *dq.stride(),
                 *common_scalars,
-                **flags,
+                RANGE_GROUP=_ROW_GROUP, **flags,
             )
 
     dmask = _reduce_dmask(gbuf, attn_mask) if do_grad else None

@@ -40,31 +40,26 @@ def _visible(
 
 
 @triton.jit
-def _mask_key_span(key_ranges, offs_m, N, lo_blk, hi_blk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Narrow the key blocks ``[lo_blk, hi_blk)`` of the rows ``offs_m`` to
-    those where some row has a score the mask lets take part, from the
-    per-group key ranges of ``mask_ranges`` (``key_ranges`` points at this
-    (batch, head)'s table). Both bounds stay multiples of BLOCK_N."""
-    g = offs_m // GROUP
-    r_lo = tl.min(tl.load(key_ranges + g * 2, mask=offs_m < N, other=2147483647), 0)
-    r_hi = tl.max(tl.load(key_ranges + g * 2 + 1, mask=offs_m < N, other=0), 0)
+def _mask_key_span(key_table, offs_m, N, lo_blk, hi_blk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key blocks of the rows ``offs_m`` from the key table of
+    ``mask_ranges`` (``key_table`` points at this (batch, head)'s entries of
+    five int32): ``[lo_blk, hi_blk)`` narrowed to the blocks where some row
+    has a score the mask lets take part, and within them ``[free_lo,
+    free_hi)``, the blocks every row sees through a neutral mask value (no
+    mask read needed). All bounds are multiples of BLOCK_N, with
+    ``lo <= free_lo <= free_hi <= hi``. (The dK/dV kernel reads the query
+    table the same way, written out in place.)"""
+    e = key_table + (offs_m // GROUP) * 5
+    real = offs_m < N
+    r_lo = tl.min(tl.load(e, mask=real, other=2147483647), 0)
+    r_hi = tl.max(tl.load(e + 1, mask=real, other=0), 0)
+    f_lo = tl.max(tl.load(e + 2, mask=real, other=0), 0)
+    f_hi = tl.min(tl.load(e + 3, mask=real, other=2147483647), 0)
     new_lo = tl.maximum(lo_blk + 0 * N, (r_lo // BLOCK_N) * BLOCK_N)  # + 0 * N: bounds may be Python ints
-    new_hi = tl.minimum(hi_blk + 0 * N, tl.cdiv(r_hi, BLOCK_N) * BLOCK_N)
-    return new_lo, tl.maximum(new_hi, new_lo)  # empty when nothing takes part
-
-
-@triton.jit
-def _mask_query_span(query_ranges, offs_n, N, M, lo, hi, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The column form of ``_mask_key_span`` for the backward's dK/dV: narrow
-    the query rows ``[lo, hi)`` (lo a multiple of BLOCK_M) of the keys
-    ``offs_n`` from the per-chunk query ranges of ``mask_ranges`` (stored as
-    ``(N - lo, hi)``)."""
-    c = offs_n // GROUP
-    r_lo = N - tl.max(tl.load(query_ranges + c * 2, mask=offs_n < M, other=0), 0)
-    r_hi = tl.max(tl.load(query_ranges + c * 2 + 1, mask=offs_n < M, other=0), 0)
-    new_lo = tl.maximum(lo + 0 * M, (r_lo // BLOCK_M) * BLOCK_M)  # + 0 * M: bounds may be Python ints
-    new_hi = tl.minimum(hi + 0 * M, r_hi)
-    return new_lo, tl.maximum(new_hi, new_lo)
+    new_hi = tl.maximum(tl.minimum(hi_blk + 0 * N, tl.cdiv(r_hi, BLOCK_N) * BLOCK_N), new_lo)  # empty: lo == hi
+    free_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_N) * BLOCK_N, new_lo), new_hi)
+    free_hi = tl.maximum(tl.minimum((tl.maximum(f_hi, 0) // BLOCK_N) * BLOCK_N, new_hi), free_lo)
+    return new_lo, new_hi, free_lo, free_hi
 
 
 # Dropout draws 16 random bits per element: one Philox4x32-10 call (128

@@ -11,7 +11,9 @@ The key range of a query block is split in three phases: key blocks that
 straddle the start of the visible band, key blocks that every (real) query of
 the block sees entirely, and key blocks that straddle its end or the sequence
 end. Only the first and last pay for the element-wise visibility and bounds
-masks; blocks outside the band are never visited.
+masks; blocks outside the band are never visited. With a mask, the middle
+phase is split again at the blocks where the mask's values are all neutral
+for the tile's rows (``mask_ranges``): those run as if there were no mask.
 
 See ARCHITECTURE.md for the conventions (shapes, masks, visibility, dropout,
 lse, output layout).
@@ -31,8 +33,8 @@ from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
     next_pow2,
 )
-from .mask_ranges import GROUP as _RANGE_GROUP
-from .mask_ranges import mask_block_ranges, table_strides
+from .mask_ranges import ROW_GROUP as _RANGE_GROUP
+from .mask_ranges import mask_key_table, table_strides
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -194,7 +196,7 @@ def _attn_fwd_inner(
 
 @triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _attn_fwd(
-    Q, K, V, Mask, KeyRanges, Seed, Out, Lse,
+    Q, K, V, Mask, KeyTable, Seed, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -270,13 +272,22 @@ def _attn_fwd(
     lo_blk = (lo // BLOCK_N) * BLOCK_N
     # Empty band (e.g. bottom-right alignment with N > M): no iteration.
     hi_blk = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo_blk)
-    if SKIP_HIDDEN:  # key blocks the mask hides from every row of the tile
-        lo_blk, hi_blk = _mask_key_span(KeyRanges + b64 * stride_rb + h.to(tl.int64) * stride_rh, offs_m, N,
-                                        lo_blk, hi_blk, RANGE_GROUP, BLOCK_N)
+    if SKIP_HIDDEN:
+        # Skip the key blocks the mask hides from every row of the tile; find
+        # those it leaves neutral for all of them.
+        lo_blk, hi_blk, free_lo, free_hi = _mask_key_span(
+            KeyTable + b64 * stride_rb + h.to(tl.int64) * stride_rh, offs_m, N, lo_blk, hi_blk,
+            RANGE_GROUP, BLOCK_N)
     full_lo_blk = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
     full_hi_blk = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
     mid_lo = tl.minimum(tl.maximum(full_lo_blk, lo_blk), hi_blk)
     mid_hi = tl.maximum(tl.minimum(full_hi_blk, hi_blk), mid_lo)
+    if SKIP_HIDDEN:  # the phase-2 blocks computed without the mask
+        free_lo = tl.minimum(tl.maximum(free_lo, mid_lo), mid_hi)
+        free_hi = tl.maximum(tl.minimum(free_hi, mid_hi), free_lo)
+    else:
+        free_lo = mid_hi
+        free_hi = mid_hi
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -290,14 +301,30 @@ def _attn_fwd(
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
-    # Phase 2: blocks fully visible to every real row.
+    # Phase 2: blocks fully visible to every real row; with a mask, those
+    # before, in and after the part where its values are all neutral.
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, mid_hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, free_lo,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
+    if SKIP_HIDDEN:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, mask_base, free_lo, free_hi,
+            offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
+            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, 0, DROPOUT,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, mask_base, free_hi, mid_hi,
+            offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
+            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
     # Phase 3: blocks that straddle the band's end or the last key.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
@@ -482,12 +509,12 @@ def attention_forward(
                 has_window_right=window_right is not None)
     skip_hidden = mask_kind != _MASK_NONE and SKIP_HIDDEN_BLOCKS
     if skip_hidden:
-        key_ranges, _ = mask_block_ranges(mask, N, M, **band)
-        range_strides = table_strides(key_ranges)
+        key_table = mask_key_table(mask, N, M, **band)
+        range_strides = table_strides(key_table)
     else:
-        key_ranges, range_strides = lse, (0, 0)  # never read
+        key_table, range_strides = lse, (0, 0)  # never read
     args = (
-        q, k, v, mask, key_ranges, seed_arg, out, lse,
+        q, k, v, mask, key_table, seed_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *range_strides, *out.stride(),
         Hq, Hkv, N, M,
         float(scale) * _LOG2E, band["diag_off"], band["window_left"], band["window_right"],

@@ -1,17 +1,27 @@
-"""Which blocks of a mask hide everything: the key range of each group of
-query rows and the query range of each group of keys, computed by one pass
-over the mask in each forward and each backward call, so the attention
-kernels can skip those blocks.
+"""What a mask does to each block: which keys a group of query rows can skip
+(the mask hides them) and which it can compute without reading the mask (the
+mask adds nothing there), and the same per group of keys over the queries.
 
-Padding masks, block-sparse masks and causal masks given as tensors (a model
-compiled block by block passes its causal mask in as an input, so the graph
-pass cannot know it is causal) hide whole blocks. Reading a small table of
-ranges costs the attention kernels next to nothing; scanning the mask inside
-them (once per query head and kernel) measured slower than not skipping.
+Two small passes over the mask build the tables the attention kernels read:
 
-Ranges are in units of ``GROUP`` rows and keys, which divides every kernel
-tile, and are exact: a skipped block holds only probabilities that are 0.
-See ``_mask_ranges`` for the rule.
+* the key table, one entry per ``ROW_GROUP`` query rows (forward and dQ):
+  ``[lo, hi)``, the keys some row of the group lets take part, and
+  ``[free_lo, free_hi)``, keys that every row of the group sees through a
+  neutral mask value (float 0, bool True): there the kernels skip the mask's
+  loads and arithmetic altogether, the way causal kernels skip the masking of
+  blocks below the diagonal;
+* the query table, one entry per ``COL_GROUP`` keys (dK/dV): the same two
+  ranges over query rows.
+
+Padding masks, block-sparse masks and causal masks given as tensors (models
+compiled block by block, and Hugging Face models even when compiled whole,
+pass their masks in as data) hide whole blocks and leave the rest neutral.
+Scanning the mask inside the attention kernels measured slower than not
+skipping; a table costs them a few integer loads.
+
+Both tables are exact: a skipped block holds only probabilities that are 0,
+and a block computed without its mask holds only neutral values. Rules in
+``_mask_key_table`` and ``_mask_query_table``.
 """
 
 from __future__ import annotations
@@ -21,14 +31,23 @@ import triton
 import triton.language as tl
 
 from .common import _visible
-from .launch import ConfigLauncher, _interpreting, _traced, cdiv
+from .launch import ConfigLauncher, _interpreting, cdiv
 
-__all__ = ["GROUP", "mask_block_ranges", "mask_hidden_at", "table_strides"]
+__all__ = ["COL_GROUP", "ROW_GROUP", "mask_hidden_at", "mask_key_table", "mask_query_table", "table_strides"]
 
-# Rows and keys per table entry: a divisor of every BLOCK_M and BLOCK_N.
-GROUP = 16
-# Keys per step of the pass (a multiple of GROUP).
-_STEP = 128
+# Query rows per key-table entry: a divisor of every forward and dQ BLOCK_M.
+ROW_GROUP = 16
+# Keys per query-table entry: a divisor of every dK/dV BLOCK_N (>= 32, so a
+# bf16 mask row segment fills a 64-byte transaction).
+COL_GROUP = 32
+# Entry widths: (lo, hi, free_lo, free_hi[, averages]).
+KEY_ENTRY = 5
+QUERY_ENTRY = 4
+# Keys (row pass) and rows (column pass) per loop step, with 4 warps: the
+# fastest of the candidates measured on an H200 at GPT-2, LLaMA-style and
+# BERT-style masks (bench/results/mask_table_times.csv).
+_ROW_STEP = 256
+_COL_STEP = 128
 
 
 @triton.jit
@@ -45,19 +64,20 @@ def _mask_takes_part(mv, MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr):
 
 
 @triton.jit
-def _widen(q_base, chunk, ok, lo_code, hi):
-    """Widen the query ranges of the chunks where ``ok`` to include rows
-    ``[N - lo_code, hi)`` (stored as (N - lo, hi), see _mask_ranges)."""
-    zero = tl.zeros(chunk.shape, tl.int32)
-    tl.atomic_max(q_base + chunk * 2, zero + lo_code, mask=ok, sem="relaxed")
-    tl.atomic_max(q_base + chunk * 2 + 1, zero + hi, mask=ok, sem="relaxed")
+def _mask_neutral(mv, MASK_KIND: tl.constexpr):
+    """Element-wise: the mask leaves this score exactly as it is (bool True,
+    float +-0), so a kernel may skip reading it."""
+    if MASK_KIND == 1:
+        neutral = mv != 0
+    else:
+        neutral = mv.to(tl.float32) == 0.0
+    return neutral
 
 
 @triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
-def _mask_ranges(
-    Mask, KeyRange, QueryRange,
-    s_mb, s_mh, s_mn, s_mm,
-    s_kb, s_kh, s_qb, s_qh,
+def _mask_key_table(
+    Mask, Table,
+    s_mb, s_mh, s_mn, s_mm, s_tb, s_th,
     N, M, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr,
@@ -68,12 +88,15 @@ def _mask_ranges(
     A score takes part when the mask lets it (``_mask_takes_part``) and it is
     in the band (``_visible``). A float-masked row none of whose band scores
     takes part, but some of which are finite (hidden by values like -3.4e38),
-    averages all its band keys, so all of them take part. Writes the group's
-    key range ``[lo, hi)`` into ``KeyRange[b, h, group]`` (empty: lo >= hi),
-    and widens the query range of each chunk of GROUP keys where the group
-    has a score that takes part to include the group's rows, with atomic max
-    (order-independent). ``QueryRange[b, h, chunk]`` holds ``(N - lo, hi)``,
-    so that zeros, its initial value, are the empty range.
+    averages all its band keys, so all of them take part ("averages").
+
+    Per row: ``first`` / ``last``, its first and last key taking part, and
+    ``z``, its first band key at or after ``first`` whose mask value is not
+    neutral; its keys ``[first, z)`` are neutral or outside the band. Writes
+    ``Table[b, h, group] = (lo, hi, free_lo, free_hi, averages)``: the union
+    ``[min first, max last + 1)`` over the group's real rows (empty: lo >=
+    hi), the intersection ``[max first, min z)`` (empty when some row has no
+    key taking part), and whether some row averages.
     """
     g = tl.program_id(0)
     h = tl.program_id(1)
@@ -81,11 +104,10 @@ def _mask_ranges(
     offs_m = g * GROUP + tl.arange(0, GROUP)
     real = offs_m < N
     rows = Mask + b.to(tl.int64) * s_mb + h.to(tl.int64) * s_mh + offs_m.to(tl.int64)[:, None] * s_mn
-    q_base = QueryRange + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh
     FLOAT: tl.constexpr = MASK_KIND == 2
-    CHUNKS: tl.constexpr = STEP // GROUP
-    first = tl.full([GROUP], 0, tl.int32) + M  # per row: first / last key taking part
+    first = tl.full([GROUP], 0, tl.int32) + M
     last = tl.full([GROUP], -1, tl.int32)
+    z = tl.full([GROUP], 0, tl.int32) + M
     band_first = tl.full([GROUP], 0, tl.int32) + M  # per row: first / last band key
     band_last = tl.full([GROUP], -1, tl.int32)
     finite = tl.zeros([GROUP], tl.int32)
@@ -97,35 +119,76 @@ def _mask_ranges(
         part = _mask_takes_part(mv, MASK_KIND, HIDDEN_AT) & vis
         first = tl.minimum(first, tl.min(tl.where(part, offs_n[None, :], M), 1))
         last = tl.maximum(last, tl.max(tl.where(part, offs_n[None, :], -1), 1))
+        # Keys are visited in order, so ``first`` is final once it is < M.
+        cut = vis & (~_mask_neutral(mv, MASK_KIND)) & (offs_n[None, :] >= first[:, None])
+        z = tl.minimum(z, tl.min(tl.where(cut, offs_n[None, :], M), 1))
         if FLOAT:
             band_first = tl.minimum(band_first, tl.min(tl.where(vis, offs_n[None, :], M), 1))
             band_last = tl.maximum(band_last, tl.max(tl.where(vis, offs_n[None, :], -1), 1))
             finite = tl.maximum(finite, tl.max((vis & (mv.to(tl.float32) > float("-inf"))).to(tl.int32), 1))
-        # Chunks of GROUP keys where some row of the group takes part.
-        hit = tl.max(tl.max(tl.reshape(part.to(tl.int32), (GROUP, CHUNKS, GROUP)), 2), 0)
-        chunk = start // GROUP + tl.arange(0, CHUNKS)
-        ok = (hit > 0) & (chunk * GROUP < M)
-        _widen(q_base, chunk, ok, N - g * GROUP, g * GROUP + GROUP)
+    averages = tl.zeros([GROUP], tl.int32)
     if FLOAT:
-        needs_all = real & (last < 0) & (finite > 0)
-        first = tl.where(needs_all, band_first, first)
-        last = tl.where(needs_all, band_last, last)
-        if tl.max(needs_all.to(tl.int32), 0) > 0:
-            # Those rows' band keys take part too: widen their chunks.
-            for start in range(0, M, STEP):
-                offs_n = start + tl.arange(0, STEP)
-                vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
-                               HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-                part = vis & needs_all[:, None]
-                hit = tl.max(tl.max(tl.reshape(part.to(tl.int32), (GROUP, CHUNKS, GROUP)), 2), 0)
-                chunk = start // GROUP + tl.arange(0, CHUNKS)
-                ok = (hit > 0) & (chunk * GROUP < M)
-                _widen(q_base, chunk, ok, N - g * GROUP, g * GROUP + GROUP)
-    lo = tl.min(tl.where(real, first, M), 0)
-    hi = tl.max(tl.where(real, last + 1, 0), 0)
-    k_ptr = KeyRange + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh + g * 2
-    tl.store(k_ptr, lo)
-    tl.store(k_ptr + 1, hi)
+        averages = (real & (last < 0) & (finite > 0)).to(tl.int32)
+        first = tl.where(averages > 0, band_first, first)
+        last = tl.where(averages > 0, band_last, last)
+        z = tl.where(averages > 0, band_first, z)  # none of its band values is neutral
+    t = Table + b.to(tl.int64) * s_tb + h.to(tl.int64) * s_th + g * 5
+    tl.store(t, tl.min(tl.where(real, first, M), 0))
+    tl.store(t + 1, tl.max(tl.where(real, last + 1, 0), 0))
+    tl.store(t + 2, tl.max(tl.where(real, first, 0), 0))
+    tl.store(t + 3, tl.min(tl.where(real, z, M), 0))
+    tl.store(t + 4, tl.max(averages, 0))
+
+
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
+def _mask_query_table(
+    Mask, KeyTable, Table,
+    s_mb, s_mh, s_mn, s_mm, s_kb, s_kh, s_tb, s_th,
+    N, M, diag_off, window_left, window_right,
+    HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr,
+    GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, STEP: tl.constexpr,
+):
+    """Grid (cdiv(M, GROUP), mask heads, mask batches): one group of keys.
+
+    The column form of ``_mask_key_table``: per key, ``first`` / ``last``
+    query rows taking part and ``z``, the first band row at or after
+    ``first`` whose mask value is not neutral. Rows of a key-table group that
+    averages take part wherever they are in the band (a superset of the rows
+    that average: exact, since computing a block is always exact). Writes
+    ``Table[b, h, group] = (lo, hi, free_lo, free_hi)`` over query rows,
+    reduced over the group's real keys.
+    """
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_n = c * GROUP + tl.arange(0, GROUP)
+    real = offs_n < M
+    cols = Mask + b.to(tl.int64) * s_mb + h.to(tl.int64) * s_mh + offs_n.to(tl.int64)[None, :] * s_mm
+    kt = KeyTable + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh
+    first = tl.full([GROUP], 0, tl.int32) + N
+    last = tl.full([GROUP], -1, tl.int32)
+    z = tl.full([GROUP], 0, tl.int32) + N
+    for start in range(0, N, STEP):
+        offs_m = start + tl.arange(0, STEP)
+        row_ok = offs_m < N
+        vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                       HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+        mv = tl.load(cols + offs_m.to(tl.int64)[:, None] * s_mn, mask=row_ok[:, None] & real[None, :], other=0)
+        part = _mask_takes_part(mv, MASK_KIND, HIDDEN_AT)
+        if MASK_KIND == 2:
+            averages = tl.load(kt + (offs_m // ROW_GROUP) * 5 + 4, mask=row_ok, other=0)
+            part = part | (averages > 0)[:, None]
+        part = part & vis
+        first = tl.minimum(first, tl.min(tl.where(part, offs_m[:, None], N), 0))
+        last = tl.maximum(last, tl.max(tl.where(part, offs_m[:, None], -1), 0))
+        cut = vis & (~_mask_neutral(mv, MASK_KIND)) & (offs_m[:, None] >= first[None, :])
+        z = tl.minimum(z, tl.min(tl.where(cut, offs_m[:, None], N), 0))
+    t = Table + b.to(tl.int64) * s_tb + h.to(tl.int64) * s_th + c * 4
+    tl.store(t, tl.min(tl.where(real, first, N), 0))
+    tl.store(t + 1, tl.max(tl.where(real, last + 1, 0), 0))
+    tl.store(t + 2, tl.max(tl.where(real, first, 0), 0))
+    tl.store(t + 3, tl.min(tl.where(real, z, N), 0))
 
 
 def mask_hidden_at(mask_is_fp16: bool) -> float:
@@ -139,12 +202,24 @@ def mask_hidden_at(mask_is_fp16: bool) -> float:
     return -65504.0 if mask_is_fp16 else -1.0e38
 
 
-def mask_block_ranges(
+def _table_shape(mask: torch.Tensor) -> tuple[int, int]:
+    """(Bm, Hm): 1 over a dimension the mask broadcasts (stride 0)."""
+    B, H = mask.shape[0], mask.shape[1]
+    s_mb, s_mh = mask.stride()[:2]
+    return (1 if s_mb == 0 else B), (1 if s_mh == 0 else H)
+
+
+def _meta(mask: torch.Tensor, has_window_left: bool, has_window_right: bool) -> dict:
+    return dict(HAS_WINDOW_LEFT=has_window_left, HAS_WINDOW_RIGHT=has_window_right,
+                MASK_KIND=1 if mask.dtype in (torch.uint8, torch.bool) else 2,
+                HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16))
+
+
+def mask_key_table(
     mask: torch.Tensor, N: int, M: int, *, diag_off: int, window_left: int, window_right: int,
     has_window_left: bool, has_window_right: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key range per group of GROUP query rows and query range per chunk of
-    GROUP keys, of an attention mask.
+) -> torch.Tensor:
+    """Key ranges of each group of ``ROW_GROUP`` query rows of a mask.
 
     Args:
         mask: the mask expanded to (B, Hq, N, M): bool (as
@@ -155,49 +230,65 @@ def mask_block_ranges(
         has_window_right: the band, as the attention kernels take it.
 
     Returns:
-        ``(key_ranges, query_ranges)``: int32 tensors (Bm, Hm, cdiv(N, GROUP),
-        2) holding key ranges ``[lo, hi)`` (empty: lo >= hi), and (Bm, Hm,
-        cdiv(M, GROUP), 2) holding query ranges as ``(N - lo, hi)``, where Bm
-        and Hm are 1 over a broadcast batch / head dimension and B / Hq
-        otherwise. Index them with stride 0 over broadcast dimensions.
+        int32 (Bm, Hm, cdiv(N, ROW_GROUP), 5): ``(lo, hi, free_lo, free_hi,
+        averages)`` per group (see ``_mask_key_table``), where Bm and Hm are
+        1 over a broadcast batch / head dimension and B / Hq otherwise. Index
+        it with ``table_strides``.
     """
-    B, H = mask.shape[0], mask.shape[1]
-    s_mb, s_mh, s_mn, s_mm = mask.stride()
-    Bm = 1 if s_mb == 0 else B
-    Hm = 1 if s_mh == 0 else H
-    groups, chunks = cdiv(N, GROUP), cdiv(M, GROUP)
-    # Zeros are the empty query range.
-    if _traced((mask,)):
-        # In a traced graph, a kernel must write whole tensors, not views.
-        key_ranges = torch.zeros(Bm, Hm, groups, 2, dtype=torch.int32, device=mask.device)
-        query_ranges = torch.zeros(Bm, Hm, chunks, 2, dtype=torch.int32, device=mask.device)
-    else:
-        # One zeroed buffer for both tables: one allocation and one fill, as
-        # host time counts at small shapes.
-        buf = torch.zeros(Bm * Hm * 2 * (groups + chunks), dtype=torch.int32, device=mask.device)
-        key_ranges = buf[: Bm * Hm * groups * 2].view(Bm, Hm, groups, 2)
-        query_ranges = buf[Bm * Hm * groups * 2:].view(Bm, Hm, chunks, 2)
-    args = (mask, key_ranges, query_ranges, s_mb, s_mh, s_mn, s_mm,
-            *key_ranges.stride()[:2], *query_ranges.stride()[:2],
-            N, M, diag_off, window_left, window_right)
-    meta = dict(HAS_WINDOW_LEFT=has_window_left, HAS_WINDOW_RIGHT=has_window_right,
-                MASK_KIND=1 if mask.dtype in (torch.uint8, torch.bool) else 2,
-                HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16), GROUP=GROUP)
+    Bm, Hm = _table_shape(mask)
+    groups = cdiv(N, ROW_GROUP)
+    # Every entry is written: no fill. A tensor of its own (see launch._traced).
+    table = torch.empty(Bm, Hm, groups, KEY_ENTRY, dtype=torch.int32, device=mask.device)
+    args = (mask, table, *mask.stride(), *table.stride()[:2], N, M, diag_off, window_left, window_right)
+    meta = dict(_meta(mask, has_window_left, has_window_right), GROUP=ROW_GROUP)
+    grid = (groups, Hm, Bm)
     if _interpreting(mask):
-        _mask_ranges[(groups, Hm, Bm)](*args, **meta, STEP=_STEP)
+        _mask_key_table[grid](*args, **meta, STEP=_ROW_STEP)
     else:
         with torch.cuda.device(mask.device):  # the mask's device, whatever the current one
-            _launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_CONFIG],
-                      lambda m: (groups, Hm, Bm), *args, **meta)
-    return key_ranges, query_ranges
+            _key_launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_KEY_CONFIG],
+                          lambda m: grid, *args, **meta)
+    return table
+
+
+def mask_query_table(
+    mask: torch.Tensor, key_table: torch.Tensor, N: int, M: int, *, diag_off: int, window_left: int,
+    window_right: int, has_window_left: bool, has_window_right: bool,
+) -> torch.Tensor:
+    """Query ranges of each group of ``COL_GROUP`` keys of a mask.
+
+    Args: as ``mask_key_table``, plus ``key_table``, its result for the same
+    mask and band (read for float masks: rows that average take part).
+
+    Returns:
+        int32 (Bm, Hm, cdiv(M, COL_GROUP), 4): ``(lo, hi, free_lo,
+        free_hi)`` over query rows per group of keys (see
+        ``_mask_query_table``).
+    """
+    Bm, Hm = _table_shape(mask)
+    groups = cdiv(M, COL_GROUP)
+    table = torch.empty(Bm, Hm, groups, QUERY_ENTRY, dtype=torch.int32, device=mask.device)
+    args = (mask, key_table, table, *mask.stride(), *table_strides(key_table), *table.stride()[:2],
+            N, M, diag_off, window_left, window_right)
+    meta = dict(_meta(mask, has_window_left, has_window_right), GROUP=COL_GROUP, ROW_GROUP=ROW_GROUP)
+    grid = (groups, Hm, Bm)
+    if _interpreting(mask):
+        _mask_query_table[grid](*args, **meta, STEP=_COL_STEP)
+    else:
+        with torch.cuda.device(mask.device):
+            _query_launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_QUERY_CONFIG],
+                            lambda m: grid, *args, **meta)
+    return table
 
 
 def table_strides(table: torch.Tensor) -> tuple[int, int]:
-    """Batch and head strides of a range table for the kernels: 0 over a
-    dimension the mask broadcasts (size 1), so every (batch, head) finds its
-    entry with the same indexing."""
+    """Batch and head strides of a table for the kernels: 0 over a dimension
+    the mask broadcasts (size 1), so every (batch, head) finds its entry with
+    the same indexing."""
     return tuple(st if n > 1 else 0 for st, n in zip(table.stride()[:2], table.shape[:2]))
 
 
-_CONFIG = triton.Config({"STEP": _STEP}, num_warps=4, num_stages=2)
-_launcher = ConfigLauncher(_mask_ranges)
+_KEY_CONFIG = triton.Config({"STEP": _ROW_STEP}, num_warps=4, num_stages=2)
+_QUERY_CONFIG = triton.Config({"STEP": _COL_STEP}, num_warps=4, num_stages=2)
+_key_launcher = ConfigLauncher(_mask_key_table)
+_query_launcher = ConfigLauncher(_mask_query_table)

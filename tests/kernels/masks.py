@@ -15,10 +15,20 @@ HIDDEN = {
 }
 
 
-def hiding_mask(hidden: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
-    """A mask of ``kind`` (a HIDDEN key) that hides where ``hidden`` is True;
-    visible float entries are a random bias drawn from ``gen``, not zeros."""
+def hiding_mask(hidden: torch.Tensor, kind: str, gen: torch.Generator, values: str = "bias") -> torch.Tensor:
+    """A mask of ``kind`` (a HIDDEN key) that hides where ``hidden`` is True.
+
+    Visible float entries are a random bias drawn from ``gen`` ("bias"), or
+    zeros, as models build masks, with a random 0.3 % of biases among them
+    ("zeros": the kernels skip reading the mask where a block is all zeros,
+    so those blocks are computed without it).
+    """
     dtype, value = HIDDEN[kind]
     if dtype == torch.bool:
         return ~hidden
-    return torch.randn(hidden.shape, generator=gen).to(dtype).masked_fill(hidden, value)
+    bias = torch.randn(hidden.shape, generator=gen)
+    if values == "zeros":
+        bias = bias * (torch.rand(hidden.shape, generator=gen) < 0.003)
+    elif values != "bias":
+        raise ValueError(f"values must be 'bias' or 'zeros', got {values!r}")
+    return bias.to(dtype).masked_fill(hidden, value)

@@ -270,8 +270,8 @@ def test_masks(shape, kind, dtype):
     run_case(B=2, Hq=1, N=17, M=33, D=16, dtype=dtype, mask_shape=shape, mask_kind=kind)
 
 
-def _hiding_mask(hidden, kind):
-    return hiding_mask(hidden, kind, torch.Generator().manual_seed(1))
+def _hiding_mask(hidden, kind, values="bias"):
+    return hiding_mask(hidden, kind, torch.Generator().manual_seed(1), values)
 
 
 def _structured_hidden(pattern, N, M):
@@ -290,24 +290,29 @@ def _structured_hidden(pattern, N, M):
 
 
 @pytest.mark.parametrize(
-    "pattern, kind",
+    "pattern, kind, values",
     [
-        ("causal", "bool"),
-        ("causal", "float32-min"),
-        ("causal", "bfloat16-min"),
-        ("band", "float16-min"),
-        ("band", "float32-inf"),
-        ("causal+hidden-rows", "float32-min"),
-        ("causal+hidden-rows", "float32-inf"),
+        ("causal", "bool", "bias"),
+        ("causal", "float32-min", "bias"),
+        ("causal", "bfloat16-min", "bias"),
+        ("band", "float16-min", "bias"),
+        ("band", "float32-inf", "bias"),
+        ("causal+hidden-rows", "float32-min", "bias"),
+        ("causal+hidden-rows", "float32-inf", "bias"),
+        # Visible values mostly zero: the blocks where they all are run
+        # without reading the mask.
+        ("causal", "bfloat16-min", "zeros"),
+        ("band", "float32-inf", "zeros"),
+        ("causal+hidden-rows", "float32-min", "zeros"),
     ],
 )
 @pytest.mark.usefixtures("bwd_mode")
-def test_masks_hiding_whole_blocks(pattern, kind):
+def test_masks_hiding_whole_blocks(pattern, kind, values):
     # Masks that hide whole blocks (a causal mask passed as a tensor, a band):
     # the dK/dV and dQ kernels skip those blocks; gradients stay exact. Rows
     # hidden by a finite value average all keys, so their blocks are kept.
     N, M = 50, 96
-    mask = _hiding_mask(_structured_hidden(pattern, N, M), kind)
+    mask = _hiding_mask(_structured_hidden(pattern, N, M), kind, values)
     # Rows hidden by a finite value get no gradient (a documented limitation;
     # padding queries get none from a loss either), so give them none.
     zero_rows = (3, 37) if pattern == "causal+hidden-rows" else ()
@@ -343,12 +348,14 @@ def test_mask_hidden_key_blocks_are_skipped(kind):
     _check("dv", dv[:, :, :128], v64.grad, torch.float32)
 
 
+@pytest.mark.parametrize("values", ["bias", "zeros"])
 @pytest.mark.usefixtures("bwd_mode")
-def test_mask_grad_with_hidden_blocks():
+def test_mask_grad_with_hidden_blocks(values):
     # A learned float mask with whole hidden blocks: skipped blocks get a
-    # gradient of exactly 0, as the reference's.
+    # gradient of exactly 0, as the reference's; blocks computed without
+    # reading the mask (all its values zero) still get their gradient.
     N, M = 50, 96
-    mask = _hiding_mask(_structured_hidden("band", N, M), "float32-min")
+    mask = _hiding_mask(_structured_hidden("band", N, M), "float32-min", values)
     run_case(B=1, Hq=2, N=N, M=M, D=16, dtype=torch.float32, mask_tensor=mask, mask_grad=True)
 
 

@@ -286,8 +286,8 @@ def test_finfo_min_mask():
     assert (lse[:, :, 5] < -1e37).all()
 
 
-def _hiding_mask(hidden, kind):
-    return hiding_mask(hidden, kind, torch.Generator().manual_seed(0))
+def _hiding_mask(hidden, kind, values="bias"):
+    return hiding_mask(hidden, kind, torch.Generator().manual_seed(0), values)
 
 
 @pytest.mark.parametrize("kind", list(HIDDEN))
@@ -320,16 +320,18 @@ def test_key_padding_skips_blocks(row_broadcast, kind):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", list(HIDDEN))
+@pytest.mark.parametrize("kind, values", [(k, "bias") for k in HIDDEN] + [("float32-min", "zeros"),
+                                                                           ("bfloat16-min", "zeros")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_causal_mask_tensor(kind, dtype):
+def test_causal_mask_tensor(kind, values, dtype):
     # A causal mask given as a tensor (what a model compiled block by block
     # passes in) gives the causal result; the blocks above the diagonal are
-    # skipped (mask_ranges). Sizes leave partial tiles at both ends.
+    # skipped, and with zeros below it, most blocks there run without
+    # reading the mask (mask_ranges). Sizes leave partial tiles at both ends.
     N = M = 83
     q, k, v = _inputs(2, 2, 2, N, M, 24, 24, dtype)
     hidden = torch.ones(N, M, dtype=torch.bool).triu(1)
-    mask = _hiding_mask(hidden, kind).to(DEVICE)
+    mask = _hiding_mask(hidden, kind, values).to(DEVICE)
     _check(q, k, v, mask)
     if kind == "bool":
         out, lse = _run(q, k, v, mask)

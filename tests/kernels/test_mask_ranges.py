@@ -1,5 +1,5 @@
-"""Tests of the mask block-range table (``flashfuse.kernels.mask_ranges``)
-against a brute-force computation of the same rule in PyTorch."""
+"""Tests of the mask tables (``flashfuse.kernels.mask_ranges``) against a
+brute-force computation of the same rules in PyTorch."""
 
 from __future__ import annotations
 
@@ -7,76 +7,123 @@ import pytest
 import torch
 
 from flashfuse import reference as ref
-from flashfuse.kernels.mask_ranges import GROUP, mask_block_ranges, mask_hidden_at
+from flashfuse.kernels.mask_ranges import COL_GROUP, ROW_GROUP, mask_hidden_at, mask_key_table, mask_query_table
 
 from .masks import hiding_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _first_at_or_after(flags: torch.Tensor, start: torch.Tensor, none: int) -> torch.Tensor:
+    """Per row of ``flags`` (..., L): the first index >= start where it is
+    True, else ``none``."""
+    idx = torch.arange(flags.shape[-1])
+    hit = flags & (idx >= start[..., None])
+    return torch.where(hit.any(-1), torch.where(hit, idx, flags.shape[-1]).amin(-1), torch.tensor(none))
+
+
 def _expected(mask, N, M, band):
-    """Key range per group of rows and (N - lo, hi) query range per chunk of
-    keys, by the rule mask_ranges documents, over the mask's own (B, H)."""
+    """The key table (lo, hi, free_lo, free_hi, averages) per group of rows
+    and the query table (lo, hi, free_lo, free_hi) per group of keys, by the
+    rules mask_ranges documents, over the mask's own (B, H)."""
     vis = ref.visibility_mask(N, M, **band)
     vis = torch.ones(N, M, dtype=torch.bool) if vis is None else vis.cpu()
     m = mask.cpu()
     if m.dtype == torch.bool:
         part = m & vis
-        needs_all = torch.zeros(m.shape[:3], dtype=torch.bool)
+        neutral = m
+        averages = torch.zeros(m.shape[:3], dtype=torch.bool)
     else:
         x = m.float()
         part = ((x > mask_hidden_at(m.dtype == torch.float16)) | x.isnan()) & vis
+        neutral = x == 0
         finite = ((x > float("-inf")) & vis).any(-1)
-        needs_all = ~part.any(-1) & finite
-    part = part | (needs_all[..., None] & vis)
+        averages = ~part.any(-1) & finite
+    part = part | (averages[..., None] & vis)
+    cut = vis & ~neutral
+    idx_n = torch.arange(M)
+    first = torch.where(part.any(-1), torch.where(part, idx_n, M).amin(-1), torch.tensor(M))
+    last = torch.where(part.any(-1), torch.where(part, idx_n, -1).amax(-1), torch.tensor(-1))
+    z = _first_at_or_after(cut, first, M)
     B, H = m.shape[:2]
-    groups, chunks = -(-N // GROUP), -(-M // GROUP)
-    keys = torch.zeros(B, H, groups, 2, dtype=torch.int32)
-    queries = torch.zeros(B, H, chunks, 2, dtype=torch.int32)
-    for b in range(B):
-        for h in range(H):
-            for g in range(groups):
-                cols = part[b, h, g * GROUP:(g + 1) * GROUP].any(0).nonzero().flatten()
-                keys[b, h, g] = torch.tensor([cols.min(), cols.max() + 1] if len(cols) else [M, 0])
-            for c in range(chunks):
-                rows = part[b, h, :, c * GROUP:(c + 1) * GROUP].any(1).nonzero().flatten()
-                if len(rows):
-                    lo, hi = (rows.min() // GROUP) * GROUP, (rows.max() // GROUP + 1) * GROUP
-                    queries[b, h, c] = torch.tensor([N - lo, hi])
+    groups, chunks = -(-N // ROW_GROUP), -(-M // COL_GROUP)
+    keys = torch.zeros(B, H, groups, 5, dtype=torch.int32)
+    for g in range(groups):
+        r = slice(g * ROW_GROUP, (g + 1) * ROW_GROUP)
+        keys[:, :, g] = torch.stack([first[..., r].amin(-1), (last[..., r] + 1).amax(-1), first[..., r].amax(-1),
+                                     z[..., r].amin(-1), averages[..., r].any(-1).int()], -1).int()
+    # Columns: rows of a group that averages take part wherever visible.
+    group_avg = keys[..., 4].bool().repeat_interleave(ROW_GROUP, -1)[..., :N]
+    part_c = (part | (group_avg[..., None] & vis)).transpose(-1, -2)  # (B, H, M, N)
+    cut_c = cut.expand(B, H, N, M).transpose(-1, -2)
+    idx_m = torch.arange(N)
+    first_c = torch.where(part_c.any(-1), torch.where(part_c, idx_m, N).amin(-1), torch.tensor(N))
+    last_c = torch.where(part_c.any(-1), torch.where(part_c, idx_m, -1).amax(-1), torch.tensor(-1))
+    z_c = _first_at_or_after(cut_c, first_c, N)
+    queries = torch.zeros(B, H, chunks, 4, dtype=torch.int32)
+    for c in range(chunks):
+        r = slice(c * COL_GROUP, (c + 1) * COL_GROUP)
+        queries[:, :, c] = torch.stack([first_c[..., r].amin(-1), (last_c[..., r] + 1).amax(-1),
+                                        first_c[..., r].amax(-1), z_c[..., r].amin(-1)], -1).int()
     return keys, queries
 
 
-def _mask(kind, B, H, N, M, gen):
+def _mask(kind, B, H, N, M, gen, values):
     i, j = torch.arange(N)[:, None], torch.arange(M)[None, :]
     hidden = (j > i + 5).expand(B, H, N, M).clone()  # causal-like, with some hidden blocks
     hidden[0, :, :, M - 40:] = True  # key padding in batch 0
     hidden[..., 7, :] = True  # a row that sees nothing
-    return hiding_mask(hidden, kind, gen)
+    mask = hiding_mask(hidden, kind, gen)
+    if values == "zeros" and mask.dtype != torch.bool:
+        # Neutral where visible (as models build masks), with a few biases.
+        bias = torch.rand(hidden.shape, generator=gen) < 0.02
+        mask = torch.where(hidden | bias, mask, torch.zeros((), dtype=mask.dtype))
+    return mask
 
 
-@pytest.mark.parametrize("kind", ["bool", "float32-min", "float32-inf", "bfloat16-min", "float16-min"])
-@pytest.mark.parametrize("N, M", [(37, 150), (16, 16), (70, 33)])
-@pytest.mark.parametrize("band", [{}, {"window_right": 0}, {"window_left": 9, "window_right": 3, "bottom_right": True}],
-                         ids=["none", "causal", "window"])
-def test_ranges_match_brute_force(kind, N, M, band):
-    gen = torch.Generator().manual_seed(N * 1000 + M)
-    mask = _mask(kind, 2, 1, N, M, gen)
-    band = {"window_left": None, "window_right": None, "bottom_right": False, **band}
-    want_keys, want_queries = _expected(mask, N, M, band)
+def _tables(mask, N, M, band):
     limit = N + M
     arg = mask.to(DEVICE)
     arg = arg.view(torch.uint8) if arg.dtype == torch.bool else arg
-    keys, queries = mask_block_ranges(
-        arg, N, M, diag_off=(M - N) if band["bottom_right"] else 0,
-        window_left=max(-limit, min(band["window_left"] or 0, limit)),
-        window_right=max(-limit, min(band["window_right"] or 0, limit)),
-        has_window_left=band["window_left"] is not None, has_window_right=band["window_right"] is not None)
-    # Empty key ranges may be any lo >= hi; compare them as empty.
-    keys = keys.cpu()
-    empty = keys[..., 0] >= keys[..., 1]
-    assert torch.equal(empty, want_keys[..., 0] >= want_keys[..., 1])
-    assert torch.equal(keys[~empty], want_keys[~empty])
+    kw = dict(diag_off=(M - N) if band["bottom_right"] else 0,
+              window_left=max(-limit, min(band["window_left"] or 0, limit)),
+              window_right=max(-limit, min(band["window_right"] or 0, limit)),
+              has_window_left=band["window_left"] is not None, has_window_right=band["window_right"] is not None)
+    keys = mask_key_table(arg, N, M, **kw)
+    return keys, mask_query_table(arg, keys, N, M, **kw)
+
+
+@pytest.mark.parametrize("kind, values", [("bool", "bias"), ("float32-min", "bias"), ("float32-inf", "bias"),
+                                          ("bfloat16-min", "bias"), ("float16-min", "bias"), ("float32-min", "zeros"),
+                                          ("float32-inf", "zeros"), ("bfloat16-min", "zeros"), ("float16-min", "zeros")])
+@pytest.mark.parametrize("N, M", [(37, 150), (16, 16), (70, 33)])
+@pytest.mark.parametrize("band", [{}, {"window_right": 0}, {"window_left": 9, "window_right": 3, "bottom_right": True}],
+                         ids=["none", "causal", "window"])
+def test_tables_match_brute_force(kind, values, N, M, band):
+    gen = torch.Generator().manual_seed(N * 1000 + M)
+    mask = _mask(kind, 2, 1, N, M, gen, values)
+    band = {"window_left": None, "window_right": None, "bottom_right": False, **band}
+    want_keys, want_queries = _expected(mask, N, M, band)
+    keys, queries = _tables(mask, N, M, band)
+    assert torch.equal(keys.cpu(), want_keys)
     assert torch.equal(queries.cpu(), want_queries)
+
+
+def test_causal_mask_leaves_everything_below_the_diagonal_free():
+    # What Hugging Face passes: 0 where visible, the dtype's lowest above the
+    # diagonal. Every row group may skip the mask up to its first row.
+    N = M = 100
+    hidden = torch.ones(N, M, dtype=torch.bool).triu(1)
+    mask = torch.zeros(N, M).masked_fill(hidden, torch.finfo(torch.float32).min)[None, None]
+    band = {"window_left": None, "window_right": None, "bottom_right": False}
+    keys, queries = _tables(mask, N, M, band)
+    keys, queries = keys.cpu()[0, 0], queries.cpu()[0, 0]
+    g = torch.arange(keys.shape[0])
+    assert torch.equal(keys[:, 2], torch.zeros_like(g, dtype=torch.int32))  # free from key 0 ...
+    assert torch.equal(keys[:, 3], (g * ROW_GROUP + 1).int())  # ... to the group's first row's diagonal
+    c = torch.arange(queries.shape[0])
+    assert torch.equal(queries[:, 2], torch.clamp(c * COL_GROUP + COL_GROUP - 1, max=M - 1).int())
+    assert torch.equal(queries[:, 3], torch.full_like(c, N, dtype=torch.int32))
 
 
 def test_broadcast_dimensions_are_computed_once():
@@ -84,8 +131,9 @@ def test_broadcast_dimensions_are_computed_once():
     N, M = 20, 40
     mask = (torch.rand(N, M, generator=torch.Generator().manual_seed(0)) > 0.5).to(DEVICE)
     arg = mask.expand(3, 4, N, M).view(torch.uint8)
-    keys, queries = mask_block_ranges(arg, N, M, diag_off=0, window_left=0, window_right=0,
-                                      has_window_left=False, has_window_right=False)
+    kw = dict(diag_off=0, window_left=0, window_right=0, has_window_left=False, has_window_right=False)
+    keys = mask_key_table(arg, N, M, **kw)
+    queries = mask_query_table(arg, keys, N, M, **kw)
     assert keys.shape[:2] == (1, 1) and queries.shape[:2] == (1, 1)
     want_keys, want_queries = _expected(mask[None, None], N, M,
                                         {"window_left": None, "window_right": None, "bottom_right": False})

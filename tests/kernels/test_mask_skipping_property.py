@@ -1,5 +1,6 @@
 """Property test: masks with random block structure (whole blocks hidden,
-hidden values of every kind, rows hidden entirely, bands, broadcast shapes)
+hidden values of every kind, visible values random or mostly zero, rows
+hidden entirely, bands, broadcast shapes)
 give the float64 reference's output and gradients through the Triton
 kernels, whose loops skip the blocks a mask hides (``mask_ranges``).
 Without a GPU the kernels run in Triton's interpreter, so shapes stay small.
@@ -35,9 +36,10 @@ def cases(draw):
     block = draw(st.sampled_from([8, 16, 32]))
     p_hidden = draw(st.sampled_from([0.3, 0.7]))
     hidden_rows = draw(st.lists(st.integers(0, N - 1), max_size=2)) if shape != "B11M" else []
+    values = draw(st.sampled_from(["bias", "zeros"]))
     seed = draw(st.integers(0, 2**31 - 1))
     return dict(N=N, M=M, kind=kind, shape=shape, band=band, block=block, p_hidden=p_hidden,
-                hidden_rows=hidden_rows, seed=seed)
+                hidden_rows=hidden_rows, values=values, seed=seed)
 
 
 def _mask(case, B, gen):
@@ -50,7 +52,7 @@ def _mask(case, B, gen):
     hidden = hidden | (torch.rand(hidden.shape, generator=gen) < 0.1)  # scattered too
     for i in case["hidden_rows"]:
         hidden[:, :, i] = True
-    return hiding_mask(hidden, case["kind"], gen)
+    return hiding_mask(hidden, case["kind"], gen, case["values"])
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

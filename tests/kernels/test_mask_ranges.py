@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 from flashfuse import reference as ref
 from flashfuse.kernels.mask_ranges import COL_GROUP, ROW_GROUP, mask_hidden_at, mask_key_table, mask_query_table
@@ -138,3 +140,37 @@ def test_broadcast_dimensions_are_computed_once():
     want_keys, want_queries = _expected(mask[None, None], N, M,
                                         {"window_left": None, "window_right": None, "bottom_right": False})
     assert torch.equal(keys.cpu(), want_keys) and torch.equal(queries.cpu(), want_queries)
+
+
+@st.composite
+def _random_masks(draw):
+    """Masks with random block structure, visible values random or mostly
+    zero, hidden rows, bands and broadcast shapes (as in the kernels'
+    property test)."""
+    N, M = draw(st.integers(1, 70)), draw(st.integers(1, 90))
+    kind = draw(st.sampled_from(["bool", "float32-min", "float32-inf", "bfloat16-min", "float16-min"]))
+    values = draw(st.sampled_from(["bias", "zeros"]))
+    rows = draw(st.sampled_from([N, 1]))  # 1: a key-padding mask broadcast over rows
+    blk = draw(st.sampled_from([8, 16, 32]))
+    band = draw(st.sampled_from([{}, {"window_right": 0}, {"window_right": 0, "bottom_right": True},
+                                 {"window_left": 12, "window_right": 5}]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    blocks = torch.rand(2, 1, -(-rows // blk), -(-M // blk), generator=gen) < draw(st.sampled_from([0.2, 0.6]))
+    hidden = blocks.repeat_interleave(blk, 2)[:, :, :rows].repeat_interleave(blk, 3)[..., :M]
+    hidden = hidden | (torch.rand(hidden.shape, generator=gen) < 0.05)
+    if rows == N and N > 2 and draw(st.booleans()):
+        hidden[:, :, N // 2] = True  # a row that sees nothing
+    mask = hiding_mask(hidden, kind, gen, values).expand(2, 1, N, M)
+    return mask, N, M, {"window_left": None, "window_right": None, "bottom_right": False, **band}
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=_random_masks())
+def test_tables_of_random_masks_match_brute_force(case):
+    mask, N, M, band = case
+    note(f"N={N} M={M} dtype={mask.dtype} band={band} strides={mask.stride()}")
+    want_keys, want_queries = _expected(mask.contiguous(), N, M, band)
+    keys, queries = _tables(mask, N, M, band)
+    assert torch.equal(keys.cpu(), want_keys)
+    assert torch.equal(queries.cpu(), want_queries)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep_block, _mask_key_span, _visible, dropout_threshold
+from .common import _dropout_keep_block, _mask_key_span, _narrow_span, _visible, dropout_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
     max_shared_mem, next_pow2,
@@ -329,19 +329,17 @@ def _bwd_dkdv(
         if SKIP_HIDDEN:
             # The query rows where some of these keys take part, and within
             # them the blocks where the mask is neutral for all of them, from
-            # the query table of mask_ranges (entries of four int32). Written
-            # out here, not called: torch's analysis of which tensors a kernel
-            # writes treats every argument of a call whose result reaches a
-            # store address as written, and these bounds reach dQ's atomics.
+            # the query table of mask_ranges (entries of four int32). Loaded
+            # here, not in a called helper: torch's analysis of which tensors
+            # a kernel writes treats every argument of a call whose result
+            # reaches a store address as written, and these bounds reach
+            # dQ's atomics; the loaded values may go through a call.
             e = RANGES + b * s_rb + hl * s_rh + (offs_n // RANGE_GROUP) * 4
             r_lo = tl.min(tl.load(e, mask=n_ok, other=2147483647), 0)
             r_hi = tl.max(tl.load(e + 1, mask=n_ok, other=0), 0)
             f_lo = tl.max(tl.load(e + 2, mask=n_ok, other=0), 0)
             f_hi = tl.min(tl.load(e + 3, mask=n_ok, other=2147483647), 0)
-            q_lo = tl.maximum(lo + 0 * M, (r_lo // BLOCK_M) * BLOCK_M)  # + 0 * M: lo may be a Python int
-            q_hi = tl.maximum(tl.minimum(hi + 0 * M, r_hi), q_lo)
-            free_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_M) * BLOCK_M, q_lo), q_hi)
-            free_hi = tl.maximum(tl.minimum((f_hi // BLOCK_M) * BLOCK_M, q_hi), free_lo)
+            q_lo, q_hi, free_lo, free_hi = _narrow_span(lo, hi, r_lo, r_hi, f_lo, f_hi, BLOCK_M)
         # The blocks that read the mask (before and after the neutral
         # rows), then those that need not.
         dk, dv, col_acc = _bwd_dkdv_inner(

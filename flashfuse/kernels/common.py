@@ -48,17 +48,29 @@ def _mask_key_span(key_table, offs_m, N, lo_blk, hi_blk, GROUP: tl.constexpr, BL
     free_hi)``, the blocks every row sees through a neutral mask value (no
     mask read needed). All bounds are multiples of BLOCK_N, with
     ``lo <= free_lo <= free_hi <= hi``. (The dK/dV kernel reads the query
-    table the same way, written out in place.)"""
+    table the same way, its loads written out in place.)"""
     e = key_table + (offs_m // GROUP) * 5
     real = offs_m < N
     r_lo = tl.min(tl.load(e, mask=real, other=2147483647), 0)
     r_hi = tl.max(tl.load(e + 1, mask=real, other=0), 0)
     f_lo = tl.max(tl.load(e + 2, mask=real, other=0), 0)
     f_hi = tl.min(tl.load(e + 3, mask=real, other=2147483647), 0)
-    new_lo = tl.maximum(lo_blk + 0 * N, (r_lo // BLOCK_N) * BLOCK_N)  # + 0 * N: bounds may be Python ints
-    new_hi = tl.maximum(tl.minimum(hi_blk + 0 * N, tl.cdiv(r_hi, BLOCK_N) * BLOCK_N), new_lo)  # empty: lo == hi
-    free_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_N) * BLOCK_N, new_lo), new_hi)
-    free_hi = tl.maximum(tl.minimum((tl.maximum(f_hi, 0) // BLOCK_N) * BLOCK_N, new_hi), free_lo)
+    return _narrow_span(lo_blk, hi_blk, r_lo, r_hi, f_lo, f_hi, BLOCK_N)
+
+
+@triton.jit
+def _narrow_span(lo, hi, r_lo, r_hi, f_lo, f_hi, BLOCK: tl.constexpr):
+    """Blocks ``[lo, hi)`` (lo a multiple of BLOCK) narrowed to the reduced
+    table entry: ``[r_lo, r_hi)`` where something takes part, and within it
+    ``[f_lo, f_hi)`` where the mask is neutral. Returns ``(lo, hi, free_lo,
+    free_hi)`` with ``lo <= free_lo <= free_hi <= hi``; lo and the free
+    bounds are multiples of BLOCK or equal to hi, so a loop from lo in steps
+    of BLOCK visits the same blocks with hi rounded up or not. Takes loaded
+    values, not the table's pointer: see the dK/dV kernel's read."""
+    new_lo = tl.maximum(lo + 0 * r_lo, (r_lo // BLOCK) * BLOCK)  # + 0 * r_lo: lo may be a Python int
+    new_hi = tl.maximum(tl.minimum(hi + 0 * r_hi, tl.cdiv(r_hi, BLOCK) * BLOCK), new_lo)  # empty: lo == hi
+    free_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK) * BLOCK, new_lo), new_hi)
+    free_hi = tl.maximum(tl.minimum((tl.maximum(f_hi, 0) // BLOCK) * BLOCK, new_hi), free_lo)
     return new_lo, new_hi, free_lo, free_hi
 
 

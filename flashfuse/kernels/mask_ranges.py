@@ -241,13 +241,7 @@ def mask_key_table(
     table = torch.empty(Bm, Hm, groups, KEY_ENTRY, dtype=torch.int32, device=mask.device)
     args = (mask, table, *mask.stride(), *table.stride()[:2], N, M, diag_off, window_left, window_right)
     meta = dict(_meta(mask, has_window_left, has_window_right), GROUP=ROW_GROUP)
-    grid = (groups, Hm, Bm)
-    if _interpreting(mask):
-        _mask_key_table[grid](*args, **meta, STEP=_ROW_STEP)
-    else:
-        with torch.cuda.device(mask.device):  # the mask's device, whatever the current one
-            _key_launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_KEY_CONFIG],
-                          lambda m: grid, *args, **meta)
+    _launch(_key_launcher, lambda: _KEY_CONFIG, mask, (groups, Hm, Bm), args, meta)
     return table
 
 
@@ -271,14 +265,20 @@ def mask_query_table(
     args = (mask, key_table, table, *mask.stride(), *table_strides(key_table), *table.stride()[:2],
             N, M, diag_off, window_left, window_right)
     meta = dict(_meta(mask, has_window_left, has_window_right), GROUP=COL_GROUP, ROW_GROUP=ROW_GROUP)
-    grid = (groups, Hm, Bm)
-    if _interpreting(mask):
-        _mask_query_table[grid](*args, **meta, STEP=_COL_STEP)
-    else:
-        with torch.cuda.device(mask.device):
-            _query_launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [_QUERY_CONFIG],
-                            lambda m: grid, *args, **meta)
+    _launch(_query_launcher, lambda: _QUERY_CONFIG, mask, (groups, Hm, Bm), args, meta)
     return table
+
+
+def _launch(launcher: ConfigLauncher, config, mask: torch.Tensor, grid: tuple, args: tuple, meta: dict) -> None:
+    """Run a table pass: its one config (``config()``, read at call time so
+    that the benchmark can swap it) through the launcher on the mask's
+    device, or the kernel itself under the interpreter."""
+    if _interpreting(mask):
+        launcher.kernel[grid](*args, **meta, **config().kwargs)
+    else:
+        with torch.cuda.device(mask.device):  # the mask's device, whatever the current one
+            launcher((mask.dtype, mask.device, tuple(meta.items())), lambda: [config()], lambda m: grid,
+                     *args, **meta)
 
 
 def table_strides(table: torch.Tensor) -> tuple[int, int]:

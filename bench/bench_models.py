@@ -23,13 +23,16 @@ candidates it rewrote.
 
     python bench/bench_models.py                      # everything, default sizes
     python bench/bench_models.py --only gpt2 --t 1024
+    python bench/bench_models.py --compile-scope block # compile each block (seconds)
     python bench/bench_models.py --smoke --out /tmp/x # tiny configs on the CPU
+    python bench/bench_models.py --from-csv bench/results/models.csv --since "2026-11-30 18:00"
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 
 import common
@@ -48,15 +51,21 @@ VARIANTS = [
 
 
 def parse_args():
-    p = common.base_parser(__doc__.splitlines()[0], budget_s=270)
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=560)
     p.add_argument("--only", default=None, help="comma-separated subset of gpt2,llama,bert")
     p.add_argument("--t", default=None, help="GPT-2 sequence lengths, comma-separated (default 1024,2048)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {[v[0] for v in VARIANTS]}")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; smoke 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per row (the first compiles)")
-    p.add_argument("--compile-scope", default="block", choices=["block", "model"],
-                   help="torch.compile each repeated transformer block (default; one graph serves every "
-                        "layer, so compiling takes seconds) or the whole model (as a user would, one large graph)")
+    p.add_argument("--compile-scope", default="model", choices=["block", "model"],
+                   help="torch.compile the whole model, as a user would (default; one large graph, about a "
+                        "minute to compile with flashfuse) or each repeated transformer block (one graph serves "
+                        "every layer, so compiling takes seconds, but the code between blocks runs eagerly)")
+    p.add_argument("--from-csv", default=None,
+                   help="measure nothing: redraw the tables and the plot from this CSV (the last row of each "
+                        "model, T, task and variant wins)")
+    p.add_argument("--since", default="",
+                   help="with --from-csv: only rows whose date is at or after this 'YYYY-MM-DD HH:MM'")
     return p.parse_args()
 
 
@@ -264,7 +273,65 @@ def plan(args) -> list[tuple[dict, str]]:
     return out
 
 
-def report(results):
+def latest_rows(rows: list[dict], since: str, scope: str) -> list[dict]:
+    """The rows of one configuration from a CSV that holds many runs: dated at
+    or after ``since``, compiled rows of ``scope`` only, the last row of each
+    (model, T, task, variant) kept."""
+    kept: dict[tuple, dict] = {}
+    for r in rows:
+        if str(r.get("date", "")) < since or r.get("compile_scope", "") not in ("", scope):
+            continue
+        kept[(r["model"], r["T"], r["task"], r["variant"])] = r
+    return list(kept.values())
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+    """Bars of step time and peak memory per variant, each relative to
+    ``sdpa + compile`` of the same model, length and task (lower is better)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    groups = list(dict.fromkeys((r["model"], r["T"], r["task"]) for r in ok))
+    base = {(r["model"], r["T"], r["task"]): r for r in ok if r["variant"] == "sdpa+compile"}
+    groups = [g for g in groups if g in base]
+    variants = [v[0] for v in VARIANTS if any(r["variant"] == v[0] for r in ok)]
+    if not groups or not variants:
+        return None
+    plt = common.pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.9 + 0.75 * len(groups)), sharey=True)
+    height = 0.8 / len(variants)
+    for ax, key, title in ((axes[0], "ms", "step time"), (axes[1], "peak_mem_mib", "peak memory")):
+        for i, v in enumerate(variants):
+            ys, xs = [], []
+            for j, g in enumerate(groups):
+                r = next((r for r in ok if (r["model"], r["T"], r["task"]) == g and r["variant"] == v), None)
+                ref = base[g].get(key)
+                if r is None or not isinstance(r.get(key), (int, float)) or not ref or not math.isfinite(ref):
+                    continue
+                ys.append(j + (i - (len(variants) - 1) / 2) * height)
+                xs.append(r[key] / ref)
+            bars = ax.barh(ys, xs, height=height, label=v)
+            if v == "eager+flashfuse":
+                ax.bar_label(bars, labels=[f"{x:.2f}x" for x in xs], fontsize=7, padding=2)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xlim(left=0)
+        ax.set_title(f"{title}, relative to sdpa+compile (lower is better)", fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(groups)))
+    axes[0].set_yticklabels([f"{m} T={t} {task}" for m, t, task in groups])
+    axes[0].invert_yaxis()
+    axes[1].legend(fontsize=8, loc="lower right")
+    scope = {"model": "whole", "block": "block by block"}.get(
+        next((r["compile_scope"] for r in ok if r.get("compile_scope")), ""), "n/a")
+    fig.suptitle(f"Hugging Face models, bf16, compiled {scope}; {ok[0].get('gpu', '')}, "
+                 f"torch {ok[0].get('torch_version', '')}, Triton {ok[0].get('triton_version', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report(results, out_dir: str | None = None):
     rows = results.rows
     if not rows:
         return
@@ -281,12 +348,22 @@ def report(results):
             ["model", "T", "task", "rewritten", "candidates", "graphs", "layers", "compile scope"],
             "flashfuse backend: attention rewrites (summed over compiled graphs; with block scope one graph "
             "serves all layers)")
+    if out_dir:
+        path = plot(rows, os.path.join(out_dir, "models.png"))
+        if path:
+            print(f"plot: {path}")
 
 
 def main():
     args = parse_args()
     common.quiet_warnings()
     common.interrupt_on_sigterm()
+    if args.from_csv:
+        results = common.Results.load(args.from_csv)
+        results.rows = latest_rows(results.rows, args.since, args.compile_scope)
+        os.makedirs(args.out, exist_ok=True)
+        report(results, None if args.no_plot else args.out)
+        return
     device = common.pick_device(args)
     if args.steps is None:
         args.steps = 2 if args.smoke else 5
@@ -307,7 +384,7 @@ def main():
         print("interrupted: reporting what was measured")
     finally:
         print(f"\n{len(results.rows)} rows in {time.perf_counter() - t0:.0f} s -> {results.path}")
-        report(results)
+        report(results, None if args.no_plot else args.out)
 
 
 if __name__ == "__main__":

@@ -427,6 +427,20 @@ def pivot(rows: list[dict], row_keys: list[str], col_key: str, value) -> tuple[l
 # Plots
 # --------------------------------------------------------------------------
 
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None (with a
+    message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot drawn")
+        return None
+    return plt
+
+
 def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = True,
                 logy: bool = False, ncols: int = 2, title: str | None = None,
                 ylabels: dict | None = None) -> str | None:
@@ -449,13 +463,8 @@ def plot_panels(path: str, panels: dict, xlabel: str, ylabel: str, logx: bool = 
     if not panels:
         print(f"nothing to plot for {os.path.basename(path)}")
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot drawn")
+    plt = pyplot()
+    if plt is None:
         return None
     n = len(panels)
     ncols = min(ncols, n)

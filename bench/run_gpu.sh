@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU test suite and every benchmark with its defaults, on one GPU
-# machine; the steps' default time limits add up to 18 minutes. Kernel configs are fixed
+# machine; the steps' default time limits add up to 23 minutes. Kernel configs are fixed
 # (FLASHFUSE_AUTOTUNE=0, the first candidate that fits) unless the caller sets
 # FLASHFUSE_AUTOTUNE=1: autotuning times every candidate of every kernel key,
 # which multiplies the compile time of the sweeps.
@@ -16,7 +16,7 @@
 # Environment knobs:
 #   SKIP_TESTS=1 SKIP_ATTENTION=1 SKIP_HOST=1 SKIP_LONG=1 SKIP_MODELS=1 SKIP_CONVERGENCE=1
 #   TESTS_ARGS, ATTENTION_ARGS, HOST_ARGS, LONG_ARGS, MODELS_ARGS, CONVERGENCE_ARGS  extra arguments
-#   T_TESTS=300 T_ATTENTION=230 T_HOST=90 T_LONG=90 T_MODELS=300 T_CONVERGENCE=75  time limits (s)
+#   T_TESTS=300 T_ATTENTION=230 T_HOST=90 T_LONG=90 T_MODELS=600 T_CONVERGENCE=75  time limits (s)
 #   PYTHON=python3
 set -u
 
@@ -67,7 +67,7 @@ step() {
     "$PY" bench/host_overhead.py --out "$OUT" ${HOST_ARGS:-}
 [ "${SKIP_LONG:-0}" = 1 ] || step long_context "${T_LONG:-90}" \
     "$PY" bench/bench_long_context.py --out "$OUT" ${LONG_ARGS:-}
-[ "${SKIP_MODELS:-0}" = 1 ] || step models "${T_MODELS:-300}" \
+[ "${SKIP_MODELS:-0}" = 1 ] || step models "${T_MODELS:-600}" \
     "$PY" bench/bench_models.py --out "$OUT" ${MODELS_ARGS:-}
 [ "${SKIP_CONVERGENCE:-0}" = 1 ] || step convergence "${T_CONVERGENCE:-75}" \
     "$PY" bench/bench_convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-}

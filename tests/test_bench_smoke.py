@@ -79,6 +79,14 @@ def test_bench_models_smoke(tmp_path):
     by_variant = {r["variant"]: r for r in rows}
     assert all(by_variant[v]["status"] == "ok" for v in ("eager", "sdpa", "eager+flashfuse")), rows
     assert int(by_variant["eager+flashfuse"]["attn_rewritten"]) >= 1
+    assert by_variant["eager+flashfuse"]["compile_scope"] == "model"  # compiled whole by default
+
+
+def test_bench_models_redraws_the_committed_results(tmp_path):
+    committed = os.path.join(BENCH, "results", "models.csv")
+    out = run_script("bench_models.py", tmp_path, "--from-csv", committed, "--since", "2026-11-30 18:00")
+    assert (tmp_path / "models.png").exists()
+    assert "eager+flashfuse" in out and "sdpa+compile" in out
 
 
 def test_bench_convergence_smoke(tmp_path):

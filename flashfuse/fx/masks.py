@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx
 
-from .nodes import arg, const_int, kind, known_eq, number, shape, tensor_val, val
+from .nodes import arg, const_int, kind, known_eq, known_le, number, shape, tensor_val, val
 
 Size = Union[int, torch.SymInt]
 
@@ -175,12 +175,13 @@ class MaskEvaluator:
         if tensor_val(node) is None:
             return None
         nd = self._ndim(node)
-        if k in ("ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "tensor"):
-            c = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0}.get(k)
-            if k == "full":
+        if k in ("ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "tensor",
+                 "new_ones", "new_zeros", "new_full"):
+            c = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0, "new_ones": 1, "new_zeros": 0}.get(k)
+            if k in ("full", "full_like"):
                 c = number(arg(node, 1, "fill_value"))
-            elif k == "full_like":
-                c = number(arg(node, 1, "fill_value"))
+            elif k == "new_full":
+                c = number(arg(node, 2, "fill_value"))
             elif k == "tensor":
                 c = number(node.args[0]) if node.args and not isinstance(node.args[0], (list, tuple)) else None
             if c is None:
@@ -204,6 +205,10 @@ class MaskEvaluator:
             return _mk_affine({-1: const_int(step)}, start, 1)
         if k in ("contiguous", "clone", "detach"):
             return self(node.args[0])
+        if k == "diff":
+            return self._diff(node, nd)
+        if k == "cumsum":
+            return self._cumsum(node, nd)
         if k in ("to", "type", "type_as", "float", "half", "bfloat16", "double", "bool", "long", "int"):
             return self._cast(node)
         if k in ("unsqueeze", "view", "reshape", "getitem", "expand"):
@@ -278,6 +283,90 @@ class MaskEvaluator:
                     if not known_eq(s[d], out[d]):
                         return False
         return True
+
+    # Hugging Face's masks for training without a cache AND the causal mask
+    # with "same packed sequence" (ids = cumsum(diff(position_ids) != 1),
+    # compared at [batch, q] and [batch, kv]). With position ids from an
+    # arange the ids are all 0 and the term is True everywhere; the three
+    # rules below (diff, cumsum, gathering from a constant) prove that.
+    def _diff(self, node: torch.fx.Node, nd: int) -> Optional[Value]:
+        """``diff`` of an arange-like tensor: a constant (its step), when the
+        ``prepend`` value continues the same step."""
+        x = node.args[0]
+        n, dim = arg(node, 1, "n", 1), arg(node, 2, "dim", -1)
+        prepend, append = arg(node, 3, "prepend"), arg(node, 4, "append")
+        s_in = shape(x)
+        if const_int(n) != 1 or append is not None or s_in is None or const_int(dim) is None:
+            return None
+        d = const_int(dim)
+        d = d - len(s_in) if d >= 0 else d
+        if not -len(s_in) <= d < 0:
+            return None
+        step = _step_along(self(x), d)
+        if step is None:
+            return None
+        if prepend is not None:
+            s_p = shape(prepend)
+            a, p = _as_affine(self(x)), _as_affine(self(prepend))
+            if s_p is None or len(s_p) != len(s_in) or not known_eq(s_p[d], 1) or a is None or p is None:
+                return None
+            # prepend holds one element along d, so its coefficient there is
+            # irrelevant; elsewhere it must vary exactly as x does.
+            others = lambda v: {e: c for e, c in v.coef if e != d}  # noqa: E731
+            if others(a) != others(p) or not known_eq(a.const - p.const, step):
+                return None
+        return Band(None, None, step, step, nd)
+
+    def _cumsum(self, node: torch.fx.Node, nd: int) -> Optional[Value]:
+        """``cumsum`` of a constant ``c``: ``c * (index + 1)`` along the dim."""
+        v, dim, t = self(node.args[0]), const_int(arg(node, 1, "dim")), tensor_val(node)
+        if not isinstance(v, Band) or not v.trivial or dim is None or t is None or t.dtype == torch.bool:
+            return None
+        c = v.inside
+        if isinstance(c, bool):
+            c = int(c)
+        if not isinstance(c, (int, float)) or _is_nan(c):
+            return None
+        if c == 0:
+            zero = 0.0 if t.dtype.is_floating_point else 0
+            return Band(None, None, zero, zero, nd)
+        if t.dtype.is_floating_point or not float(c).is_integer():
+            return None
+        d = dim - nd if dim >= 0 else dim
+        if not -nd <= d < 0:
+            return None
+        return _mk_affine({d: int(c)}, int(c), nd)
+
+    def _gather(self, node: torch.fx.Node, v: Value, idx: tuple, s_in: tuple) -> Optional[Value]:
+        """Indexing a constant with index tensors gives the constant, when
+        every index provably lies inside the tensor (otherwise eager would
+        raise, and a rewrite must not hide that)."""
+        if not isinstance(v, Band) or not v.trivial:
+            return None
+        d_in = 0
+        for item in idx:
+            if item is None:
+                continue
+            if d_in >= len(s_in):
+                return None
+            if isinstance(item, torch.fx.Node):
+                t = tensor_val(item)
+                if t is None or t.dtype == torch.bool or t.dtype.is_floating_point:
+                    return None
+                bounds = _index_range(self(item), shape(item))
+                if bounds is None:
+                    return None
+                lo, hi = bounds
+                if not (known_le(0, lo) and known_le(hi + 1, s_in[d_in])):
+                    return None
+            elif not isinstance(item, slice):
+                i = val(item)
+                if not isinstance(i, (int, torch.SymInt)) or isinstance(i, bool):
+                    return None
+                if not (known_le(-s_in[d_in], i) and known_le(i + 1, s_in[d_in])):
+                    return None
+            d_in += 1
+        return Band(None, None, v.inside, v.inside, self._ndim(node))
 
     def _cast(self, node: torch.fx.Node) -> Optional[Value]:
         v = self(node.args[0])
@@ -433,6 +522,8 @@ class MaskEvaluator:
             n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
             idx = idx[:pos] + (slice(None),) * (len(s_in) - n_real) + idx[pos + 1 :]
         idx = idx + (slice(None),) * (len(s_in) - sum(1 for i in idx if i is not None))
+        if any(isinstance(i, torch.fx.Node) for i in idx):
+            return self._gather(node, v, idx, s_in)
         out_of_in: dict[int, int] = {}  # input dim (from left) -> output dim (from left)
         shifts: dict[int, Size] = {}
         d_in = d_out = 0
@@ -483,6 +574,39 @@ class MaskEvaluator:
         lo = v.lo + delta if v.lo is not None else None
         hi = v.hi + delta if v.hi is not None else None
         return Band(lo, hi, v.inside, v.outside, n_out)
+
+
+def _as_affine(v: Optional[Value]) -> Optional[Affine]:
+    """An integer value as an :class:`Affine` (a constant has no coefficients)."""
+    if isinstance(v, Affine):
+        return v
+    if isinstance(v, Band) and v.trivial and isinstance(v.inside, (int, float)) and not isinstance(v.inside, bool):
+        if float(v.inside).is_integer():
+            return _mk_affine({}, int(v.inside), v.ndim)
+    return None
+
+
+def _step_along(v: Optional[Value], d: int) -> Optional[int]:
+    """The constant difference between neighbours along dim ``d``, if any."""
+    a = _as_affine(v)
+    return None if a is None else dict(a.coef).get(d, 0)
+
+
+def _index_range(v: Optional[Value], s: Optional[tuple]) -> Optional[tuple]:
+    """(min, max) of an integer index tensor's values, from its affine form."""
+    a = _as_affine(v)
+    if a is None or s is None:
+        return None
+    lo = hi = a.const
+    for d, c in a.coef:
+        if not -len(s) <= d < 0 or not isinstance(c, int):
+            return None
+        span = c * (s[d] - 1)
+        if c > 0:
+            hi = hi + span
+        else:
+            lo = lo + span
+    return lo, hi
 
 
 def _unit_dim_mapping(s_in: tuple, s_out: tuple) -> Optional[dict]:

@@ -75,6 +75,11 @@ def _functions() -> dict[Any, str]:
     add("zeros_like", torch.zeros_like)
     add("full_like", torch.full_like)
     add("arange", torch.arange)
+    add("new_ones", T.new_ones)
+    add("new_zeros", T.new_zeros)
+    add("new_full", T.new_full)
+    add("diff", torch.diff, T.diff)
+    add("cumsum", torch.cumsum, T.cumsum)
     add("tensor", torch.tensor, torch.scalar_tensor, torch.as_tensor)
     add("to", T.to)
     add("type_as", T.type_as)
@@ -107,7 +112,10 @@ _METHODS = {
     "type": "type", "type_as": "type_as", "float": "float", "half": "half",
     "bfloat16": "bfloat16", "double": "double", "bool": "bool", "long": "long",
     "int": "int", "size": "size", "dim": "dim", "stride": "stride", "numel": "numel",
-    "dropout": "dropout",
+    "dropout": "dropout", "new_ones": "new_ones", "new_zeros": "new_zeros", "new_full": "new_full",
+    "diff": "diff", "cumsum": "cumsum",
+    # Some torch versions record tensor comparisons as dunder methods.
+    "__eq__": "eq", "__ne__": "ne", "__ge__": "ge", "__gt__": "gt", "__le__": "le", "__lt__": "lt",
 }
 
 CAST_KINDS = {"to", "type", "type_as", "float", "half", "bfloat16", "double"}
@@ -178,6 +186,16 @@ def known_eq(a: Any, b: Any) -> bool:
         return a == b
     try:
         return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - an unprovable relation is "not known"
+        return False
+
+
+def known_le(a: Any, b: Any) -> bool:
+    """True when ``a <= b`` is provable for sizes or index bounds (no guard added)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a <= b
+    try:
+        return bool(statically_known_true(a <= b))
     except Exception:  # noqa: BLE001 - an unprovable relation is "not known"
         return False
 

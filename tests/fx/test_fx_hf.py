@@ -57,13 +57,19 @@ def _first(out):
     return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_hf_model_all_layers_rewritten(name):
+def _training_pair(name):
+    """A seeded model in train mode without a cache, an identical copy for
+    the eager reference, and its number of attention layers."""
     torch.manual_seed(0)
     model, n_attn = MODELS[name]()
     model.config.use_cache = False
     model.train()
-    ref_model = copy.deepcopy(model)
+    return model, copy.deepcopy(model), n_attn
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_model_all_layers_rewritten(name):
+    model, ref_model, n_attn = _training_pair(name)
     ids = torch.randint(0, VOCAB, (2, SEQ))
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[1, 7:] = 0  # padding in the second row
@@ -90,6 +96,24 @@ def test_hf_model_all_layers_rewritten(name):
             assert p.grad is None or not p.grad.any(), pname
             continue
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-3, rtol=1e-3, msg=pname)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_causal_lm_without_padding_is_proven_causal(name):
+    """Training without a cache or padding mask: transformers ANDs the causal
+    mask with a "same packed sequence" term computed from position ids. The
+    pass proves the whole mask causal, so the op gets no mask tensor."""
+    model, ref_model, n_attn = _training_pair(name)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    rec = Recorder("eager")
+    backend = make_backend(compiler=rec, record=True)
+    out = torch.compile(model, backend=backend)(input_ids=ids).logits
+    ref = ref_model(input_ids=ids).logits
+    assert rec.ops == n_attn
+    for cand in backend.candidates:
+        assert cand.facts.get("causal") == "top-left", cand.facts
+        assert cand.facts.get("mask") == "none", cand.facts
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -85,6 +85,65 @@ def log_softmax_not_softmax(q, k, v):
     return F.log_softmax(q @ k.transpose(-2, -1) * SCALE, dim=-1).exp() @ v
 
 
+def _packed_segments(pos):
+    b, n = pos.shape
+    segment = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    bi = torch.arange(b)[:, None, None, None]
+    qi = torch.arange(n)[None, None, :, None]
+    ki = torch.arange(n)[None, None, None, :]
+    return (ki <= qi) & (segment[bi, qi] == segment[bi, ki])
+
+
+def packed_segments_of_one(q, k, v):
+    # Positions step by 2: every token starts a segment, so each query sees
+    # only itself. Not causal; must stay a mask.
+    pos = (torch.arange(q.size(-2)) * 2).expand(q.size(0), -1)
+    s = q @ k.transpose(-2, -1) * SCALE
+    return torch.where(_packed_segments(pos), s, float("-inf")).softmax(-1) @ v
+
+
+def packed_segments_prepend_off_by_one(q, k, v):
+    # The prepended value breaks the step: the first diff is 0, not 1.
+    n = q.size(-2)
+    pos = torch.arange(n).expand(q.size(0), -1)
+    segment = (torch.diff(pos, prepend=pos[:, :1], dim=-1) != 1).cumsum(-1)
+    qi, ki = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = (ki <= qi) & (segment[:, None, :, None] == segment[:, None, None, :])
+    s = q @ k.transpose(-2, -1) * SCALE
+    return torch.where(keep, s, float("-inf")).softmax(-1) @ v
+
+
+NEGATIVE_MASKS = [packed_segments_of_one, packed_segments_prepend_off_by_one]
+
+
+@pytest.mark.parametrize("fn", NEGATIVE_MASKS, ids=lambda f: f.__name__)
+def test_unproven_masks_stay_tensors(fn):
+    """Rewritten, but with the mask passed as a tensor: outputs match eager."""
+    _, backend = compile_and_compare(fn, *qkv(d=16), expect=1)
+    assert backend.candidates[0].facts.get("causal") is None, backend.candidates[0].facts
+
+
+def test_out_of_bounds_gather_still_raises():
+    """Gathering from a constant with an index past its end is an error in
+    eager; the mask proof must not make that error disappear."""
+
+    def fn(q, k, v):
+        n = q.size(-2)
+        zeros = torch.zeros(q.size(0), n, dtype=torch.long)
+        qi, ki = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = (ki <= qi) & (zeros[:, None, qi + 1, None] == 0)[..., 0]
+        s = q @ k.transpose(-2, -1) * SCALE
+        return torch.where(keep, s, float("-inf")).softmax(-1) @ v
+
+    q, k, v = qkv(d=16, grad=False)
+    with pytest.raises(IndexError):
+        fn(q, k, v)
+    from flashfuse.backend import make_backend
+
+    with pytest.raises(Exception, match="out of bounds|index"):
+        torch.compile(fn, backend=make_backend(compiler="eager"))(q, k, v)
+
+
 NEGATIVE = [
     softmax_over_queries, probs_returned, scores_reused, probs_masked_after_softmax,
     fill_with_zero, fill_with_small_negative, scores_times_tensor, soft_capping,

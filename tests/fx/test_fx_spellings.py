@@ -182,6 +182,37 @@ def causal_plus_padding(q, k, v):
     return s.softmax(-1) @ v
 
 
+def _same_segment(pos, b, n):
+    """True where query and key fall in the same run of consecutive
+    positions (several sequences packed into one row)."""
+    start = pos[:, :1] - 1
+    segment = (torch.diff(pos, prepend=start, dim=-1) != 1).cumsum(-1)
+    bi = torch.arange(b)[:, None, None, None]
+    qi = torch.arange(n)[None, None, :, None]
+    ki = torch.arange(n)[None, None, None, :]
+    return qi.new_ones((), dtype=torch.bool) & (ki <= qi) & (segment[bi, qi] == segment[bi, ki])
+
+
+def causal_packed_segments(q, k, v):
+    # Training without a cache, as transformers builds the mask: causal AND
+    # "same packed segment", with segments found from position ids. Position
+    # ids from an arange make one segment, so the mask is plain causal.
+    b, n = q.size(0), q.size(-2)
+    pos = torch.arange(n).unsqueeze(0).expand(b, -1)
+    keep = _same_segment(pos, b, n)
+    s = q @ k.transpose(-2, -1) * SCALE
+    return torch.where(keep, s, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+def causal_dunder_compare(q, k, v):
+    # Comparisons called as dunder methods (recorded as such by some torch versions).
+    n = q.size(-2)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = j.__le__(i).__eq__(torch.ones((), dtype=torch.bool))
+    s = q @ k.transpose(-2, -1) * SCALE
+    return s.masked_fill(keep.__eq__(False), float("-inf")).softmax(-1) @ v
+
+
 def cast_type_method(q, k, v):
     s = (q @ k.transpose(-2, -1) * SCALE).type(torch.float32)
     return s.softmax(-1).type(q.dtype) @ v
@@ -199,7 +230,7 @@ SPELLINGS = [
     scale_tensor_full, casts_float_type_as, softmax_dtype_to, dropout_eval_functional,
     causal_tril_ones, causal_triu_additive, causal_arange_where, causal_masked_fill_inplace,
     sliding_window, scale_after_mask, where_user_mask_finfo_min, bias_before_scale,
-    causal_plus_padding, cast_type_method,
+    causal_plus_padding, cast_type_method, causal_packed_segments, causal_dunder_compare,
 ]
 
 
@@ -225,6 +256,8 @@ def test_cross_lengths(fn):
         (matmul_op, {"mask": "none", "scale": f"{SCALE:.6g}"}),
         (scale_split, {"scale": f"{SCALE:.6g}"}),
         (causal_plus_padding, {"causal": "top-left", "mask": "additive"}),
+        (causal_packed_segments, {"causal": "top-left", "mask": "none"}),
+        (causal_dunder_compare, {"causal": "top-left", "mask": "none"}),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )

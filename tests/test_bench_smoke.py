@@ -110,6 +110,12 @@ def test_bench_long_context_single_pass_and_redraw(tmp_path):
     assert "peak memory" in out and (redraw / "long_context_memory.png").exists()
 
 
+def test_compile_time_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_script("compile_time.py", tmp_path, "--compile-scope", "block")
+    assert "first step" in out and "Triton compiles" in out
+
+
 def test_profile_model_smoke(tmp_path):
     pytest.importorskip("transformers")
     out = run_script("profile_model.py", tmp_path, "--variant", "ffuse-hook", "--steps", "1", "--top", "5")

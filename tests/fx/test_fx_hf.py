@@ -41,6 +41,15 @@ def _llama():
     return LlamaForCausalLM(cfg), 2
 
 
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    # A window shorter than the sequence, so it hides something.
+    cfg = MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=VOCAB, sliding_window=4, attn_implementation="eager")
+    return MistralForCausalLM(cfg), 2
+
+
 def _t5():
     from transformers import T5Config, T5Model
 
@@ -50,7 +59,7 @@ def _t5():
     return T5Model(cfg), 6
 
 
-MODELS = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "t5": _t5}
+MODELS = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "mistral": _mistral, "t5": _t5}
 
 
 def _first(out):
@@ -98,11 +107,19 @@ def test_hf_model_all_layers_rewritten(name):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-3, rtol=1e-3, msg=pname)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_hf_causal_lm_without_padding_is_proven_causal(name):
+@pytest.mark.parametrize(
+    "name,facts",
+    [
+        ("gpt2", {"causal": "top-left"}),
+        ("llama", {"causal": "top-left"}),
+        ("mistral", {"causal": None, "window": "(3, 0) top_left"}),
+    ],
+)
+def test_hf_causal_lm_without_padding_is_proven_causal(name, facts):
     """Training without a cache or padding mask: transformers ANDs the causal
-    mask with a "same packed sequence" term computed from position ids. The
-    pass proves the whole mask causal, so the op gets no mask tensor."""
+    (or sliding-window) mask with a "same packed sequence" term computed from
+    position ids. The pass proves the whole mask causal or a window, so the
+    op gets no mask tensor."""
     model, ref_model, n_attn = _training_pair(name)
     ids = torch.randint(0, VOCAB, (2, SEQ))
     rec = Recorder("eager")
@@ -111,8 +128,8 @@ def test_hf_causal_lm_without_padding_is_proven_causal(name):
     ref = ref_model(input_ids=ids).logits
     assert rec.ops == n_attn
     for cand in backend.candidates:
-        assert cand.facts.get("causal") == "top-left", cand.facts
-        assert cand.facts.get("mask") == "none", cand.facts
+        for key, value in {**facts, "mask": "none"}.items():
+            assert cand.facts.get(key) == value, (key, cand.facts)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -6,6 +6,7 @@ CPU tensors, through both the blockwise path and the Triton interpreter.
 """
 
 import contextlib
+import functools
 import math
 
 import pytest
@@ -295,14 +296,13 @@ def test_compiled_graphs_record_the_private_ops(blockwise_cpu):
     assert "flashfuse._attention_forward" in gm.code
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask_dropout"])
-def test_traced_cuda_graph_launches_the_kernels_itself(case, dynamic):
-    """Under torch.compile the private ops decompose into their kernel
-    launches (torch.library.triton_op), so that Inductor launches the kernels
-    from its generated code instead of calling back into Python. Traced on
-    fake CUDA tensors in a fresh process (see tests/trace_cuda_graph.py);
-    with a symbolic sequence length the graph must stay general in it."""
+_TRACED_CASES = ["causal", "bool_mask", "float_mask_dropout"]
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_cuda_graphs() -> tuple[dict, str]:
+    """Every case of the test below, traced in one fresh process (see
+    tests/trace_cuda_graph.py): {(case, dynamic): trace}, and its stderr."""
     import json
     import os
     import subprocess
@@ -311,11 +311,24 @@ def test_traced_cuda_graph_launches_the_kernels_itself(case, dynamic):
     script = os.path.join(os.path.dirname(__file__), "trace_cuda_graph.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, script, case] + (["dynamic"] if dynamic else [])
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    specs = [f"{case}{mode}" for case in _TRACED_CASES for mode in ("", ":dynamic")]
+    proc = subprocess.run([sys.executable, script, *specs], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "assuming every input is mutated" not in proc.stderr, proc.stderr[-3000:]
-    traced = json.loads(proc.stdout.strip().splitlines()[-1])
+    traces = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {(t["case"], t["dynamic"]): t for t in traces}, proc.stderr
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("case", _TRACED_CASES)
+def test_traced_cuda_graph_launches_the_kernels_itself(case, dynamic):
+    """Under torch.compile the private ops decompose into their kernel
+    launches (torch.library.triton_op), so that Inductor launches the kernels
+    from its generated code instead of calling back into Python. Traced on
+    fake CUDA tensors in a fresh process (see tests/trace_cuda_graph.py);
+    with a symbolic sequence length the graph must stay general in it."""
+    traces, stderr = _traced_cuda_graphs()
+    assert "assuming every input is mutated" not in stderr, stderr[-3000:]
+    traced = traces[(case, dynamic)]
     (graph,) = traced["graphs"]
     if dynamic:
         assert graph["inputs"][0][2] != "80", graph["inputs"]  # still symbolic

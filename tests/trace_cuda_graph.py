@@ -8,12 +8,14 @@ by the compiler hook and never run, and Triton is given a stand-in driver
 that names a Hopper GPU, which is all the tracer asks of it (it compiles each
 kernel to Triton IR to learn which arguments the kernel writes).
 
-    python tests/trace_cuda_graph.py CASE [dynamic]
-        (CASE: causal, bool_mask, float_mask_dropout; "dynamic": the sequence
+    python tests/trace_cuda_graph.py CASE[:dynamic] [CASE[:dynamic] ...]
+        (CASE: causal, bool_mask, float_mask_dropout; ":dynamic": the sequence
         length is symbolic, as Dynamo makes it after a second length)
 
-Prints {"graphs": [...], "guards": [...]}: each graph's launches (see
-``_describe``) and the guards the trace put on the symbolic length.
+Prints one JSON line per CASE, {"case": ..., "dynamic": ..., "graphs": [...],
+"guards": [...]}: each graph's launches (see ``_describe``) and the guards
+the trace put on the symbolic length. The cases share the process (and its
+imports), each with its own fake tensors and shape environment.
 """
 
 import contextlib
@@ -70,10 +72,13 @@ def _describe(gm) -> dict:
     return {"launches": launches, "ops": ops, "inputs": inputs}
 
 
-def main(case: str, dynamic: bool) -> None:
+def _pretend_hopper() -> None:
     triton.runtime.driver.set_active(_HopperDriver())
     torch.cuda.device = lambda device: contextlib.nullcontext()  # no CUDA runtime here
     backward._max_shared_mem = lambda device: 227 * 1024
+
+
+def trace(case: str, dynamic: bool) -> dict:
     graphs = []
 
     def keep(gm, example_inputs):
@@ -113,8 +118,12 @@ def main(case: str, dynamic: bool) -> None:
             if not graphs:
                 raise
             print(f"not run: {str(exc).splitlines()[0]}", file=sys.stderr)
-    print(json.dumps({"graphs": graphs, "guards": [str(guard.expr) for guard in shape_env.guards]}))
+    return {"case": case, "dynamic": dynamic, "graphs": graphs,
+            "guards": [str(guard.expr) for guard in shape_env.guards]}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:] == ["dynamic"])
+    _pretend_hopper()
+    for spec in sys.argv[1:]:
+        case, _, mode = spec.partition(":")
+        print(json.dumps(trace(case, mode == "dynamic")), flush=True)

@@ -5,7 +5,8 @@ key/value heads) with ``attn_implementation="eager"``, so its attention is the
 plain matmul-softmax-matmul in transformers' code. ``torch.compile`` with the
 flashfuse backend rewrites every layer's attention (the ``repeat_kv`` copy of
 keys and values is folded into the op's grouped heads). The script prints the
-attention lines of one layer before and after, the explain table, and checks
+attention lines of one layer before and after, the explain table (with the
+padding mask, and without it, where the mask is proven causal), and checks
 logits and gradients against eager. Pass ``gpt2`` as argument for GPT-2.
 """
 
@@ -65,6 +66,11 @@ def main():
     torch._dynamo.reset()
     print()
     flashfuse.explain(model, input_ids=ids, attention_mask=mask)
+    # Without padding, the mask transformers builds in the graph is causal
+    # (AND a packed-sequence term that position ids from an arange make all
+    # True): the pass proves it, and the op runs is_causal with no mask tensor.
+    print("\nwithout the padding mask:")
+    flashfuse.explain(model, input_ids=ids)
 
     compiled = torch.compile(model, backend=flashfuse.backend)
     logits = compiled(input_ids=ids, attention_mask=mask).logits

@@ -399,11 +399,8 @@ class MaskEvaluator:
             out = band.map(lambda x: bool(fn(x)))
             return dataclasses.replace(out, ndim=self._ndim(node)) if out else None
         # Integer affine comparisons: a - b = c_j * j + c_i * i + const.
-        if isinstance(va, Band) and va.trivial and isinstance(va.inside, (int, float)):
-            va = _mk_affine({}, int(va.inside), 0) if float(va.inside).is_integer() else None
-        if isinstance(vb, Band) and vb.trivial and isinstance(vb.inside, (int, float)):
-            vb = _mk_affine({}, int(vb.inside), 0) if float(vb.inside).is_integer() else None
-        if not isinstance(va, Affine) or not isinstance(vb, Affine):
+        va, vb = _as_affine(va), _as_affine(vb)
+        if va is None or vb is None:
             return None
         ca, cb = va.coefs(), vb.coefs()
         diff = {d: ca.get(d, 0) - cb.get(d, 0) for d in set(ca) | set(cb)}
@@ -460,14 +457,7 @@ class MaskEvaluator:
                 out = b.map(lambda x: fn(av, x * alpha if k != "mul" else x))
             return dataclasses.replace(out, ndim=nd) if out else None
         # Affine arithmetic (integer index expressions).
-        def as_aff(v):
-            if isinstance(v, Affine):
-                return v
-            if isinstance(v, Band) and v.trivial and isinstance(v.inside, (int, float)) and not isinstance(v.inside, bool):
-                if float(v.inside).is_integer():
-                    return _mk_affine({}, int(v.inside), 0)
-            return None
-        fa, fb = as_aff(a), as_aff(b)
+        fa, fb = _as_affine(a), _as_affine(b)
         if fa is None or fb is None:
             return None
         if k == "mul":

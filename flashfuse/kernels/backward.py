@@ -37,7 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep_block, _mask_key_span, _narrow_span, _visible, dropout_threshold
+from .common import (
+    _block_crosses_edge,
+    _dropout_keep_block,
+    _mask_key_span,
+    _narrow_span,
+    _visible,
+    dropout_threshold,
+)
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
     max_shared_mem, next_pow2,
@@ -175,12 +182,7 @@ def _bwd_dkdv_inner(
         # band or of the tensor. The transposed tile is _visible with the
         # roles of queries and keys swapped (offset negated, windows
         # exchanged), which is the same integer test.
-        edge = (start_m + BLOCK_M > N) | (n0 + BLOCK_N > M)
-        if HAS_WR:
-            edge = edge | (n0 + BLOCK_N - 1 > start_m + DIAG_OFF + WR)
-        if HAS_WL:
-            edge = edge | (n0 < start_m + BLOCK_M - 1 + DIAG_OFF - WL)
-        if edge:
+        if _block_crosses_edge(start_m, n0, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N):
             visT = _visible(offs_n, offs_m, M, N, -DIAG_OFF, WR, WL, HAS_WR, HAS_WL)
             pT = tl.where(visT, pT, 0.0)
 
@@ -411,12 +413,7 @@ def _bwd_dq_inner(
             bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
                          mask=m_ok[:, None] & n_ok[None, :], other=0)
             p = tl.where(bt != 0, p, 0.0)
-        edge = (m0 + BLOCK_M > N) | (start_n + BLOCK_N > M)
-        if HAS_WR:
-            edge = edge | (start_n + BLOCK_N - 1 > m0 + DIAG_OFF + WR)
-        if HAS_WL:
-            edge = edge | (start_n < m0 + BLOCK_M - 1 + DIAG_OFF - WL)
-        if edge:
+        if _block_crosses_edge(m0, start_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N):
             vis = _visible(offs_m, offs_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PREC)

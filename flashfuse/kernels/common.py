@@ -40,6 +40,31 @@ def _visible(
 
 
 @triton.jit
+def _block_crosses_edge(
+    m0,
+    n0,
+    N,
+    M,
+    DIAG_OFFSET,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_WINDOW_LEFT: tl.constexpr,
+    HAS_WINDOW_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Whether the (BLOCK_M, BLOCK_N) block at rows m0, keys n0 may hold a
+    pair that ``_visible`` rejects (past the tensor's end or outside the
+    band), so that the element-wise test is needed there and only there."""
+    edge = (m0 + BLOCK_M > N) | (n0 + BLOCK_N > M)
+    if HAS_WINDOW_RIGHT:
+        edge = edge | (n0 + BLOCK_N - 1 > m0 + DIAG_OFFSET + WINDOW_RIGHT)
+    if HAS_WINDOW_LEFT:
+        edge = edge | (n0 < m0 + BLOCK_M - 1 + DIAG_OFFSET - WINDOW_LEFT)
+    return edge
+
+
+@triton.jit
 def _mask_key_span(key_table, offs_m, N, lo_blk, hi_blk, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key blocks of the rows ``offs_m`` from the key table of
     ``mask_ranges`` (``key_table`` points at this (batch, head)'s entries of

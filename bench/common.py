@@ -52,6 +52,7 @@ KERNEL_CASES = {
     "gpt2 nodrop": (8, 12, 1024, 64, True, 0.0),
     "d128 4k causal": (4, 16, 4096, 128, True, 0.0),
     "d128 4k": (4, 16, 4096, 128, False, 0.0),
+    "d128 16k causal": (1, 16, 16384, 128, True, 0.0),
     "d128 4k drop": (4, 16, 4096, 128, False, 0.1),
     "d64 4k causal": (4, 32, 4096, 64, True, 0.0),
     # A causal mask passed as a (B, 1, N, N) bfloat16 tensor of 0 and the
@@ -111,6 +112,8 @@ def env_info(device: torch.device) -> dict:
         "torch_version": torch.__version__,
         "triton_version": triton_version,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        # The FLASHFUSE_* knobs the run was made with (config choice, loads, schedules).
+        "settings": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("FLASHFUSE_")),
     }
 
 

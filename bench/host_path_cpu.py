@@ -57,8 +57,10 @@ def force_cuda_path_on_cpu():
     launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: (grid(cfg.kwargs), _StubBinary())[1]
     ops._use_triton = lambda q: True
     forward._interpreting = backward._interpreting = mask_ranges._interpreting = lambda t: False
+    launch._interpreting = lambda t: False
     backward._max_shared_mem = lambda device: 227 * 1024
     torch.cuda.device = lambda device: contextlib.nullcontext()
+    launch._capability = lambda index: (9, 0)  # a Hopper GPU
 
 
 def best_us(fn, loops: int, calls: int) -> float:

@@ -140,11 +140,16 @@ def _sass(cubin: bytes) -> str:
 
 def loop_bodies(sass: str) -> list[int]:
     """Instruction counts of the SASS loops (a branch back to a lower
-    address), largest first: the per-iteration cost of each main loop."""
+    address), largest first: the per-iteration cost of each main loop.
+    Branches from the out-of-line blocks after the kernel's last ``EXIT``
+    (the retry paths of barrier waits) jump back into a loop without
+    closing one, so they are not counted."""
+    exits = [int(m.group(1), 16) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+EXIT\b", sass)]
+    last_exit = max(exits) if exits else None
     loops = []
     for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+[^;]*\bBRA\s+(?:`\()?0x([0-9a-f]+)", sass):
         at, target = int(m.group(1), 16), int(m.group(2), 16)
-        if target < at:
+        if target < at and (last_exit is None or at < last_exit):
             loops.append((at - target) // 16 + 1)  # Hopper instructions are 16 bytes
     return sorted(loops, reverse=True)
 

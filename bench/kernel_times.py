@@ -37,19 +37,24 @@ KERNELS = {"fwd": "_attn_fwd", "dkdv": "_bwd_dkdv", "dq": "_bwd_dq", "dkdv_dq": 
 
 def parse_args():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
-    p.add_argument("--cases", default=None, help=f"comma-separated subset of {list(CASES)}")
+    p.add_argument("--cases", default=None, help=f"comma-separated names from {list(common.KERNEL_CASES)}")
     p.add_argument("--kernels", default="fwd,dkdv,dq", help="kernels whose configs to sweep: fwd, dkdv, dq")
     p.add_argument("--one-pass", action="store_true", help="also sweep the one-pass dK/dV+dQ kernel")
     p.add_argument("--reps", type=int, default=10, help="profiled forward+backward steps per config")
     p.add_argument("--max-configs", type=int, default=0, help="sweep only the first N candidates (0: all)")
+    p.add_argument("--tiles", default=None,
+                   help="sweep these tiles instead of the candidate lists, e.g. '128,64,8,3;128,128,8,3'")
     return p.parse_args()
 
 
-def candidates(kind: str, D: int, limit: int = 0) -> list[tuple]:
+def candidates(kind: str, D: int, limit: int = 0, tiles: str | None = None) -> list[tuple]:
     """(BLOCK_M, BLOCK_N, warps, stages) candidates of a kernel for head dim D,
-    the first ``limit`` of them if ``limit > 0``."""
+    the first ``limit`` of them if ``limit > 0``; ``tiles`` ("bm,bn,w,s;...")
+    replaces the kernel's own list."""
     from flashfuse.kernels import backward, forward
 
+    if tiles:
+        return [tuple(int(x) for x in t.split(",")) for t in tiles.split(";") if t.strip()]
     if kind == "fwd":
         tiles = list(forward._CUDA_CONFIGS)
     else:
@@ -122,17 +127,19 @@ def main():
     device = common.pick_device(args)
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
-        cases = {n: CASES[n.strip()] for n in args.cases.split(",")}
+        cases = {n.strip(): common.KERNEL_CASES[n.strip()] for n in args.cases.split(",")}
     kinds = [k.strip() for k in args.kernels.split(",")] + (["dkdv_dq"] if args.one_pass else [])
     if args.smoke or device.type != "cuda":
         for name, (B, H, N, D, causal, p, *_) in cases.items():
             for kind in kinds:
-                print(f"{name}: {kind} candidates {candidates(kind, D, args.max_configs)}")
+                print(f"{name}: {kind} candidates {candidates(kind, D, args.max_configs, args.tiles)}")
         return
 
     import flashfuse
 
     res = common.Results(args.out, "kernel_times.csv", common.env_info(device))
+    # Which loads the kernels use when FLASHFUSE_TMA forces one kind.
+    loads = {"1": " (tma)", "0": " (pointers)"}.get(os.environ.get("FLASHFUSE_TMA", ""), "")
     summary = []
     for name, (B, H, N, D, causal, p, *mask_kind) in cases.items():
         torch.manual_seed(0)
@@ -164,20 +171,20 @@ def main():
         ff_us = sum(statistics.median(t) for t in ff_times.values())
         for kname, t in sorted(ff_times.items(), key=lambda kv: -statistics.median(kv[1])):
             print(f"{name:16s} flashfuse kernel {statistics.median(t):8.1f} us  {kname[:80]}")
-        res.add(case=name, kernel="flashfuse (all kernels)", config="default", us=ff_us, status="ok", error="")
+        res.add(case=name, kernel="flashfuse (all kernels)" + loads, config="default", us=ff_us, status="ok", error="")
         best = {}
         for kind in kinds:
             os.environ["FLASHFUSE_BWD"] = "one_pass" if kind == "dkdv_dq" else "two_pass"
-            for tile in candidates(kind, D, args.max_configs):
+            for tile in candidates(kind, D, args.max_configs, args.tiles):
                 try:
                     with forced(kind, tile):
                         times = profile_kernels(ff, args.reps)
                     us = statistics.median(times[KERNELS[kind]])
-                    row = res.add(case=name, kernel=kind, config=str(tile), us=us, status="ok", error="")
+                    row = res.add(case=name, kernel=kind + loads, config=str(tile), us=us, status="ok", error="")
                     if kind not in best or us < best[kind][1]:
                         best[kind] = (tile, us)
                 except Exception as e:  # does not compile / fit: record it, go on
-                    row = res.add(case=name, kernel=kind, config=str(tile), us=float("nan"), status="error",
+                    row = res.add(case=name, kernel=kind + loads, config=str(tile), us=float("nan"), status="error",
                                   error=common.short_error(e))
                 print(f"{name:16s} {kind:8s} {row['config']:18s} {common.cell(row, 'us')} us", flush=True)
         os.environ.pop("FLASHFUSE_BWD", None)

@@ -31,7 +31,7 @@ from .common import _dropout_keep_block, _mask_key_span, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    next_pow2,
+    descriptor_loads, ensure_scratch_allocator, next_pow2,
 )
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
 from .mask_ranges import mask_key_table, table_strides
@@ -104,6 +104,7 @@ def _attn_fwd_inner(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     SCALE_NONNEG: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    KV_DESC: tl.constexpr,
 ):
     """Fold key blocks ``[lo, hi)`` (lo a multiple of BLOCK_N) into the online softmax.
 
@@ -116,8 +117,9 @@ def _attn_fwd_inner(
     """
     # Loop-invariant pointer tiles; only the scalar base advances, so the
     # per-element offsets stay small (int32) even for multi-million keys.
-    k_ptrs = k_base + lo.to(tl.int64) * stride_kn + offs_n_base[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + lo.to(tl.int64) * stride_vn + offs_n_base[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if not KV_DESC:
+        k_ptrs = k_base + lo.to(tl.int64) * stride_kn + offs_n_base[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + lo.to(tl.int64) * stride_vn + offs_n_base[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     if MASK_KIND != 0:
         # The mask's 2-D pointer tile is formed in each iteration from the row
         # pointers: carried across the loop (like K's and V's) it held two
@@ -133,7 +135,12 @@ def _attn_fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         col_ok = offs_n < M
-        k = _load_tile(k_ptrs, col_ok[:, None], d_ok, BOUNDARY, BLOCK_D != HEAD_DIM)
+        if KV_DESC:
+            # Tensor-memory-accelerator copy; rows past M and columns past
+            # the head dim arrive as zeros, so no bounds masks.
+            k = k_base.load([start_n, 0])
+        else:
+            k = _load_tile(k_ptrs, col_ok[:, None], d_ok, BOUNDARY, BLOCK_D != HEAD_DIM)
         qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST)
         if DROPOUT:
             # Drawn while the score product is in flight: the draws do not
@@ -185,12 +192,16 @@ def _attn_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             p = tl.where(dkeep, p, 0.0)
-        v = _load_tile(v_ptrs, col_ok[:, None], dv_ok, BOUNDARY, BLOCK_DV != HEAD_DIM_V)
+        if KV_DESC:
+            v = v_base.load([start_n, 0])
+        else:
+            v = _load_tile(v_ptrs, col_ok[:, None], dv_ok, BOUNDARY, BLOCK_DV != HEAD_DIM_V)
         acc = acc * alpha[:, None]
         acc = _dot_acc(p.to(v.dtype), v, acc, INPUT_PRECISION, DOT_UPCAST)
         m_i = m_ij
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not KV_DESC:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -212,6 +223,7 @@ def _attn_fwd(
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, SCALE_NONNEG: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, RANGE_GROUP: tl.constexpr,
+    KV_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_M), Hq, B): one query tile of one (batch, head).
@@ -244,6 +256,13 @@ def _attn_fwd(
     q = _load_tile(q_ptrs, row_ok[:, None], offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
     k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    if KV_DESC:
+        # The host checked: unit last strides, 16-byte aligned bases and row
+        # strides (what the copy engine requires).
+        k_base = tl.make_tensor_descriptor(k_base, shape=[M, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[M, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
     if MASK_KIND != 0:
         mask_base = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh
         mask_base = mask_base + offs_m64[:, None] * stride_mm
@@ -300,7 +319,7 @@ def _attn_fwd(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
     # Phase 2: blocks fully visible to every real row; with a mask, those
     # before, in and after the part where its values are all neutral.
     acc, l_i, m_i = _attn_fwd_inner(
@@ -309,7 +328,7 @@ def _attn_fwd(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
     if SKIP_HIDDEN:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_lo, free_hi,
@@ -317,14 +336,14 @@ def _attn_fwd(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
             False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, 0, DROPOUT,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_hi, mid_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
             False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
     # Phase 3: blocks that straddle the band's end or the last key.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
@@ -332,7 +351,7 @@ def _attn_fwd(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
 
     # Rows that saw no key (l_i == 0): output 0, lse +inf.
     empty = l_i == 0.0
@@ -377,6 +396,11 @@ _CUDA_CONFIGS = [
 _SMALL_HEAD_DROPOUT_FIRST = (64, 64, 4, 3)
 
 
+# With tensor-descriptor loads (head dims 65-128): 64-row tiles, one warp
+# group, measured 3-8 % faster on an H200 (Triton 3.6) at D = 128 than the
+# best pointer-load tile, (128, 64, 8, 3) (bench/NOTES.md run 11).
+_DESCRIPTOR_FIRST = (64, 64, 4, 3)
+
 _SMEM_BUDGET = 200 * 1024  # bytes; H100/H200 allow 227 KiB per block, leave room
 _REG_BUDGET = 200  # fp32 accumulator + score values per thread before spilling
 
@@ -390,6 +414,8 @@ def _prune_configs(configs, named_args, **kwargs):
     mask_elt = args["Mask"].element_size() if args["MASK_KIND"] != _MASK_NONE else 0
     kept = []
     for cfg in configs:
+        if args.get("KV_DESC") and cfg.num_stages < 3:
+            continue  # Triton 3.6's ptxas crashes on two-stage descriptor pipelines (sm_90a)
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
         smem = elt * bm * bd + cfg.num_stages * bn * (elt * (bd + bdv) + mask_elt * bm)
         regs = (bm * bdv + bm * bn) // (cfg.num_warps * 32)
@@ -399,6 +425,8 @@ def _prune_configs(configs, named_args, **kwargs):
         kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
     if args["DROPOUT"] and max(bd, bdv) <= 64:
         kept.sort(key=lambda c: config_tuple(c) != _SMALL_HEAD_DROPOUT_FIRST)  # stable: the rest keep their order
+    if args.get("KV_DESC"):
+        kept.sort(key=lambda c: config_tuple(c) != _DESCRIPTOR_FIRST)
     if elt == 4:
         # fp32 tiles need more shared memory than this estimate counts (an H200
         # run refused 128x64x2 stages); smallest first, so that the untuned
@@ -502,6 +530,9 @@ def attention_forward(
         threshold, dropout_scale, seed_arg = 0, 1.0, q  # seed never read
 
     precision = _dot_precision(q)
+    # With a mask tensor the descriptor path's tiles measured 19-25 % slower
+    # (bench/NOTES.md run 11): pointer loads then, unless forced.
+    kv_desc = descriptor_loads(k, v, faster=mask_kind == _MASK_NONE)
 
     limit = N + M
     band = dict(diag_off=(M - N) if bottom_right else 0, window_left=_clamp_window(window_left, limit),
@@ -526,13 +557,15 @@ def attention_forward(
         HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
         MASK_KIND=mask_kind, DROPOUT=dropout, INPUT_PRECISION=precision,
         SKIP_HIDDEN=skip_hidden,
-        SCALE_NONNEG=scale >= 0, RANGE_GROUP=_RANGE_GROUP,
+        SCALE_NONNEG=scale >= 0, RANGE_GROUP=_RANGE_GROUP, KV_DESC=kv_desc,
     )
     if _interpreting(q):
         grid = (cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
         _attn_fwd[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16,
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
+        if kv_desc:
+            ensure_scratch_allocator()
         with torch.cuda.device(q.device):
             # A bool mask is keyed as the bytes eager calls pass, so that a
             # traced launch (which passes the bool tensor) finds their choice.

@@ -323,6 +323,63 @@ def bool_mask_as_bytes(mask: torch.Tensor) -> torch.Tensor:
     return mask if _traced((mask,)) else mask.view(torch.uint8)
 
 
+def descriptor_loads(*tensors: torch.Tensor, faster: bool = True) -> bool:
+    """Whether a kernel may read these (B, H, L, D) tensors through tensor
+    descriptors (the copy engine of Hopper and later GPUs, TMA) instead of
+    pointer tiles.
+
+    ``FLASHFUSE_TMA=0`` turns them off, ``1`` forces them wherever the
+    layout allows (also under the interpreter, for tests); unset, they are
+    used on CUDA GPUs of compute capability 9 or more for 16-bit tensors with
+    head dims of 65 to 128, where they measured faster (bench/NOTES.md run
+    11), unless the caller says they are not (``faster=False``). The layout
+    must suit the copy engine: unit last stride, 16-byte
+    aligned base and strides. Never while tracing: a traced graph's tensors
+    have no address to check, and a misaligned descriptor is not caught.
+    """
+    mode = os.environ.get("FLASHFUSE_TMA", "")
+    if mode == "0" or not hasattr(triton.language, "make_tensor_descriptor") or _traced(tensors):
+        return False
+    t0 = tensors[0]
+    if _interpreting(t0):
+        if mode != "1":
+            return False
+    else:
+        if _capability(t0.device.index)[0] < 9 or t0.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        head = max(t.shape[3] for t in tensors)
+        if head > 128 or (mode != "1" and (head <= 64 or not faster)):
+            return False
+    for t in tensors:
+        elt = t.element_size()
+        if t.stride(3) != 1 or (t.shape[3] * elt) % 16 or t.data_ptr() % 16:
+            return False
+        if any(size > 1 and (st <= 0 or (st * elt) % 16) for size, st in zip(t.shape[:3], t.stride()[:3])):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for kernels that build tensor descriptors on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton an allocator for device-side scratch (tensor descriptors)
+    in this thread, unless the caller already set one. Triton keeps it per
+    thread (a context variable), and autograd runs backward in its own
+    thread, so this runs before every launch that needs it."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
 def _current_stream():
     """The raw CUDA stream Triton would launch on: the current device's."""
     driver = triton.runtime.driver.active

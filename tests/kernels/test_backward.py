@@ -25,6 +25,7 @@ from flashfuse.kernels.backward import attention_backward
 from flashfuse.kernels.launch import config_tuple
 
 from .masks import hiding_mask
+from .padding import in_nan_padding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -126,7 +127,7 @@ def run_case(
     B=1, Hq=2, Hkv=None, N=17, M=33, D=40, Dv=None, dtype=torch.float32, *,
     mask_shape=None, mask_kind=None, mask_grad=False, window_left=None, window_right=None,
     bottom_right=False, dropout_p=0.0, noncontig=False, seed=0, scale=None, empty_rows=(),
-    go_broadcast=False, deterministic=False, mask_tensor=None, zero_go_rows=(),
+    go_broadcast=False, deterministic=False, mask_tensor=None, zero_go_rows=(), kv_in_nan_padding=False,
 ):
     """Compare ``attention_backward`` with float64 autograd on fresh inputs.
 
@@ -139,6 +140,8 @@ def run_case(
     torch.use_deterministic_algorithms(True).
     mask_tensor: a given mask (on the CPU) instead of a random one.
     zero_go_rows: query rows whose output gradient is 0.
+    kv_in_nan_padding: k and v are views into buffers whose rows past M and
+    columns past the head dims hold NaN, so a read past their edges shows.
     Returns the four kernel outputs.
     """
     Hkv = Hq if Hkv is None else Hkv
@@ -148,6 +151,8 @@ def run_case(
     k = _rand((B, Hkv, M, D), dtype, noncontig, gen)
     v = _rand((B, Hkv, M, Dv), dtype, noncontig, gen)
     go = _rand((B, Hq, N, Dv), dtype, noncontig, gen)
+    if kv_in_nan_padding:
+        k, v = in_nan_padding(k), in_nan_padding(v)
     if go_broadcast:  # e.g. the gradient of out.sum(dim=2): stride 0 over queries
         go = go[:, :, :1].expand(B, Hq, N, Dv)
     if zero_go_rows:
@@ -381,6 +386,32 @@ def test_gqa_mqa(Hq, Hkv):
 def test_noncontiguous(dtype):
     run_case(B=2, Hq=2, N=17, M=33, D=40, Dv=24, dtype=dtype, noncontig=True,
              mask_shape=(2, 1, 17, 33), mask_kind="float")
+
+
+@pytest.mark.parametrize("case", ["gqa causal", "float mask", "dropout", "odd head dims"])
+def test_dq_descriptor_loads(case, monkeypatch, launched):
+    """dQ reads K and V through tensor descriptors (FLASHFUSE_TMA=1, two
+    passes): keys past M and columns past the head dims must arrive as zeros,
+    so K and V sit in NaN padding here."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need compute capability 9 or more")
+    monkeypatch.setenv("FLASHFUSE_TMA", "1")
+    monkeypatch.setenv("FLASHFUSE_BWD", "two_pass")
+    seen = []
+    real = backward.descriptor_loads
+    monkeypatch.setattr(backward, "descriptor_loads", lambda *ts, **kw: seen.append(real(*ts, **kw)) or seen[-1])
+    if case == "gqa causal":
+        run_case(B=2, Hq=4, Hkv=2, N=45, M=37, D=40, Dv=24, dtype=torch.bfloat16, window_right=0,
+                 bottom_right=True, kv_in_nan_padding=True)
+    elif case == "float mask":
+        run_case(N=33, M=70, D=32, dtype=torch.float16, mask_shape=(1, 2, 33, 70), mask_kind="float",
+                 mask_grad=True, window_left=20, kv_in_nan_padding=True)
+    elif case == "dropout":
+        run_case(N=17, M=45, D=16, dtype=torch.float16, dropout_p=0.3, mask_shape=(1, 1, 1, 45),
+                 mask_kind="bool", kv_in_nan_padding=True)
+    else:  # 72 and 8 columns: padded tiles of 128 and 16
+        run_case(N=20, M=50, D=72, Dv=8, dtype=torch.bfloat16, kv_in_nan_padding=True)
+    assert seen == [True] and launched == ["dkdv", "dq"]
 
 
 @pytest.mark.usefixtures("bwd_mode")

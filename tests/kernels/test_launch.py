@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import triton
 
-from flashfuse.kernels.launch import ConfigLauncher, OutOfResources
+from flashfuse.kernels.launch import ConfigLauncher, OutOfResources, descriptor_loads
 
 
 class _RecordingKernel:
@@ -245,3 +246,40 @@ def test_tuning_cache_survives_a_broken_file_and_can_be_turned_off(monkeypatch, 
     off = launch.TuningCache()
     off.store("k", "key2", _cfg(16))
     assert off.lookup("k", "key2", [_cfg(16)]) is None
+
+
+# -- tensor-descriptor loads ----------------------------------------------------
+
+
+def _bhld(B=2, H=3, L=37, D=40, dtype=torch.bfloat16):
+    return torch.randn(B, H, L, D).to(dtype)
+
+
+def test_descriptor_loads_only_where_the_copy_engine_can_read(monkeypatch):
+    """The rules of ``descriptor_loads`` under the interpreter, where only
+    FLASHFUSE_TMA=1 turns them on: the layout must still suit the copy engine."""
+    t = _bhld()
+    monkeypatch.delenv("FLASHFUSE_TMA", raising=False)
+    assert not descriptor_loads(t, t), "the interpreter uses them only when forced"
+    monkeypatch.setenv("FLASHFUSE_TMA", "1")
+    assert descriptor_loads(t, t)
+    assert descriptor_loads(t.transpose(1, 2).contiguous().transpose(1, 2)), "any 16-byte strides"
+    flat = torch.randn(2 * 3 * 37 * 40 + 1).to(torch.bfloat16)
+    misaligned = flat[1:].view(2, 3, 37, 40)
+    assert not descriptor_loads(t, misaligned), "base not 16-byte aligned"
+    assert not descriptor_loads(_bhld(D=20)), "rows of 40 bytes: strides not multiples of 16 bytes"
+    assert not descriptor_loads(t.transpose(2, 3).contiguous().transpose(2, 3)), "last stride must be 1"
+    assert not descriptor_loads(t[:, :, :1].expand(2, 3, 37, 40)), "stride 0 over rows"
+    assert descriptor_loads(t[:, :1].expand(2, 3, 37, 40)) is False
+    monkeypatch.setenv("FLASHFUSE_TMA", "0")
+    assert not descriptor_loads(t, t)
+
+
+def test_descriptor_loads_never_while_tracing(monkeypatch):
+    """Fake tensors have no address to check alignment on."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setenv("FLASHFUSE_TMA", "1")
+    with FakeTensorMode():
+        t = _bhld()
+        assert not descriptor_loads(t, t)

@@ -47,7 +47,7 @@ from .common import (
 )
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    descriptor_loads, ensure_scratch_allocator, max_shared_mem, next_pow2,
+    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, max_shared_mem, next_pow2,
 )
 from .mask_ranges import COL_GROUP as _COL_GROUP
 from .mask_ranges import ROW_GROUP as _ROW_GROUP
@@ -386,9 +386,10 @@ def _bwd_dq_inner(
 ):
     """Fold the key blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
     multiples of BLOCK_N) into the dQ tile of the query block ``m0``, in one
-    loop (see ``_bwd_dkdv_inner``). DESC: ``kT_cols`` and ``vT_cols`` are
-    tensor descriptors of the head's K and V, else column pointers. MASK_KIND 0 with a mask present: blocks
-    where its values are all neutral (``mask_ranges``), computed without it."""
+    loop (see ``_bwd_dkdv_inner``). MASK_KIND 0 with a mask present: blocks
+    where its values are all neutral (``mask_ranges``), computed without it.
+    DESC: ``kT_cols`` and ``vT_cols`` are tensor descriptors of the head's K
+    and V, else column pointers."""
     if DESC:
         dtype = kT_cols.dtype
     else:
@@ -592,6 +593,8 @@ def _prune(kind: str):
         if args.get("HAS_DROPOUT"):
             # Key blocks under 32 draw dropout one Philox call per element.
             wanted = [t for t in wanted if t[1] >= 32] or wanted
+        if kind == "dq" and args.get("DESC"):
+            wanted = [t for t in wanted if t[3] >= DESCRIPTOR_MIN_STAGES]
         if elt == 4:
             # Two candidates, and the smallest tile as a fallback: fp32 tiles
             # need more shared memory than the estimate below counts.
@@ -601,8 +604,7 @@ def _prune(kind: str):
         kept = []
         for t in wanted:  # in the class's own best-first order
             c = by_tile.get(t)
-            if c is None or (kind == "dq" and args.get("DESC") and c.num_stages < 3):
-                # Triton 3.6's ptxas crashes on two-stage descriptor pipelines (sm_90a)
+            if c is None:
                 continue
             bm, bn = t[0], t[1]
             resident, streamed = (bm, bn) if kind == "dq" else (bn, bm)
@@ -612,8 +614,7 @@ def _prune(kind: str):
             if smem <= smem_cap:
                 kept.append(c)
         if not kept:  # smallest tile of the class as the fallback
-            small = min((t for t in wanted if t[3] >= 3 or not (kind == "dq" and args.get("DESC"))),
-                        key=lambda t: t[0] * t[1])
+            small = min(wanted, key=lambda t: t[0] * t[1])
             kept = [by_tile[small]] if small in by_tile else []
         return kept
 

@@ -31,7 +31,7 @@ from .common import _dropout_keep_block, _mask_key_span, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    descriptor_loads, ensure_scratch_allocator, next_pow2,
+    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, next_pow2,
 )
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
 from .mask_ranges import mask_key_table, table_strides
@@ -412,10 +412,10 @@ def _prune_configs(configs, named_args, **kwargs):
     elt = args["Q"].element_size()
     # The pipeliner stages mask tiles in shared memory next to K and V.
     mask_elt = args["Mask"].element_size() if args["MASK_KIND"] != _MASK_NONE else 0
+    if args.get("KV_DESC"):
+        configs = [c for c in configs if c.num_stages >= DESCRIPTOR_MIN_STAGES]
     kept = []
     for cfg in configs:
-        if args.get("KV_DESC") and cfg.num_stages < 3:
-            continue  # Triton 3.6's ptxas crashes on two-stage descriptor pipelines (sm_90a)
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
         smem = elt * bm * bd + cfg.num_stages * bn * (elt * (bd + bdv) + mask_elt * bm)
         regs = (bm * bdv + bm * bn) // (cfg.num_warps * 32)

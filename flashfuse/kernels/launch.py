@@ -323,6 +323,12 @@ def bool_mask_as_bytes(mask: torch.Tensor) -> torch.Tensor:
     return mask if _traced((mask,)) else mask.view(torch.uint8)
 
 
+# Fewest pipeline stages a kernel with tensor-descriptor loads may take:
+# Triton 3.6's ptxas crashes (signal 11) on every two-stage descriptor
+# pipeline tried for sm_90a, forward and backward.
+DESCRIPTOR_MIN_STAGES = 3
+
+
 def descriptor_loads(*tensors: torch.Tensor, faster: bool = True) -> bool:
     """Whether a kernel may read these (B, H, L, D) tensors through tensor
     descriptors (the copy engine of Hopper and later GPUs, TMA) instead of

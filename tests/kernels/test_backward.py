@@ -693,3 +693,18 @@ def test_candidates_follow_the_head_dim_class_order(kind, head_dim, dropout, mon
     want = [t for t in tiles[cls] if not (dropout and t[1] < 32)]
     assert got and got == [t for t in want if t in got], (got, want)
     assert got[0] == want[0] or cls == 256, "the class's first tile fits on a Hopper-sized GPU"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_candidates_with_descriptors_have_three_stages_or_more(head_dim, monkeypatch):
+    """Triton 3.6's ptxas crashes on two-stage descriptor pipelines, so the
+    dQ kernel with descriptor loads never gets one; dK/dV keeps its list."""
+    monkeypatch.setattr(backward, "_max_shared_mem", lambda device: 227 * 1024)
+    q = torch.empty(1, dtype=torch.bfloat16)
+    args = {"Q": q, "BLOCK_D": head_dim, "BLOCK_DV": head_dim, "HAS_DROPOUT": False, "DESC": True}
+    dq = [config_tuple(c) for c in backward._prune("dq")(backward._CONFIGS["dq"], args)]
+    assert dq and all(t[3] >= 3 for t in dq), dq
+    dq_pointers = [config_tuple(c) for c in backward._prune("dq")(backward._CONFIGS["dq"], {**args, "DESC": False})]
+    assert dq == [t for t in dq_pointers if t[3] >= 3]
+    dkdv = [config_tuple(c) for c in backward._prune("dkdv")(backward._CONFIGS["dkdv"], args)]
+    assert any(t[3] == 2 for t in dkdv), "dK/dV reads through pointers: two stages stay"

@@ -604,3 +604,14 @@ def test_forward_candidates_order(dropout, head_dim):
     else:
         assert first == fwd._CUDA_CONFIGS[0]
     assert sorted(map(config_tuple, kept)) == sorted(set(map(config_tuple, kept))), "no duplicates"
+
+
+@pytest.mark.parametrize("mask_kind", [0, 2])
+def test_forward_candidates_with_descriptors(mask_kind):
+    """With descriptor loads the 64-row, one-warp-group tile comes first, and
+    no two-stage pipeline is offered (Triton 3.6's ptxas crashes on them)."""
+    q = torch.empty(1, dtype=torch.bfloat16)
+    meta = dict(BLOCK_D=128, BLOCK_DV=128, MASK_KIND=mask_kind, DROPOUT=False, KV_DESC=True)
+    kept = [config_tuple(c) for c in fwd._prune_configs(fwd._FWD_CONFIGS, {"Q": q, "Mask": q}, **meta)]
+    assert kept[0] == fwd._DESCRIPTOR_FIRST
+    assert all(t[3] >= 3 for t in kept), kept

@@ -613,7 +613,7 @@ def _prune(kind: str):
                 smem += elt * bm * bn  # dS staged transposed for the dS K dot
             if smem <= smem_cap:
                 kept.append(c)
-        if not kept:  # smallest tile of the class as the fallback
+        if not kept and wanted:  # smallest tile of the class as the fallback
             small = min(wanted, key=lambda t: t[0] * t[1])
             kept = [by_tile[small]] if small in by_tile else []
         return kept

@@ -339,9 +339,9 @@ def descriptor_loads(*tensors: torch.Tensor, faster: bool = True) -> bool:
     used on CUDA GPUs of compute capability 9 or more for 16-bit tensors with
     head dims of 65 to 128, where they measured faster (bench/NOTES.md run
     11), unless the caller says they are not (``faster=False``). The layout
-    must suit the copy engine: unit last stride, 16-byte
-    aligned base and strides. Never while tracing: a traced graph's tensors
-    have no address to check, and a misaligned descriptor is not caught.
+    must suit the copy engine: unit last stride, 16-byte aligned base and
+    strides. Never while tracing: a traced graph's tensors have no address
+    to check, and a misaligned descriptor is not caught.
     """
     mode = os.environ.get("FLASHFUSE_TMA", "")
     if mode == "0" or not hasattr(triton.language, "make_tensor_descriptor") or _traced(tensors):

@@ -270,7 +270,7 @@ def test_descriptor_loads_only_where_the_copy_engine_can_read(monkeypatch):
     assert not descriptor_loads(_bhld(D=20)), "rows of 40 bytes: strides not multiples of 16 bytes"
     assert not descriptor_loads(t.transpose(2, 3).contiguous().transpose(2, 3)), "last stride must be 1"
     assert not descriptor_loads(t[:, :, :1].expand(2, 3, 37, 40)), "stride 0 over rows"
-    assert descriptor_loads(t[:, :1].expand(2, 3, 37, 40)) is False
+    assert descriptor_loads(t[:, :1].expand(2, 3, 37, 40)) is False, "stride 0 over heads"
     monkeypatch.setenv("FLASHFUSE_TMA", "0")
     assert not descriptor_loads(t, t)
 

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from .fx.match import Candidate
-from .fx.rewrite import FlashAttentionPass
+from .fx.rewrite import FlashAttentionPass, copy_graph_module
 
 log = logging.getLogger("flashfuse")
 
@@ -70,13 +70,28 @@ class Backend:
         self.candidates: list[Candidate] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        original = copy_graph_module(gm)
         cands = FlashAttentionPass(example_inputs)(gm)
         n = sum(c.rewritten for c in cands)
         if cands:
             log.info("flashfuse: %d of %d attention candidates rewritten", n, len(cands))
         if self.record:
             self.candidates.extend(cands)
-        return self._compile(gm, list(example_inputs))
+        if n == 0:
+            return self._compile(gm, list(example_inputs))
+        try:
+            return self._compile(gm, list(example_inputs))
+        except Exception as exc:  # noqa: BLE001 - flashfuse must never fail a compile
+            # Whatever failed, the graph as Dynamo traced it is what the user
+            # would have compiled without flashfuse: compile that instead. If
+            # the failure was not flashfuse's, it happens again and is raised.
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            reason = f"compiling the rewritten graph failed ({type(exc).__name__}: {first}); left unrewritten"
+            log.warning("flashfuse: %s", reason, exc_info=log.isEnabledFor(logging.DEBUG))
+            for cand in cands:
+                if cand.rewritten:
+                    cand.rewritten, cand.plan, cand.reason = False, None, reason
+            return self._compile(original, list(example_inputs))
 
     def __repr__(self) -> str:
         name = self.compiler if isinstance(self.compiler, str) else getattr(self.compiler, "__name__", "custom")

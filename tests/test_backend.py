@@ -90,3 +90,39 @@ def test_no_global_config_changed():
     before = dict(ic.get_config_copy())
     make_backend(options={"max_autotune": True})
     assert dict(ic.get_config_copy()) == before
+
+
+def _has_flashfuse_op(gm) -> bool:
+    return any("flashfuse" in str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_a_rewritten_graph_that_fails_to_compile_falls_back_to_the_traced_graph(caplog):
+    """flashfuse never fails a compile: when the compiler after the rewrite
+    raises, the backend compiles the graph as Dynamo traced it, and says why
+    in the log and on the candidates."""
+    seen = []
+
+    def picky(gm, example_inputs):
+        seen.append(_has_flashfuse_op(gm))
+        if seen[-1]:
+            raise RuntimeError("out of resource: shared memory (a stand-in failure)")
+        return gm.forward
+
+    be = make_backend(compiler=picky, record=True)
+    q, k, v = qkv(2, 3, 37, d=24)
+    with caplog.at_level(logging.WARNING, logger="flashfuse"):
+        out = torch.compile(attn, backend=be)(q, k, v)
+    assert seen == [True, False], "the rewritten graph first, then the traced one"
+    ref = attn(*(t.detach().requires_grad_() for t in (q, k, v)))
+    torch.testing.assert_close(out, ref)
+    (cand,) = be.candidates
+    assert not cand.rewritten and "compiling the rewritten graph failed (RuntimeError: out of resource" in cand.reason
+    assert "left unrewritten" in caplog.text
+
+
+def test_a_failure_that_is_not_flashfuses_is_still_raised():
+    def broken(gm, example_inputs):
+        raise ValueError("the user's own compiler is broken")
+
+    with pytest.raises(Exception, match="the user's own compiler is broken"):
+        torch.compile(attn, backend=make_backend(compiler=broken))(*qkv(1, 2, 16, d=16))

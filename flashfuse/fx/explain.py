@@ -4,6 +4,8 @@
 ``torch.compile`` would, runs the finder on every graph (without changing
 anything: the model runs eagerly) and reports each softmax candidate: where
 it is in the model, whether it would be rewritten, and what was recognised.
+(A compile can still fall back: the backend compiles the unrewritten graph
+when the rewritten one fails to compile, and logs why.)
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from .find import find
 from .match import Candidate, module_path, source_line
+from .rewrite import FlashAttentionPass, copy_graph_module
 
 
 @dataclasses.dataclass
@@ -92,8 +94,8 @@ def explain(model: Callable, *args: Any, print_table: bool = True, dynamic: Any 
     """Report every attention candidate in ``model`` (an ``nn.Module`` or a
     function) when called with ``*args, **kwargs``.
 
-    The model is traced by Dynamo as under ``torch.compile`` and then runs
-    eagerly; nothing is rewritten. Candidates that would be rewritten show
+    The model is traced by Dynamo as under ``torch.compile``, the pass runs
+    on a copy of each graph, and the model then runs eagerly, unchanged. Candidates that would be rewritten show
     what was recognised (scale, mask kind, causal alignment, window, grouped
     heads, dropout); the others say why the graph is left as it is. Rows
     with every key masked differ in one documented way once rewritten: the
@@ -112,7 +114,9 @@ def explain(model: Callable, *args: Any, print_table: bool = True, dynamic: Any 
     def recorder(gm: torch.fx.GraphModule, example_inputs):
         nonlocal graphs
         graphs += 1
-        for cand in find(gm, example_inputs):
+        # The pass itself, on a copy: what the backend would rewrite, refusals
+        # made while emitting the op (a shape the GPU kernels cannot run) included.
+        for cand in FlashAttentionPass(example_inputs)(copy_graph_module(gm)):
             rows.append(_row(len(rows), cand))
         return gm.forward
 

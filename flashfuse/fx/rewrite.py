@@ -64,6 +64,10 @@ class FlashAttentionPass:
                 continue
             try:
                 new = _emit(gm, cand, replaced)
+            except CannotLaunch as e:
+                cand.plan, cand.reason = None, f"the kernels cannot run this shape on this GPU: {e}"
+                log.warning("flashfuse: left %s unrewritten: %s", cand.softmax.name, cand.reason)
+                continue
             except Exception as e:  # noqa: BLE001 - leave the graph correct
                 # Building the replacement failed (e.g. a view the example
                 # values did not foresee): nothing was rewired yet, so drop
@@ -81,6 +85,19 @@ class FlashAttentionPass:
             gm.graph.lint()
             gm.recompile()
         return candidates
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A graph module with a copy of ``gm``'s graph (node metadata copied
+    shallowly, example values shared) over the same submodules, parameters
+    and buffers: what the backend falls back to if the rewritten graph
+    fails to compile."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copy = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy.meta = dict(getattr(gm, "meta", {}))
+    return copy
 
 
 def rewrite(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = None) -> list[Candidate]:
@@ -222,6 +239,9 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
         window_right=None if plan.is_causal else plan.window_right,
         alignment=plan.alignment,
     )
+    problem = _launch_problem(q, k, v, mask, kwargs)
+    if problem is not None:
+        raise CannotLaunch(problem)
     out = em.call("function", _attention_op(), q, k, v, **kwargs)
     for step in plan.out_steps:
         if step[0] == "squeeze":
@@ -246,6 +266,31 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
                 _propagate(contiguous)
             user.replace_input_with(out, contiguous)
     return out
+
+
+class CannotLaunch(RuntimeError):
+    """The op's CUDA kernels have no config that fits the GPU for this
+    attention's shapes and dtype; the candidate is left as it is."""
+
+
+def _launch_problem(q, k, v, mask, kwargs) -> Optional[str]:
+    """Why the kernels could not run the op call about to be emitted (from
+    the operands' example values), or None. Only CUDA graphs can hit a
+    limit: e.g. fp32 at the largest head dims needs more shared memory than
+    every candidate tile fits in."""
+    qv, kv, vv = N.tensor_val(q), N.tensor_val(k), N.tensor_val(v)
+    if qv is None or kv is None or vv is None or qv.device.type != "cuda":
+        return None
+    mv = N.tensor_val(mask) if mask is not None else None
+    from .. import kernels
+
+    window_right = 0 if kwargs["is_causal"] else kwargs["window_right"]
+    options = {"mask_fill": kwargs["mask_fill"]} if kwargs.get("mask_fill") is not None else {}
+    return kernels.launch_problem(
+        qv, kv, vv, mv, dropout_p=kwargs["dropout_p"], window_left=kwargs["window_left"],
+        window_right=window_right, bottom_right=kwargs["alignment"] == "bottom_right",
+        backward=any(t.requires_grad for t in (qv, kv, vv)) or (mv is not None and mv.requires_grad),
+        **options)
 
 
 def _view_ok(user: torch.fx.Node, src: torch.fx.Node) -> bool:

@@ -47,7 +47,7 @@ from .common import (
 )
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, max_shared_mem, next_pow2,
+    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, max_shared_mem, next_pow2, static_int,
 )
 from .mask_ranges import COL_GROUP as _COL_GROUP
 from .mask_ranges import ROW_GROUP as _ROW_GROUP
@@ -746,7 +746,8 @@ def attention_backward(
     """
     B, Hq, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
-    Dv = v.shape[3]
+    # Tile widths are compiled in: a symbolic head dim is specialised.
+    D, Dv = static_int(D), static_int(v.shape[3])
     G = Hq // Hkv
     device = q.device
     if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():

@@ -31,7 +31,7 @@ from .common import _dropout_keep_block, _mask_key_span, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, next_pow2,
+    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, next_pow2, static_int,
 )
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
 from .mask_ranges import mask_key_table, table_strides
@@ -502,7 +502,8 @@ def attention_forward(
     """
     B, Hq, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
-    Dv = v.shape[3]
+    # Tile widths are compiled in: a symbolic head dim is specialised.
+    D, Dv = static_int(D), static_int(v.shape[3])
     # (B, N, Hq, Dv) in memory; a tensor of its own, not a view (see launch._traced).
     out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)

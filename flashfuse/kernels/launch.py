@@ -7,6 +7,8 @@ decide what the launchers are keyed on. Nothing here is a kernel: the rules
 the kernels share are in ``common``.
 """
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import json
@@ -66,6 +68,7 @@ class ConfigLauncher:
         self.name = name or getattr(getattr(kernel, "fn", kernel), "__name__", type(kernel).__name__)
         self.chosen: dict = {}
         self.timings: dict = {}  # (key, True) -> [(config, ms)] of a tuned choice
+        self.fitting: dict = {}  # key -> first candidate that fits, for traced launches
         self._binaries: dict = {}
         fn = getattr(kernel, "fn", None)  # the JITFunction's Python function
         self._params = list(inspect.signature(fn).parameters.values()) if fn is not None else None
@@ -78,12 +81,18 @@ class ConfigLauncher:
         two must be dropped together."""
         self.chosen.clear()
         self.timings.clear()
+        self.fitting.clear()
         self._binaries.clear()
 
     def __call__(self, key, candidates, grid, *args, tune=False, **kwargs):
         """``candidates()``: configs in preference order; ``grid(cfg)``: the
         launch grid for a config's meta-parameters (a dict)."""
         key = (key, tune)  # a tuned choice and an untuned one are kept apart
+        if _DRY_RUN.get():  # a probe (``flashfuse.kernels.launch_problem``): choose, launch nothing
+            cands = list(candidates())
+            if self.chosen.get(key) is None and not (tune and TUNING_CACHE.lookup(self.name, key, cands)):
+                self._first_fitting(key, cands, args, kwargs)
+            return
         if _traced(args):
             self._record(key, candidates, grid, args, kwargs, tune)
             return
@@ -114,9 +123,45 @@ class ConfigLauncher:
         if cfg is None and tune:
             cfg = TUNING_CACHE.lookup(self.name, key, cands)
         if cfg is None:
-            cfg = cands[0]
+            cfg = self._first_fitting(key, cands, args, kwargs)
         wrap_triton(self.kernel)[grid(cfg.kwargs)](
             *args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def _first_fitting(self, key, cands, args, kwargs):
+        """The first candidate whose compiled kernel fits the GPU, for a
+        traced launch: nothing can run, so each candidate is compiled (not
+        launched) on stand-ins of the arguments until one needs no more
+        shared memory than the device has. Eager calls find the same by
+        launching (``_choose``); without this, a traced graph would take a
+        config that Inductor then fails to load (fp32 at large head dims).
+        Raises ``NoKernelConfig`` when none fits."""
+        cfg = self.fitting.get(key)
+        if cfg is not None:
+            return cfg
+        if not hasattr(self.kernel, "warmup"):  # not a JITFunction: nothing to compile
+            self.fitting[key] = cands[0]
+            return cands[0]
+        standins = [compile_standin(a) for a in args]
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        cuda = device.type == "cuda"
+        limit = max_shared_mem(device.index if device.index is not None or not cuda else torch.cuda.current_device())
+        needs = []
+        for cfg in cands:
+            try:
+                with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+                    compiled = self.kernel.warmup(*standins, grid=(1,), **kwargs, **cfg.kwargs,
+                                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            except OutOfResources as exc:
+                needs.append(f"{config_tuple_or_kwargs(cfg)}: {exc}")
+                continue
+            shared = getattr(getattr(compiled, "metadata", None), "shared", 0) or 0
+            if shared <= limit:
+                self.fitting[key] = cfg
+                return cfg
+            needs.append(f"{config_tuple_or_kwargs(cfg)}: {shared} bytes of shared memory")
+        raise NoKernelConfig(
+            f"flashfuse: no {self.name} config fits this GPU ({limit} bytes of shared memory per block); "
+            f"tried {len(cands)}: " + "; ".join(needs))
 
     # -- choosing ---------------------------------------------------------
 
@@ -218,6 +263,78 @@ class ConfigLauncher:
         enter, leave = _launch_hooks()
         metadata = binary.launch_metadata(g, stream, *full) if enter is not None else None
         binary.run(g0, g1, g2, stream, binary.function, binary.packed_metadata, metadata, enter, leave, *full)
+
+
+# Set by ``dry_run``: launchers choose their configs but launch nothing.
+_DRY_RUN = contextvars.ContextVar("flashfuse_dry_run", default=False)
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Within this context every ``ConfigLauncher`` call only finds the
+    config it would launch (compiling candidates on stand-ins, raising
+    ``NoKernelConfig`` when none fits) and launches nothing: how the graph
+    pass asks, on fake tensors, whether the op can run a traced shape."""
+    token = _DRY_RUN.set(True)
+    try:
+        yield
+    finally:
+        _DRY_RUN.reset(token)
+
+
+class NoKernelConfig(OutOfResources):
+    """No candidate config of a kernel fits the GPU for a launch that is
+    being traced. The backend catches it (like any failure of a rewritten
+    graph's compile) and compiles the graph without the rewrite."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (NoKernelConfig, (self.message,))
+
+
+def compile_standin(arg):
+    """What ``JITFunction.warmup`` takes in place of a traced launch's
+    argument: a tensor's dtype (Triton then assumes a 16-byte aligned
+    address), a symbolic size's example value, anything else as it is."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype
+    if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return hint(arg)
+    return arg
+
+
+def hint(x):
+    """The example value of a symbolic size (a graph traced with dynamic
+    shapes), without a guard; plain numbers as they are."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        from torch.fx.experimental import symbolic_shapes
+
+        # The guard-free hint is optimization_hint in newer PyTorch, hint_int before.
+        get = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+        return get(x) if isinstance(x, torch.SymInt) else x.node.hint
+    return x
+
+
+def static_int(x) -> int:
+    """A size the kernels compile in (a head dim: tile widths are chosen
+    from it) as a plain int. A symbolic one is specialised with a guard, so
+    that a graph traced with dynamic shapes recompiles for another head dim
+    instead of launching a kernel built for this one."""
+    return int(x)
+
+
+def config_tuple_or_kwargs(cfg) -> str:
+    """A config as the kernels' candidate lists name it, for messages."""
+    try:
+        return str(config_tuple(cfg))
+    except (KeyError, AttributeError):
+        return str(getattr(cfg, "kwargs", cfg))
 
 
 class TuningCache:
@@ -471,13 +588,7 @@ def _bucket(n: int, cap: int) -> int:
     example value, without a guard: the config changes speed, not results,
     so the graph must not be specialised to one length for it.
     """
-    if not isinstance(n, int):
-        from torch.fx.experimental import symbolic_shapes
-
-        # The guard-free hint is optimization_hint in newer PyTorch, hint_int before.
-        hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
-        n = hint(n)
-    return min(next_pow2(n), cap)
+    return min(next_pow2(hint(n)), cap)
 
 
 def _dot_precision(q: torch.Tensor) -> str:

@@ -283,3 +283,84 @@ def test_descriptor_loads_never_while_tracing(monkeypatch):
     with FakeTensorMode():
         t = _bhld()
         assert not descriptor_loads(t, t)
+
+
+class _CompilingKernel:
+    """Stands in for a JITFunction on the traced path: ``warmup`` compiles
+    (here: reports the shared memory a config would need) without running."""
+
+    def __init__(self, shared_by_block_m, refuse=()):
+        self.shared_by_block_m = shared_by_block_m
+        self.refuse = set(refuse)
+        self.compiled = []
+
+    def fn(self, X, n, BLOCK_M, BLOCK_N):  # the signature ConfigLauncher reads
+        pass
+
+    def warmup(self, *args, grid, **kwargs):
+        self.compiled.append((args, kwargs["BLOCK_M"]))
+        if kwargs["BLOCK_M"] in self.refuse:
+            raise OutOfResources(1, 0, "shared memory")
+
+        class Compiled:
+            class metadata:
+                shared = self.shared_by_block_m[kwargs["BLOCK_M"]]
+        return Compiled
+
+
+def test_traced_launch_takes_the_first_config_whose_compiled_kernel_fits(monkeypatch):
+    import flashfuse.kernels.launch as launch
+
+    monkeypatch.setattr(launch, "max_shared_mem", lambda index: 100_000)
+    kernel = _CompilingKernel({128: 300_000, 64: 99_000, 32: 10_000}, refuse={256})
+    launcher = ConfigLauncher(kernel)
+    x = torch.randn(4)
+    n = 5
+    cands = [_cfg(256), _cfg(128), _cfg(64), _cfg(32)]
+    cfg = launcher._first_fitting("key", cands, (x, n), {})
+    assert cfg.kwargs["BLOCK_M"] == 64, "256 fails to compile, 128 needs too much shared memory"
+    # Tensors are compiled as their dtypes (Triton's stand-ins), numbers as they are.
+    assert kernel.compiled[0][0] == (torch.float32, 5)
+    assert launcher._first_fitting("key", cands, (x, n), {}) is cfg and len(kernel.compiled) == 3, "once per key"
+
+
+def test_traced_launch_with_no_fitting_config_raises_a_clear_error(monkeypatch):
+    import flashfuse.kernels.launch as launch
+
+    monkeypatch.setattr(launch, "max_shared_mem", lambda index: 1_000)
+    launcher = ConfigLauncher(_CompilingKernel({128: 300_000, 64: 99_000}))
+    with pytest.raises(launch.NoKernelConfig, match="no .* config fits this GPU"):
+        launcher._first_fitting("key", [_cfg(128), _cfg(64)], (torch.randn(2),), {})
+
+
+def test_dry_run_chooses_a_config_and_launches_nothing(monkeypatch):
+    import flashfuse.kernels.launch as launch
+
+    monkeypatch.setattr(launch, "max_shared_mem", lambda index: 100_000)
+    kernel = _CompilingKernel({128: 300_000, 64: 99_000})
+    launcher = ConfigLauncher(kernel)
+    launched = []
+    kernel.__getitem__ = None  # noqa: B010 - a launch would fail loudly
+    monkeypatch.setattr(launcher, "_launch", lambda *a: launched.append(a))
+    with launch.dry_run():
+        launcher("key", lambda: [_cfg(128), _cfg(64)], lambda m: (1,), torch.randn(2), 3)
+    assert not launched and launcher.fitting[("key", False)].kwargs["BLOCK_M"] == 64
+    monkeypatch.setattr(launch, "max_shared_mem", lambda index: 10)
+    with launch.dry_run(), pytest.raises(launch.NoKernelConfig):
+        launcher("other", lambda: [_cfg(128), _cfg(64)], lambda m: (1,), torch.randn(2), 3)
+
+
+def test_symbolic_sizes_are_hinted_without_a_guard_and_head_dims_specialised():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import flashfuse.kernels.launch as launch
+
+    env = ShapeEnv()
+    n, d = (env.create_symintnode(env.create_symbol(val, ConstantSource(name)), hint=val)
+            for val, name in ((3, "n"), (80, "d")))
+    assert isinstance(n, torch.SymInt) and isinstance(d, torch.SymInt)
+    assert launch.hint(n) == 3 and launch.compile_standin(n) == 3 and launch._bucket(n, 1 << 16) == 4
+    assert not env.guards, "hints take no guard"
+    assert launch.static_int(d) == 80 and len(env.guards) == 1, "a head dim is specialised with a guard"
+    assert hash((launch.static_int(d), "key")) is not None  # the launchers' keys hold it

@@ -126,3 +126,45 @@ def test_a_failure_that_is_not_flashfuses_is_still_raised():
 
     with pytest.raises(Exception, match="the user's own compiler is broken"):
         torch.compile(attn, backend=make_backend(compiler=broken))(*qkv(1, 2, 16, d=16))
+
+
+@pytest.mark.gpu
+def test_gpu_symbolic_head_dims_and_head_counts_recompile_instead_of_failing():
+    """The sequence users hit with automatic dynamic shapes: new batch and
+    length (sizes become symbolic), then new heads and head dim; and
+    dynamic=True from the first call. Every call compiles and matches eager."""
+    torch._dynamo.reset()
+    for dynamic, seq in ((None, [(16, 32, 1024, 64), (4, 32, 4096, 64), (16, 16, 1024, 128)]),
+                         (True, [(2, 8, 300, 64), (3, 4, 517, 80)])):
+        be = make_backend(record=True)
+        f = torch.compile(attn, backend=be, dynamic=dynamic)
+        for b, h, n, d in seq:
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            out = f(q, k, v)
+            ref = attn(q.double(), k.double(), v.double())
+            assert (out.double() - ref).norm() / ref.norm() < 1e-2, (dynamic, b, h, n, d)
+        assert be.candidates and all(c.rewritten for c in be.candidates), [c.reason for c in be.candidates]
+        torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,train", [(80, True), (96, True), (128, True), (256, False), (256, True)])
+def test_gpu_fp32_large_head_dims_compile(d, train):
+    """fp32 at large head dims: the traced launches take a config that fits
+    the GPU (or the attention is left unrewritten with a reason); the
+    compile never fails and matches eager."""
+    torch._dynamo.reset()
+    be = make_backend(record=True)
+    q, k, v = (torch.randn(2, 4, 257, d, device="cuda", requires_grad=train) for _ in range(3))
+    out = torch.compile(attn, backend=be)(q, k, v)
+    hi = [t.detach().double().requires_grad_(train) for t in (q, k, v)]
+    ref = attn(*hi)
+    assert (out.double() - ref).norm() / ref.norm() < 1e-4
+    if train:
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        want = torch.autograd.grad(ref, hi, g.double())
+        for a, b in zip(got, want):
+            assert (a.double() - b).norm() / b.norm() < 1e-4
+    (cand,) = be.candidates
+    assert cand.rewritten or "cannot run this shape" in cand.reason, cand.reason

@@ -432,7 +432,16 @@ def _prune_configs(configs, named_args, **kwargs):
         # run refused 128x64x2 stages); smallest first, so that the untuned
         # path (FLASHFUSE_AUTOTUNE=0) takes one that compiles.
         kept.sort(key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)
+        if max(bd, bdv) > 128:
+            # Past D = 128 even (64, 32, 4, 2) needs 262144 bytes of shared
+            # memory on an H200 (bench/results/compile_matrix.csv, first run):
+            # smaller tiles, tried only when nothing above fits.
+            kept += [c for c in _FP32_LAST_RESORT if c not in kept]
     return kept
+
+
+_FP32_LAST_RESORT = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                     for bm, bn, w, s in ((32, 32, 4, 2), (32, 32, 4, 1))]
 
 
 _FWD_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)

@@ -315,8 +315,10 @@ def hint(x):
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         from torch.fx.experimental import symbolic_shapes
 
-        # The guard-free hint is optimization_hint in newer PyTorch, hint_int before.
-        get = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+        # The guard-free hint is optimization_hint in newer PyTorch, size_hint or
+        # hint_int (deprecated in favour of size_hint) before.
+        get = (getattr(symbolic_shapes, "optimization_hint", None) or getattr(symbolic_shapes, "size_hint", None)
+               or symbolic_shapes.hint_int)
         return get(x) if isinstance(x, torch.SymInt) else x.node.hint
     return x
 

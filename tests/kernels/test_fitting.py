@@ -1,0 +1,29 @@
+"""Candidate lists leave every supported shape a config to fall back on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashfuse.kernels import backward, forward
+from flashfuse.kernels.launch import config_tuple
+
+
+@pytest.mark.parametrize("d", [160, 200, 256])
+def test_fp32_forward_ends_with_small_tiles_past_head_dim_128(d):
+    q = torch.empty(1, dtype=torch.float32)
+    meta = dict(BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_DV=max(16, 1 << (d - 1).bit_length()),
+                MASK_KIND=0, DROPOUT=False)
+    kept = [config_tuple(c) for c in forward._prune_configs(forward._FWD_CONFIGS, {"Q": q, "Mask": q}, **meta)]
+    assert kept[-2:] == [(32, 32, 4, 2), (32, 32, 4, 1)], kept
+    meta16 = dict(meta)
+    kept16 = [config_tuple(c) for c in forward._prune_configs(forward._FWD_CONFIGS, {"Q": q.half(), "Mask": q}, **meta16)]
+    assert (32, 32, 4, 1) not in kept16, "16-bit inputs keep their own list"
+
+
+@pytest.mark.parametrize("kind,last", [("dkdv", (16, 32, 4, 1)), ("dq", (32, 32, 4, 1))])
+def test_fp32_backward_keeps_a_single_stage_fallback_at_large_head_dims(kind, last, monkeypatch):
+    monkeypatch.setattr(backward, "_max_shared_mem", lambda device: 232448)
+    args = {"Q": torch.empty(1, dtype=torch.float32), "BLOCK_D": 256, "BLOCK_DV": 256}
+    kept = [config_tuple(c) for c in backward._prune(kind)(backward._CONFIGS[kind], args)]
+    assert last in kept, kept

@@ -311,29 +311,35 @@ def _traced_cuda_graphs() -> tuple[dict, str]:
     script = os.path.join(os.path.dirname(__file__), "trace_cuda_graph.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    specs = [f"{case}{mode}" for case in _TRACED_CASES for mode in ("", ":dynamic")]
+    specs = [f"{case}{mode}" for case in _TRACED_CASES for mode in ("", ":dynamic", ":dynamic_head")]
     proc = subprocess.run([sys.executable, script, *specs], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     traces = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {(t["case"], t["dynamic"]): t for t in traces}, proc.stderr
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dynamic", [False, True, "head"], ids=["static", "dynamic", "dynamic_head"])
 @pytest.mark.parametrize("case", _TRACED_CASES)
 def test_traced_cuda_graph_launches_the_kernels_itself(case, dynamic):
     """Under torch.compile the private ops decompose into their kernel
     launches (torch.library.triton_op), so that Inductor launches the kernels
     from its generated code instead of calling back into Python. Traced on
     fake CUDA tensors in a fresh process (see tests/trace_cuda_graph.py);
-    with a symbolic sequence length the graph must stay general in it."""
+    with a symbolic sequence length the graph must stay general in it; a
+    symbolic head dim (tiles are compiled for it) is specialised by a guard,
+    so another head dim recompiles rather than failing the trace."""
     traces, stderr = _traced_cuda_graphs()
     assert "assuming every input is mutated" not in stderr, stderr[-3000:]
     traced = traces[(case, dynamic)]
     (graph,) = traced["graphs"]
     if dynamic:
         assert graph["inputs"][0][2] != "80", graph["inputs"]  # still symbolic
+        pins = [g for g in traced["guards"] if g.startswith("Eq(")]
         # Only range guards (e.g. N > 16): no guard pins the length to a value.
-        assert not [g for g in traced["guards"] if g.startswith("Eq(")], traced["guards"]
+        if dynamic == "head":  # the head dim's symbol, pinned to its value
+            assert len(pins) == 1 and pins[0].endswith(", 32)"), traced["guards"]
+        else:
+            assert not pins, traced["guards"]
     kernels = [launch["kernel"] for launch in graph["launches"]]
     expected = {
         "causal": ["_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq"],

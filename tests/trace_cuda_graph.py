@@ -10,7 +10,8 @@ kernel to Triton IR to learn which arguments the kernel writes).
 
     python tests/trace_cuda_graph.py CASE[:dynamic] [CASE[:dynamic] ...]
         (CASE: causal, bool_mask, float_mask_dropout; ":dynamic": the sequence
-        length is symbolic, as Dynamo makes it after a second length)
+        length is symbolic, as Dynamo makes it after a second length;
+        ":dynamic_head": the head dim too, as after a second head dim)
 
 Prints one JSON line per CASE, {"case": ..., "dynamic": ..., "graphs": [...],
 "guards": [...]}: each graph's launches (see ``_describe``) and the guards
@@ -78,7 +79,7 @@ def _pretend_hopper() -> None:
     backward._max_shared_mem = lambda device: 227 * 1024
 
 
-def trace(case: str, dynamic: bool) -> dict:
+def trace(case: str, dynamic: bool, dynamic_head: bool = False) -> dict:
     graphs = []
 
     def keep(gm, example_inputs):
@@ -97,11 +98,13 @@ def trace(case: str, dynamic: bool) -> dict:
         return out, dq, dk, dv
 
     shape_env = ShapeEnv()
-    n = 80
+    n, d = 80, 32
     if dynamic:
         n = shape_env.create_symintnode(shape_env.create_symbol(80, ConstantSource("N")), hint=80)
+    if dynamic_head:
+        d = shape_env.create_symintnode(shape_env.create_symbol(32, ConstantSource("D")), hint=32)
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env):
-        q, k, v, grad_out = (torch.randn(2, 4, n, 32, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k, v, grad_out = (torch.randn(2, 4, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         if case == "bool_mask":
             mask = torch.ones(2, 1, 1, n, device="cuda", dtype=torch.bool)
         elif case == "float_mask_dropout":
@@ -118,7 +121,7 @@ def trace(case: str, dynamic: bool) -> dict:
             if not graphs:
                 raise
             print(f"not run: {str(exc).splitlines()[0]}", file=sys.stderr)
-    return {"case": case, "dynamic": dynamic, "graphs": graphs,
+    return {"case": case, "dynamic": "head" if dynamic_head else dynamic, "graphs": graphs,
             "guards": [str(guard.expr) for guard in shape_env.guards]}
 
 
@@ -126,4 +129,4 @@ if __name__ == "__main__":
     _pretend_hopper()
     for spec in sys.argv[1:]:
         case, _, mode = spec.partition(":")
-        print(json.dumps(trace(case, mode == "dynamic")), flush=True)
+        print(json.dumps(trace(case, mode.startswith("dynamic"), mode == "dynamic_head")), flush=True)

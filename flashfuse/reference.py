@@ -24,6 +24,7 @@ from torch import Tensor
 __all__ = [
     "reference_attention",
     "reference_lse",
+    "reference_stored_lse",
     "visibility_mask",
     "dropout_keep_mask",
     "dropout_threshold",
@@ -238,6 +239,36 @@ def reference_lse(
     scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+
+
+def reference_stored_lse(
+    q: Tensor,
+    k: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    window_left: Optional[int] = None,
+    window_right: Optional[int] = None,
+    bottom_right: bool = False,
+    mask_fill: Optional[float] = None,
+) -> Tensor:
+    """The float32 lse the implementations store for float32-precision
+    inputs: ``reference_lse``, with ``lse_marker(l)`` for rows that average
+    the l keys holding their largest score (see ``lse_marker``), so that a
+    backward can be tested on its own."""
+    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
+    lse = reference_lse(q, k, attn_mask, scale=scale, window_left=window_left, window_right=window_right,
+                        bottom_right=bottom_right, mask_fill=mask_fill).float()
+    row_max = scores.amax(dim=-1)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        uniform = row_max <= _AVERAGE_AT[torch.float32]
+    elif attn_mask is not None and mask_fill is not None and mask_fill <= FILL_MARKS_AT:
+        uniform = row_max == float(torch.tensor(float(mask_fill), dtype=torch.float32))
+    else:
+        return lse
+    uniform = uniform & torch.isfinite(row_max)
+    count = (scores == row_max[..., None]).sum(dim=-1).to(torch.float32)
+    return torch.where(uniform, lse_marker(count), lse)
 
 
 # ---------------------------------------------------------------------------

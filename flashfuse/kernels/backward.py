@@ -41,6 +41,7 @@ from .common import (
     _block_crosses_edge,
     _dropout_keep_block,
     _lse_base2,
+    _lse_cap,
     _lse_shift,
     _mask_key_span,
     _narrow_span,
@@ -99,13 +100,17 @@ def _fp32_scalars(qk_scale, scale, inv_keep, mask_fill):
 
 @triton.jit(do_not_specialize=["N"])
 def _bwd_preprocess(
-    O, DO, DELTA,
+    O, DO, DELTA, LSE, CAP,
     s_ob, s_oh, s_on, s_od,
     s_dob, s_doh, s_don, s_dod,
+    s_lb, s_lh, s_ln,
     N, D_V,
+    MARKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (float32)."""
+    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (float32), and
+    with MARKS cap[b, h, i] = ``common._lse_cap`` of lse[b, h, i] (float32,
+    delta's layout)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -120,12 +125,15 @@ def _bwd_preprocess(
                  mask=ok, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
     tl.store(DELTA + (b * H + h) * N + m0 + rm, delta, mask=(m0 + rm) < N)
+    if MARKS:
+        lse = tl.load(LSE + b * s_lb + h * s_lh + (m0 + rm) * s_ln, mask=(m0 + rm) < N, other=float("inf"))
+        tl.store(CAP + (b * H + h) * N + m0 + rm, _lse_cap(lse), mask=(m0 + rm) < N)
 
 
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, col_acc, k, v,
-    q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+    q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
     lo, hi, lo2, hi2, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
     s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
     N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
@@ -160,9 +168,11 @@ def _bwd_dkdv_inner(
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        shift, cap = _lse_shift(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")),
-                                mask_fill, MASK_KIND, FILL)
+        shift = _lse_shift(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")),
+                           mask_fill, MASK_KIND, FILL)
         delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
+        if MASK_KIND == 2 or (MASK_KIND == 1 and FILL == 2):
+            cap = tl.load(cap_ptr + offs_m, mask=m_ok, other=1.0)
 
         # sT[j, i] in log2 units (natural ones with a float mask)
         if MASK_KIND == 2:
@@ -234,7 +244,7 @@ def _bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "B_OFF"])
 def _bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
+    Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -327,6 +337,7 @@ def _bwd_dkdv(
         do_rows = DO + b * s_dob + hl * s_doh + rm * s_don
         lse_ptr = LSE + b * s_lb + hl * s_lh
         delta_ptr = DELTA + (b * H + hl) * N
+        cap_ptr = CAP + (b * H + hl) * N  # delta's layout (read for float masks and marking fills)
         mask_base = MASK
         if MASK_KIND != 0:
             mask_base = MASK + b * s_mb + hl * s_mh + n0l * s_mm
@@ -359,7 +370,7 @@ def _bwd_dkdv(
         # The blocks that read the mask (before and after the neutral
         # rows), then those that need not.
         dk, dv, col_acc = _bwd_dkdv_inner(
-            dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+            dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
             q_lo, free_lo, free_hi, q_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
             s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
             N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
@@ -367,7 +378,7 @@ def _bwd_dkdv(
             PREC, UPCAST, BLOCK_M, BLOCK_N)
         if SKIP_HIDDEN:
             dk, dv, col_acc = _bwd_dkdv_inner(
-                dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+                dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
                 free_lo, free_hi, free_hi, free_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
                 s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
                 N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
@@ -468,7 +479,7 @@ def _bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR"])
 def _bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, RANGES, SEED, DQ,
+    Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DQ,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -510,9 +521,12 @@ def _bwd_dq(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(LSE + b * s_lb + hl * s_lh + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
-    shift, cap = _lse_shift(lse, mask_fill, MASK_KIND, FILL)
+    shift = _lse_shift(lse, mask_fill, MASK_KIND, FILL)
     lse = _lse_base2(lse)  # for the blocks computed without the mask
     delta = tl.load(DELTA + (b * H + hl) * N + offs_m, mask=m_ok, other=0.0)
+    cap = delta  # read only for float masks and marking fills
+    if MASK_KIND == 2 or (MASK_KIND == 1 and FILL == 2):
+        cap = tl.load(CAP + (b * H + hl) * N + offs_m, mask=m_ok, other=1.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seed = 0
@@ -898,13 +912,16 @@ def attention_backward(
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         # delta = rowsum(dO * O)
         delta = torch.empty((B, Hq, N), device=device, dtype=torch.float32)
-        pre_args = (out, grad_out, delta, *out.stride(), *grad_out.stride(), N, Dv)
+        # 1 / l per row for rows lse marks as averaging l keys (1 elsewhere).
+        marks = mask_kind == _FLOAT_MASK or fill == 2
+        cap = torch.empty((B, Hq, N), device=device, dtype=torch.float32) if marks else delta
+        pre_args = (out, grad_out, delta, lse, cap, *out.stride(), *grad_out.stride(), *lse.stride(), N, Dv)
         if interp:
-            _bwd_preprocess[(cdiv(N, 16), Hq, B)](*pre_args, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
+            _bwd_preprocess[(cdiv(N, 16), Hq, B)](*pre_args, MARKS=marks, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
         else:
             _preprocess_launcher(
-                (device, BLOCK_DV), lambda: [_preprocess_config(BLOCK_DV)], lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
-                *pre_args, BLOCK_DV=BLOCK_DV,
+                (device, BLOCK_DV, marks), lambda: [_preprocess_config(BLOCK_DV)],
+                lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), *pre_args, MARKS=marks, BLOCK_DV=BLOCK_DV,
             )
 
         # When the mask broadcasts over the batch, the dS buffer is filled a
@@ -923,7 +940,7 @@ def attention_backward(
 
             launch(
                 "dkdv_dq" if one_pass else "dkdv", lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
-                rows(q), rows(k), rows(v), rows(grad_out), rows(lse), rows(delta),
+                rows(q), rows(k), rows(v), rows(grad_out), rows(lse), rows(delta), rows(cap),
                 rows(mask_arg) if attn_mask is not None else q,
                 rows(query_ranges) if qr_strides[0] else query_ranges,
                 seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if chunked else gbuf, rows(dq_acc) if one_pass else dq_acc,
@@ -944,7 +961,7 @@ def attention_backward(
         else:
             launch(
                 "dq", lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
-                q, k, v, grad_out, lse, delta, mask_arg, key_ranges, seed_arg, dq,
+                q, k, v, grad_out, lse, delta, cap, mask_arg, key_ranges, seed_arg, dq,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *kr_strides,
                 *dq.stride(),
                 *common_scalars, fill_arg,

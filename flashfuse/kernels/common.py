@@ -109,7 +109,6 @@ def _narrow_span(lo, hi, r_lo, r_hi, f_lo, f_hi, BLOCK: tl.constexpr):
 AVERAGE_AT_BASE2 = tl.constexpr(-774541002.0)  # -2**29 * log2(e): reference._AVERAGE_AT in base 2
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 LSE_MARK_UNIT = tl.constexpr(2.028240960365167e31)  # 2**104
-LSE_MARK_INV_UNIT = tl.constexpr(4.930380657631324e-32)  # 2**-104
 LSE_MARK_MAX_KEYS = tl.constexpr(8388607.0)  # 2**23 - 1: markers stay below -1e38
 
 
@@ -121,9 +120,19 @@ def _lse_marked(lse, l_i, uniform):
 
 
 @triton.jit
+def _lse_cap(lse):
+    """Per row, from the stored lse: 1 / l for a marked row, 1 for others.
+    Computed once per row (the backward's preprocess kernel): in the dK/dV
+    loop, which reads lse per query block, its special-function ops cost
+    several hundred instructions per iteration."""
+    marked = lse <= -1.0e38
+    return tl.where(marked, 1.0 / tl.where(marked, (lse + FLT_MAX) * (1.0 / LSE_MARK_UNIT), 1.0), 1.0)
+
+
+@triton.jit
 def _lse_shift(lse, fill, MASK_KIND: tl.constexpr, FILL: tl.constexpr):
-    """Per row, from the stored natural-log ``lse``: ``(shift, cap)`` such
-    that a recomputed probability is
+    """Per row, from the stored natural-log ``lse``: ``shift`` such that,
+    with ``cap`` from ``_lse_cap``, a recomputed probability is
 
     * float mask (MASK_KIND 2): ``min(exp2((s - shift) * log2(e)), cap)``,
       ``s`` the natural-log score. A marked row gets shift -FLT_MAX, so
@@ -132,7 +141,7 @@ def _lse_shift(lse, fill, MASK_KIND: tl.constexpr, FILL: tl.constexpr):
     * bool mask with a marking fill (FILL == 2): ``exp2(s - shift) * cap``,
       ``s`` in base 2 with hidden pairs at ``fill`` (base 2): a marked row is
       shifted by its largest score, the fill, and scaled by 1 / l.
-    * otherwise: ``exp2(s - shift)``, cap unused (1).
+    * otherwise: ``exp2(s - shift)``, cap unused.
     """
     marked = lse <= -1.0e38
     if MASK_KIND == 2:
@@ -142,8 +151,7 @@ def _lse_shift(lse, fill, MASK_KIND: tl.constexpr, FILL: tl.constexpr):
         shift = tl.where(marked, fill, _lse_base2(lse))
     else:
         shift = _lse_base2(lse)
-    cap = tl.where(marked, 1.0 / tl.where(marked, (lse + FLT_MAX) * LSE_MARK_INV_UNIT, 1.0), 1.0)
-    return shift, cap
+    return shift
 
 
 @triton.jit

@@ -48,7 +48,8 @@ ALIGNMENTS = ("top_left", "bottom_right")
 _ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
     "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-    "*, int? window_left=None, int? window_right=None, str alignment=\"top_left\") -> Tensor"
+    "*, int? window_left=None, int? window_right=None, str alignment=\"top_left\", "
+    "float? mask_fill=None) -> Tensor"
 )
 
 _lib = torch.library.Library("flashfuse", "FRAGMENT")
@@ -176,6 +177,27 @@ def check_inputs(
         )
 
 
+def check_mask_fill(attn_mask: Tensor | None, mask_fill: float | None) -> float | None:
+    """The fill the kernels get: None (hidden pairs take no part) or a
+    finite score for the pairs a bool mask hides. Raises ``ValueError`` for
+    a fill with a float mask or a fill that is NaN or +inf."""
+    if mask_fill is None:
+        return None
+    mask_fill = float(mask_fill)
+    if math.isnan(mask_fill) or mask_fill == math.inf:
+        raise ValueError(
+            f"flashfuse.attention: mask_fill must be a finite number or -inf, got {mask_fill}"
+        )
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(
+            "flashfuse.attention: mask_fill replaces the scores that a bool attn_mask hides, but attn_mask "
+            f"is {attn_mask.dtype}; add a float mask to the scores without mask_fill, or pass a bool mask"
+        )
+    if attn_mask is None or mask_fill == -math.inf:
+        return None  # nothing to fill, or the default meaning
+    return mask_fill
+
+
 # --------------------------------------------------------------------------
 # The public composite op
 # --------------------------------------------------------------------------
@@ -193,8 +215,10 @@ def _attention_composite(
     window_left: int | None = None,
     window_right: int | None = None,
     alignment: str = "top_left",
+    mask_fill: float | None = None,
 ) -> Tensor:
     check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
+    mask_fill = check_mask_fill(attn_mask, mask_fill)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif not math.isfinite(scale):
@@ -208,7 +232,7 @@ def _attention_composite(
         seed = torch.randint(2**62, (), dtype=torch.int64, device=query.device)
     args = (
         query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),
-        window_left, window_right, alignment == "bottom_right",
+        window_left, window_right, alignment == "bottom_right", mask_fill,
     )
     if _plain_eager_call(query, key, value, attn_mask):
         out = _EagerAttention.apply(*args)
@@ -265,12 +289,13 @@ def _empty_out(q: Tensor, v: Tensor) -> Tensor:
 # they are only called from the private ops, below autograd.
 _FORWARD_ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? seed, "
-    "float dropout_p, float scale, SymInt? window_left, SymInt? window_right, bool bottom_right"
+    "float dropout_p, float scale, SymInt? window_left, SymInt? window_right, bool bottom_right, "
+    "float? mask_fill=None"
 )
 _BACKWARD_ARGS = (
     "Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
     "Tensor? seed, Tensor out, Tensor lse, float dropout_p, float scale, SymInt? window_left, "
-    "SymInt? window_right, bool bottom_right, bool mask_grad"
+    "SymInt? window_right, bool bottom_right, bool mask_grad, float? mask_fill=None"
 )
 _lib.define(f"_attention_forward_cpu({_FORWARD_ARGS}) -> (Tensor, Tensor)")
 _lib.define(f"_attention_backward_cpu({_BACKWARD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -287,10 +312,12 @@ def _attention_forward(
     window_left: int | None,
     window_right: int | None,
     bottom_right: bool,
+    mask_fill: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Flash-attention forward. Returns ``out`` (B, Hq, N, Dv) and the per-row
     log-sum-exp ``lse`` (B, Hq, N) float32, natural log, +inf for rows that see
-    no key. Arguments are already checked by ``flashfuse::attention``."""
+    no key, ``reference.lse_marker`` for rows that a finite value hides
+    entirely. Arguments are already checked by ``flashfuse::attention``."""
     B, Hq, N, _ = q.shape
     M = k.shape[2]
     if N == 0 or M == 0:
@@ -301,11 +328,12 @@ def _attention_forward(
     return impl(
         q, k, v, attn_mask, seed,
         dropout_p=dropout_p, scale=scale, window_left=window_left,
-        window_right=window_right, bottom_right=bottom_right,
+        window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
     )
 
 
-def _attention_forward_fake(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
+def _attention_forward_fake(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
+                            mask_fill=None):
     B, Hq, N, _ = q.shape
     return _empty_out(q, v), q.new_empty((B, Hq, N), dtype=torch.float32)
 
@@ -325,6 +353,7 @@ def _attention_backward(
     window_right: int | None,
     bottom_right: bool,
     mask_grad: bool,
+    mask_fill: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Flash-attention backward: ``dq``, ``dk``, ``dv`` (``empty_like`` their
     inputs) and ``dmask`` (the mask's shape and dtype when ``mask_grad``, else
@@ -338,7 +367,7 @@ def _attention_backward(
     dq, dk, dv, dmask = impl(
         grad_out, q, k, v, attn_mask, seed, out, lse,
         dropout_p=dropout_p, scale=scale, window_left=window_left,
-        window_right=window_right, bottom_right=bottom_right, mask_grad=mask_grad,
+        window_right=window_right, bottom_right=bottom_right, mask_grad=mask_grad, mask_fill=mask_fill,
     )
     if dmask is None:
         dmask = _empty_dmask(attn_mask, q, False)
@@ -352,7 +381,7 @@ def _empty_dmask(attn_mask: Tensor | None, q: Tensor, mask_grad: bool) -> Tensor
 
 
 def _attention_backward_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left,
-                             window_right, bottom_right, mask_grad):
+                             window_right, bottom_right, mask_grad, mask_fill=None):
     return (
         torch.empty_like(q),
         torch.empty_like(k),
@@ -372,10 +401,10 @@ torch.library.register_fake("flashfuse::_attention_backward_cpu", _attention_bac
 def _attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
     dropout_p: float, scale: float, window_left: Optional[int], window_right: Optional[int],
-    bottom_right: bool,
+    bottom_right: bool, mask_fill: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
     """``_attention_forward`` as an op: see the module docstring."""
-    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right)
+    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill)
     if q.device.type == "cuda":
         return _attention_forward(*args)
     return torch.ops.flashfuse._attention_forward_cpu(*args)
@@ -385,11 +414,11 @@ def _attention_forward_op(
 def _attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
     out: Tensor, lse: Tensor, dropout_p: float, scale: float, window_left: Optional[int],
-    window_right: Optional[int], bottom_right: bool, mask_grad: bool,
+    window_right: Optional[int], bottom_right: bool, mask_grad: bool, mask_fill: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_attention_backward`` as an op: see the module docstring."""
     args = (grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-            bottom_right, mask_grad)
+            bottom_right, mask_grad, mask_fill)
     if q.device.type == "cuda":
         return _attention_backward(*args)
     return torch.ops.flashfuse._attention_backward_cpu(*args)
@@ -401,9 +430,10 @@ _attention_backward_op.register_fake(_attention_backward_fake)
 
 
 def _save(ctx, inputs, out, lse):
-    q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right = inputs
+    q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill = inputs
     ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
     ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
+    ctx.mask_fill = mask_fill
 
 
 def _gradients(ctx, grad_out, backward_impl):
@@ -411,8 +441,9 @@ def _gradients(ctx, grad_out, backward_impl):
     ``backward_impl`` (the private op, or its implementation)."""
     q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
     mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = backward_impl(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad)
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+    dq, dk, dv, dmask = backward_impl(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad,
+                                      ctx.mask_fill)
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None
 
 
 def _setup_context(ctx, inputs, output):
@@ -459,6 +490,7 @@ def attention(
     window_left: int | None = None,
     window_right: int | None = None,
     alignment: str = "top_left",
+    mask_fill: float | None = None,
 ) -> Tensor:
     """Exact attention ``softmax(query @ key^T * scale + mask) @ value``,
     computed by a flash kernel: the (N, M) score matrix never reaches memory.
@@ -492,12 +524,24 @@ def attention(
             sit when N != M. ``"top_left"`` (offset 0, SDPA's ``is_causal``)
             or ``"bottom_right"`` (offset M - N: the last query sees the last
             key, as when decoding with a KV cache).
+        mask_fill: keyword-only, with a bool ``attn_mask`` only (a float
+            mask raises ``ValueError``): the score that the pairs it hides
+            take instead of taking no part, as
+            ``scores.masked_fill(~attn_mask, mask_fill)`` gives them, e.g.
+            ``torch.finfo(query.dtype).min`` or -1e4. A row the mask hides
+            entirely then averages the values of the keys the causal /
+            window band leaves it (keys outside the band still take no
+            part), and filled pairs pass no gradient to query and key.
+            None (the default) or -inf: hidden pairs take no part.
 
     Returns:
         (B, Hq, N, Dv) tensor in the inputs' dtype. A row that sees no key at
         all (everything masked) is 0, where eager softmax would give NaN.
+        A row whose every key a finite value hides (a float mask of
+        ``finfo.min``, or ``mask_fill``) averages them, as eager softmax
+        does, with eager's gradients.
     """
     return torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        window_left=window_left, window_right=window_right, alignment=alignment,
+        window_left=window_left, window_right=window_right, alignment=alignment, mask_fill=mask_fill,
     )

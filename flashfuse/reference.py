@@ -24,12 +24,55 @@ from torch import Tensor
 __all__ = [
     "reference_attention",
     "reference_lse",
+    "reference_stored_lse",
     "visibility_mask",
     "dropout_keep_mask",
     "dropout_threshold",
     "blockwise_forward",
     "blockwise_backward",
+    "lse_marker",
+    "lse_marked_keys",
 ]
+
+
+# ---------------------------------------------------------------------------
+# rows that a finite mask value hides entirely
+# ---------------------------------------------------------------------------
+
+# A row whose every score is a huge finite value (a float mask of
+# finfo.min, a bool mask with a finite ``mask_fill``) averages the values of
+# the keys holding its largest score, as eager softmax does. Its true lse,
+# m + log(l), rounds to m in float32 (log(l) is far below m's spacing), so the
+# backward could not recover the probabilities 1 / l from it. Such rows store
+# instead the marker ``-FLT_MAX + l * 2**104`` (exact for l < 2**23; within
+# l * 2**-24 of the true lse when m is finfo(float32).min), and the backward
+# reads l back from it. Real lse values never come near: a row is marked
+# only when its largest score is at or below ``_AVERAGE_AT`` (float64 scores
+# keep log(l) down to far smaller values) or, with a fill at or below
+# ``FILL_MARKS_AT``, equals the fill.
+FLT_MAX = 3.4028234663852886e38
+LSE_MARK_UNIT = 2.0 ** 104
+LSE_MARK_MAX_KEYS = 2 ** 23 - 1
+LSE_MARKED_BELOW = -1e38  # a stored lse at or below this is a marker
+# Largest scores at or below these: every other score of the row is at
+# least 64 (float32) below it, so exp gives exactly the uniform average.
+_AVERAGE_AT = {torch.float32: -(2.0 ** 29), torch.float64: -(2.0 ** 58)}
+# Fills above this (e.g. 0) leave rows whose visible scores are all below
+# the fill as ordinary rows: their lse keeps log(l) anyway.
+FILL_MARKS_AT = -1e4
+
+
+def lse_marker(row_sum: Tensor) -> Tensor:
+    """The stored lse of rows that average ``row_sum`` keys (see above)."""
+    return -FLT_MAX + row_sum.clamp(max=LSE_MARK_MAX_KEYS) * LSE_MARK_UNIT
+
+
+def lse_marked_keys(lse: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(marked, l)``: which rows of a stored lse are markers, and for those
+    the number of keys they average (1 elsewhere)."""
+    marked = lse <= LSE_MARKED_BELOW
+    count = torch.where(marked, (lse + FLT_MAX) / LSE_MARK_UNIT, torch.ones_like(lse))
+    return marked, count
 
 
 # ---------------------------------------------------------------------------
@@ -82,8 +125,9 @@ def visibility_mask(
     return vis
 
 
-def _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right):
-    """float64 (B, Hq, N, M) scores with -inf where a key does not take part."""
+def _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill=None):
+    """float64 (B, Hq, N, M) scores with -inf where a key does not take part
+    (``mask_fill`` where a bool mask hides it, if given)."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be 4-d (B, H, L, D); got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, N, D = q.shape
@@ -100,7 +144,11 @@ def _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=q.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = torch.where(attn_mask, scores, neg_inf)
+            # torch.where passes no gradient to the replaced scores, as
+            # eager masked_fill does.
+            fill = neg_inf if mask_fill is None else torch.tensor(float(mask_fill), dtype=torch.float64,
+                                                                  device=q.device)
+            scores = torch.where(attn_mask, scores, fill)
         else:
             scores = scores + attn_mask.to(torch.float64)
         scores = scores.expand(B, Hq, N, M)
@@ -125,6 +173,7 @@ def reference_attention(
     bottom_right: bool = False,
     dropout_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
+    mask_fill: Optional[float] = None,
 ) -> Tensor:
     """Attention computed naively in float64: the ground truth for tests.
 
@@ -147,11 +196,14 @@ def reference_attention(
         dropout_mask: bool (B, Hq, N, M), True keeps the probability; kept
             probabilities are scaled by ``1 / (1 - dropout_p)``. None: no dropout.
         dropout_p: dropout probability used for the rescaling.
+        mask_fill: with a bool mask, the score that hidden pairs take instead
+            of -inf (``scores.masked_fill(~mask, mask_fill)``: no gradient
+            flows to them); None: -inf.
 
     Returns:
         float64 tensor (B, Hq, N, Dv).
     """
-    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right)
+    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
     # Safe softmax: shift by the row max (0 for rows that are all -inf), and
     # divide by 1 where the row sum is 0, so empty rows give 0, not NaN.
     row_max = scores.detach().amax(dim=-1, keepdim=True)
@@ -175,15 +227,48 @@ def reference_lse(
     window_left: Optional[int] = None,
     window_right: Optional[int] = None,
     bottom_right: bool = False,
+    mask_fill: Optional[float] = None,
 ) -> Tensor:
     """float64 log-sum-exp (natural log) of each row's visible scores.
 
     Arguments as in ``reference_attention`` (v and dropout do not matter).
     Returns a float64 tensor (B, Hq, N); rows with no visible key give +inf.
+    (The true value: the implementations store a marker for rows that a
+    finite value hides entirely, see ``lse_marker``.)
     """
-    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right)
+    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+
+
+def reference_stored_lse(
+    q: Tensor,
+    k: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    window_left: Optional[int] = None,
+    window_right: Optional[int] = None,
+    bottom_right: bool = False,
+    mask_fill: Optional[float] = None,
+) -> Tensor:
+    """The float32 lse the implementations store for float32-precision
+    inputs: ``reference_lse``, with ``lse_marker(l)`` for rows that average
+    the l keys holding their largest score (see ``lse_marker``), so that a
+    backward can be tested on its own."""
+    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
+    lse = reference_lse(q, k, attn_mask, scale=scale, window_left=window_left, window_right=window_right,
+                        bottom_right=bottom_right, mask_fill=mask_fill).float()
+    row_max = scores.amax(dim=-1)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        uniform = row_max <= _AVERAGE_AT[torch.float32]
+    elif attn_mask is not None and mask_fill is not None and mask_fill <= FILL_MARKS_AT:
+        uniform = row_max == float(torch.tensor(float(mask_fill), dtype=torch.float32))
+    else:
+        return lse
+    uniform = uniform & torch.isfinite(row_max)
+    count = (scores == row_max[..., None]).sum(dim=-1).to(torch.float32)
+    return torch.where(uniform, lse_marker(count), lse)
 
 
 # ---------------------------------------------------------------------------
@@ -371,7 +456,8 @@ class _Tiler:
     flattened to (B, Hkv, G * rows, D) and multiplied once.
     """
 
-    def __init__(self, q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
+    def __init__(self, q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
+                 mask_fill=None):
         self.B, self.Hq, self.Hkv, self.N, self.M, self.D, self.Dv = _check_shapes(q, k, v)
         self.G = self.Hq // self.Hkv
         # float32 accumulation like the kernels; float64 inputs (gradcheck)
@@ -385,6 +471,14 @@ class _Tiler:
         self.mask = None
         if attn_mask is not None:
             self.mask = _mask_as_4d(attn_mask).expand(self.B, self.Hq, self.N, self.M)
+        # What a bool mask's hidden pairs score: -inf, or a finite fill.
+        self.fill = None
+        if mask_fill is not None and self.mask is not None and self.mask.dtype == torch.bool:
+            self.fill = float(torch.tensor(float(mask_fill), dtype=self.acc_dtype))  # as the tiles hold it
+        # Which rows average their keys uniformly (see lse_marker): a bool
+        # row at its fill, or a float row whose largest score is huge.
+        self.float_mask = self.mask is not None and self.mask.dtype != torch.bool
+        self.marks = self.float_mask or (self.fill is not None and self.fill <= FILL_MARKS_AT)
         self.dropout_p = float(dropout_p)
         self.seed = _seed_value(seed, self.dropout_p)
         self.drop_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1.0 else 0.0
@@ -414,7 +508,7 @@ class _Tiler:
         if self.mask is not None:
             tile = self.mask[:, :, i0:i1, j0:j1]
             if tile.dtype == torch.bool:
-                s.masked_fill_(~tile, float("-inf"))
+                s.masked_fill_(~tile, float("-inf") if self.fill is None else self.fill)
             else:
                 s.add_(tile)
         if not _tile_fully_visible(i0, i1, j0, j1, self.N, self.M,
@@ -448,6 +542,7 @@ def blockwise_forward(
     window_left: Optional[int],
     window_right: Optional[int],
     bottom_right: bool,
+    mask_fill: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward in tiles with an online softmax (no (N, M) tensor).
 
@@ -463,13 +558,16 @@ def blockwise_forward(
         window_left: left bound of the visibility window (None: none).
         window_right: right bound of the visibility window (None: none; 0: causal).
         bottom_right: diagonal offset ``M - N`` instead of 0.
+        mask_fill: with a bool mask, the score of the pairs it hides (as
+            ``masked_fill``); None: -inf.
 
     Returns:
         ``out`` (B, Hq, N, Dv) in q's dtype, laid out as
         ``empty(B, N, Hq, Dv).transpose(1, 2)``; ``lse`` float32 (B, Hq, N),
-        natural log, +inf for rows with no visible key.
+        natural log, +inf for rows with no visible key, ``lse_marker`` for
+        rows that average their keys uniformly.
     """
-    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right)
+    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill)
     B, Hq, Hkv, G, N, Dv = t.B, t.Hq, t.Hkv, t.G, t.N, t.Dv
     out = torch.empty(B, N, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
@@ -498,9 +596,14 @@ def blockwise_forward(
         empty = row_sum == 0
         inv = t.drop_scale / torch.where(empty, torch.ones_like(row_sum), row_sum)
         out[:, :, i0:i1] = acc.view(B, Hq, n, Dv) * inv.unsqueeze(-1)
-        lse[:, :, i0:i1] = torch.where(
-            empty, torch.full_like(row_sum, float("inf")), row_max + torch.log(row_sum)
-        )
+        row_lse = torch.where(empty, torch.full_like(row_sum, float("inf")), row_max + torch.log(row_sum))
+        if t.marks:
+            if t.float_mask:
+                uniform = row_max <= _AVERAGE_AT[t.acc_dtype]
+            else:
+                uniform = row_max == t.fill
+            row_lse = torch.where(uniform & ~empty, lse_marker(row_sum), row_lse)
+        lse[:, :, i0:i1] = row_lse
     return out, lse
 
 
@@ -520,6 +623,7 @@ def blockwise_backward(
     window_right: Optional[int],
     bottom_right: bool,
     mask_grad: bool,
+    mask_fill: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Attention backward in tiles, recomputing probabilities from ``lse``.
 
@@ -530,13 +634,15 @@ def blockwise_backward(
         lse: the forward's float32 log-sum-exp (B, Hq, N).
         dropout_p, scale, window_left, window_right, bottom_right: as in the forward.
         mask_grad: also return the gradient of a floating ``attn_mask``.
+        mask_fill: as in the forward; the pairs it fills pass no gradient to
+            q and k (as with ``masked_fill``).
 
     Returns:
         ``(dq, dk, dv, dmask)``: ``empty_like`` q, k, v filled with their
         gradients; ``dmask`` has the mask's own shape and dtype (summed over
         its broadcast dimensions) when ``mask_grad``, else None.
     """
-    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right)
+    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill)
     B, Hq, Hkv, G, N, M, D, Dv = t.B, t.Hq, t.Hkv, t.G, t.N, t.M, t.D, t.Dv
     dev = q.device
     if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
@@ -547,6 +653,15 @@ def blockwise_backward(
     delta = (grad_out32 * out.to(t.acc_dtype)).sum(dim=-1)
     grad_out_g = grad_out32.reshape(B, Hkv, G, N, Dv)
     lse32 = lse.to(t.acc_dtype)
+    # Rows that average l keys: p = 1 / l at each of them (see lse_marker).
+    # Float rows: exp(s - shift) is >= 1 at every finite score with the
+    # shift at -FLT_MAX, and capped at 1 / l (the cap is 1 elsewhere, where
+    # p <= 1 anyway). Bool rows at their fill: exp(s - fill) / l.
+    cap = shift = None
+    if t.marks:
+        marked, count = lse_marked_keys(lse32)
+        cap = 1.0 / count
+        shift = torch.where(marked, torch.full_like(lse32, -FLT_MAX if t.float_mask else t.fill), lse32)
     dk_acc = torch.zeros(B, Hkv, M, D, dtype=t.acc_dtype, device=dev)
     dv_acc = torch.zeros(B, Hkv, M, Dv, dtype=t.acc_dtype, device=dev)
     dq = torch.empty_like(q)
@@ -559,6 +674,9 @@ def blockwise_backward(
         q_rows = t.grouped_rows(t.q_scaled, i0, i1)
         do_rows = t.grouped_rows(grad_out_g, i0, i1)
         lse_rows = lse32[:, :, i0:i1].unsqueeze(-1)
+        if cap is not None:
+            lse_rows = shift[:, :, i0:i1].unsqueeze(-1)
+            cap_rows = cap[:, :, i0:i1].unsqueeze(-1)
         delta_rows = delta[:, :, i0:i1].unsqueeze(-1)
         dq_rows = torch.zeros(B, Hkv, G * n, D, dtype=t.acc_dtype, device=dev)
         for j0, j1 in t.key_tiles(i0, i1):
@@ -566,6 +684,8 @@ def blockwise_backward(
             s = t.scores(q_rows, i0, i1, j0, j1)
             # Empty rows have lse = +inf, so p = exp(-inf) = 0 there: no NaN.
             p = torch.exp(s - lse_rows)
+            if cap is not None:
+                p = torch.minimum(p, cap_rows) if t.float_mask else p * cap_rows
             dp = torch.matmul(do_rows, t.v[:, :, j0:j1].transpose(-1, -2)).view(B, Hq, n, m)
             keep = t.keep(i0, i1, j0, j1, dev)
             if keep is not None:
@@ -577,6 +697,8 @@ def blockwise_backward(
                 p_dropped.view(B, Hkv, G * n, m).transpose(-1, -2), do_rows
             )
             ds = p * (dp - delta_rows)  # gradient w.r.t. the scaled, masked scores
+            if t.fill is not None:  # filled scores are constants
+                ds.masked_fill_(~t.mask[:, :, i0:i1, j0:j1], 0.0)
             if dmask_acc is not None:
                 _accumulate_mask_grad(dmask_acc, ds, i0, i1, j0, j1)
             ds_g = ds.view(B, Hkv, G * n, m)

@@ -68,6 +68,10 @@ def _bad_cases():
     yield "dropout big", (q, k, v), {"dropout_p": 1.5}, "dropout_p"
     yield "window", (q, k, v), {"window_left": -1}, "window_left"
     yield "alignment", (q, k, v), {"alignment": "middle"}, "alignment"
+    yield "fill with float mask", (q, k, v), {"attn_mask": torch.zeros(17, 23), "mask_fill": -1e4}, \
+        "mask_fill replaces the scores that a bool attn_mask hides"
+    yield "fill nan", (q, k, v), {"attn_mask": torch.ones(17, 23, dtype=torch.bool), "mask_fill": math.nan}, \
+        "mask_fill must be a finite number"
 
 
 @pytest.mark.parametrize("name,args,kwargs,message", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
@@ -255,14 +259,17 @@ class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "learned-bias"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "learned-bias", "bool-fill"])
 def test_eager_path_computes_what_the_ops_compute(path, mask_kind, monkeypatch):
     q, k, v = make_qkv(B=2, Hq=4, Hkv=2, N=19, M=27, D=16, requires_grad=True)
-    mask = None
-    if mask_kind == "bool":
+    mask, fill = None, None
+    if mask_kind in ("bool", "bool-fill"):
         mask = torch.rand(2, 1, 19, 27) > 0.3
     elif mask_kind == "learned-bias":
         mask = torch.randn(1, 4, 19, 27, requires_grad=True)
+    if mask_kind == "bool-fill":  # rows hidden entirely average their keys
+        mask[:, :, [0, 5]] = False
+        fill = torch.finfo(torch.float32).min
     g = torch.randn(2, 4, 19, 16)
     leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
 
@@ -276,7 +283,7 @@ def test_eager_path_computes_what_the_ops_compute(path, mask_kind, monkeypatch):
         torch.manual_seed(3)
         with mode if mode is not None else contextlib.nullcontext():
             out = flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=0.25, enable_gqa=True,
-                                      window_left=7, window_right=2)
+                                      window_left=7, window_right=2, mask_fill=fill)
             out.backward(g)
         return [out.detach()] + [t.grad for t in leaves]
 

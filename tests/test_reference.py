@@ -430,3 +430,38 @@ def test_blockwise_errors():
     with pytest.raises(ValueError, match="seed"):
         R.blockwise_forward(q, k, v, None, None, dropout_p=0.1, scale=None,
                             window_left=None, window_right=None, bottom_right=False)
+
+
+# ---------------------------------------------------------------------------
+# rows that a finite value hides entirely
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fill", [-1e4, torch.finfo(torch.float32).min])
+def test_reference_mask_fill_is_masked_fill(fill):
+    # float64 ground truth of mask_fill: eager masked_fill, gradients too
+    # (none to the filled scores); a row hidden entirely averages its keys.
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, L, 16, generator=gen, dtype=torch.float64).requires_grad_() for L in (5, 7, 7))
+    keep = torch.rand(5, 7, generator=gen) > 0.4
+    keep[2] = False
+    out = R.reference_attention(q, k, v, keep, mask_fill=fill)
+    want = torch.softmax((q @ k.mT / 4.0).masked_fill(~keep, fill), -1) @ v
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[:, :, 2], v.mean(2).expand(1, 2, 16), rtol=1e-12, atol=1e-12)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_lse_marker_holds_the_key_count():
+    counts = torch.tensor([1.0, 2.0, 3.0, 1000.0, 2.0 ** 23 - 1])
+    marker = R.lse_marker(counts)
+    assert marker.dtype == torch.float32 and (marker <= R.LSE_MARKED_BELOW).all()
+    marked, got = R.lse_marked_keys(marker)
+    assert marked.all() and torch.equal(got, counts)
+    # Within l * 2**-24 of the true lse of a row of l scores at finfo.min.
+    true = torch.finfo(torch.float32).min + torch.log(counts.double())
+    assert ((marker.double() - true).abs() / true.abs() <= counts.double() * 2.0 ** -24 + 1e-7).all()
+    marked, got = R.lse_marked_keys(torch.tensor([-5e8, 0.0, 3.0, float("inf")]))
+    assert not marked.any() and (got == 1).all()

@@ -40,6 +40,9 @@ import triton.language as tl
 from .common import (
     _block_crosses_edge,
     _dropout_keep_block,
+    _lse_base2,
+    _lse_cap,
+    _lse_shift,
     _mask_key_span,
     _narrow_span,
     _visible,
@@ -51,7 +54,8 @@ from .launch import (
 )
 from .mask_ranges import COL_GROUP as _COL_GROUP
 from .mask_ranges import ROW_GROUP as _ROW_GROUP
-from .mask_ranges import mask_key_table, mask_query_table, table_strides
+from .forward import fill_kind
+from .mask_ranges import fill_hides, mask_key_table, mask_query_table, table_strides
 
 __all__ = ["attention_backward"]
 
@@ -87,32 +91,26 @@ _ONE_PASS_DROPOUT_MAX_D = 64
 
 
 @triton.jit
-def _fp32_scalars(qk_scale, scale, inv_keep):
+def _fp32_scalars(qk_scale, scale, inv_keep, mask_fill):
     """The float arguments as fp32: Inductor passes Python floats as fp64,
     which would turn the tiles' arithmetic into fp64."""
-    return tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32), tl.cast(inv_keep, tl.float32)
-
-
-@triton.jit
-def _lse_base2(lse):
-    """Natural-log lse to base 2. A row with no visible key has lse = +inf
-    (or -inf from some producers): +inf, so its probabilities are exactly 0.
-    A row that saw only finite hidden mask values (about -3.4e38) has an lse
-    that overflows in base 2: kept finite, so those probabilities come out 0
-    rather than NaN (see the README's limitations)."""
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    return tl.maximum(lse, -3.0e38)
+    return (tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32), tl.cast(inv_keep, tl.float32),
+            tl.cast(mask_fill, tl.float32))
 
 
 @triton.jit(do_not_specialize=["N"])
 def _bwd_preprocess(
-    O, DO, DELTA,
+    O, DO, DELTA, LSE, CAP,
     s_ob, s_oh, s_on, s_od,
     s_dob, s_doh, s_don, s_dod,
+    s_lb, s_lh, s_ln,
     N, D_V,
+    MARKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (float32)."""
+    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (float32), and
+    with MARKS cap[b, h, i] = ``common._lse_cap`` of lse[b, h, i] (float32,
+    delta's layout)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -127,16 +125,20 @@ def _bwd_preprocess(
                  mask=ok, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
     tl.store(DELTA + (b * H + h) * N + m0 + rm, delta, mask=(m0 + rm) < N)
+    if MARKS:
+        lse = tl.load(LSE + b * s_lb + h * s_lh + (m0 + rm) * s_ln, mask=(m0 + rm) < N, other=float("inf"))
+        tl.store(CAP + (b * H + h) * N + m0 + rm, _lse_cap(lse), mask=(m0 + rm) < N)
 
 
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, col_acc, k, v,
-    q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+    q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
     lo, hi, lo2, hi2, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
     s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
-    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
-    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -147,6 +149,10 @@ def _bwd_dkdv_inner(
 
     MASK_KIND 0 with a mask present: blocks where its values are all neutral
     (``mask_ranges``); the mask is not read, its gradient still written.
+    Probabilities follow ``common._lse_shift``: a float mask's scores are
+    formed in natural-log units (its values of -3.4e38 would overflow in
+    base 2), and FILL (bool masks) gives hidden pairs the fill's score and no
+    gradient to q and k.
     """
     dtype = q_rows.dtype.element_ty
     n1 = tl.cdiv(hi - lo, BLOCK_M)
@@ -162,22 +168,38 @@ def _bwd_dkdv_inner(
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse = _lse_base2(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")))
+        shift = _lse_shift(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")),
+                           mask_fill, MASK_KIND, FILL)
         delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
+        if MASK_KIND == 2 or (MASK_KIND == 1 and FILL == 2):
+            cap = tl.load(cap_ptr + offs_m, mask=m_ok, other=1.0)
 
-        # sT[j, i] in log2 units
-        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        # sT[j, i] in log2 units (natural ones with a float mask)
+        if MASK_KIND == 2:
+            sT = tl.dot(k, tl.trans(q), input_precision=PREC) * scale
+        else:
+            sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
             keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
         if MASK_KIND == 2:
             mT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
                          mask=n_ok[:, None] & m_ok[None, :], other=0.0)
-            sT = sT + mT.to(tl.float32) * 1.4426950408889634
-        pT = tl.exp2(sT - lse[None, :])
-        if MASK_KIND == 1:
-            bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
-                         mask=n_ok[:, None] & m_ok[None, :], other=0)
-            pT = tl.where(bT != 0, pT, 0.0)
+            sT = sT + mT.to(tl.float32)
+            pT = tl.minimum(tl.exp2((sT - shift[None, :]) * 1.4426950408889634), cap[None, :])
+        elif MASK_KIND == 1:
+            if FILL != 0:
+                bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                             mask=n_ok[:, None] & m_ok[None, :], other=0)
+                pT = tl.exp2(tl.where(bT != 0, sT, mask_fill) - shift[None, :])
+                if FILL == 2:
+                    pT = pT * cap[None, :]
+            else:
+                pT = tl.exp2(sT - shift[None, :])
+                bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                             mask=n_ok[:, None] & m_ok[None, :], other=0)
+                pT = tl.where(bT != 0, pT, 0.0)
+        else:
+            pT = tl.exp2(sT - shift[None, :])
         # Element-wise visibility only on blocks that cross an edge of the
         # band or of the tensor. The transposed tile is _visible with the
         # roles of queries and keys swapped (offset negated, windows
@@ -194,6 +216,8 @@ def _bwd_dkdv_inner(
             pdT = pT
         dv += tl.dot(pdT.to(dtype).to(q.dtype), do, input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
+        if MASK_KIND == 1 and FILL != 0:  # filled scores are constants
+            dsT = tl.where(bT != 0, dsT, 0.0)
         dsT_op = dsT.to(dtype).to(q.dtype)
         dk += tl.dot(dsT_op, q, input_precision=PREC)
         if DQ_ATOMIC:
@@ -220,7 +244,7 @@ def _bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "B_OFF"])
 def _bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
+    Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -234,9 +258,9 @@ def _bwd_dkdv(
     s_aqb, s_aqh, s_aqn, s_aqd,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR, B_OFF,
+    DIAG_OFF, WL, WR, B_OFF, mask_fill,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
@@ -258,7 +282,7 @@ def _bwd_dkdv(
     ``h`` (not ``hk``). Every key block of a (batch, head) adds into the same
     rows, hence atomics; skipped blocks add nothing.
     """
-    qk_scale, scale, inv_keep = _fp32_scalars(qk_scale, scale, inv_keep)
+    qk_scale, scale, inv_keep, mask_fill = _fp32_scalars(qk_scale, scale, inv_keep, mask_fill)
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -313,6 +337,7 @@ def _bwd_dkdv(
         do_rows = DO + b * s_dob + hl * s_doh + rm * s_don
         lse_ptr = LSE + b * s_lb + hl * s_lh
         delta_ptr = DELTA + (b * H + hl) * N
+        cap_ptr = CAP + (b * H + hl) * N  # delta's layout (read for float masks and marking fills)
         mask_base = MASK
         if MASK_KIND != 0:
             mask_base = MASK + b * s_mb + hl * s_mh + n0l * s_mm
@@ -345,19 +370,19 @@ def _bwd_dkdv(
         # The blocks that read the mask (before and after the neutral
         # rows), then those that need not.
         dk, dv, col_acc = _bwd_dkdv_inner(
-            dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+            dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
             q_lo, free_lo, free_hi, q_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
             s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
-            N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
-            HAS_WL, HAS_WR, MASK_KIND, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
+            N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+            HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
             PREC, UPCAST, BLOCK_M, BLOCK_N)
         if SKIP_HIDDEN:
             dk, dv, col_acc = _bwd_dkdv_inner(
-                dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, mask_base, g_base, dq_rows,
+                dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
                 free_lo, free_hi, free_hi, free_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
                 s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
-                N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
-                HAS_WL, HAS_WR, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
+                N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+                HAS_WL, HAS_WR, 0, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
                 PREC, UPCAST, BLOCK_M, BLOCK_N)
         if MASK_GRAD:
             if DMASK_ROWSUM:
@@ -376,11 +401,12 @@ def _bwd_dkdv(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse, delta, kT_cols, vT_cols, mask_rows,
+    dq, q, do, shift, cap, delta, kT_cols, vT_cols, mask_rows,
     lo, hi, lo2, hi2, m0, offs_m, m_ok, rn, rd, rdv,
     s_kn, s_kd, s_vn, s_vd, s_mm,
-    N, M, D_QK, D_V, qk_scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR,
-    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DESC: tl.constexpr,
 ):
@@ -389,7 +415,8 @@ def _bwd_dq_inner(
     loop (see ``_bwd_dkdv_inner``). MASK_KIND 0 with a mask present: blocks
     where its values are all neutral (``mask_ranges``), computed without it.
     DESC: ``kT_cols`` and ``vT_cols`` are tensor descriptors of the head's K
-    and V, else column pointers."""
+    and V, else column pointers. ``shift`` and ``cap``: the rows' terms of
+    ``common._lse_shift`` for this call's MASK_KIND and FILL."""
     if DESC:
         dtype = kT_cols.dtype
     else:
@@ -411,18 +438,31 @@ def _bwd_dq_inner(
         if UPCAST:
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
-        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        if MASK_KIND == 2:  # natural-log units with a float mask (see _bwd_dkdv_inner)
+            s = tl.dot(q, kT, input_precision=PREC) * scale
+        else:
+            s = tl.dot(q, kT, input_precision=PREC) * qk_scale
         if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
             keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
         if MASK_KIND == 2:
             mt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
                          mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-            s = s + mt.to(tl.float32) * 1.4426950408889634
-        p = tl.exp2(s - lse[:, None])
-        if MASK_KIND == 1:
-            bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
-                         mask=m_ok[:, None] & n_ok[None, :], other=0)
-            p = tl.where(bt != 0, p, 0.0)
+            s = s + mt.to(tl.float32)
+            p = tl.minimum(tl.exp2((s - shift[:, None]) * 1.4426950408889634), cap[:, None])
+        elif MASK_KIND == 1:
+            if FILL != 0:
+                bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                             mask=m_ok[:, None] & n_ok[None, :], other=0)
+                p = tl.exp2(tl.where(bt != 0, s, mask_fill) - shift[:, None])
+                if FILL == 2:
+                    p = p * cap[:, None]
+            else:
+                p = tl.exp2(s - shift[:, None])
+                bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                             mask=m_ok[:, None] & n_ok[None, :], other=0)
+                p = tl.where(bt != 0, p, 0.0)
+        else:
+            p = tl.exp2(s - shift[:, None])
         if _block_crosses_edge(m0, start_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N):
             vis = _visible(offs_m, offs_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR)
             p = tl.where(vis, p, 0.0)
@@ -430,6 +470,8 @@ def _bwd_dq_inner(
         if HAS_DROPOUT:
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
+        if MASK_KIND == 1 and FILL != 0:  # filled scores are constants
+            ds = tl.where(bt != 0, ds, 0.0)
         dq += tl.dot(ds.to(dtype).to(q.dtype), tl.trans(kT), input_precision=PREC)
 
     return dq
@@ -437,7 +479,7 @@ def _bwd_dq_inner(
 
 @triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR"])
 def _bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, RANGES, SEED, DQ,
+    Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DQ,
     s_qb, s_qh, s_qn, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -448,15 +490,15 @@ def _bwd_dq(
     s_dqb, s_dqh, s_dqn, s_dqd,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR,
+    DIAG_OFF, WL, WR, mask_fill,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query block of one (batch, q head)."""
-    qk_scale, scale, inv_keep = _fp32_scalars(qk_scale, scale, inv_keep)
+    qk_scale, scale, inv_keep, mask_fill = _fp32_scalars(qk_scale, scale, inv_keep, mask_fill)
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -479,8 +521,12 @@ def _bwd_dq(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(LSE + b * s_lb + hl * s_lh + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
-    lse = _lse_base2(lse)
+    shift = _lse_shift(lse, mask_fill, MASK_KIND, FILL)
+    lse = _lse_base2(lse)  # for the blocks computed without the mask
     delta = tl.load(DELTA + (b * H + hl) * N + offs_m, mask=m_ok, other=0.0)
+    cap = delta  # read only for float masks and marking fills
+    if MASK_KIND == 2 or (MASK_KIND == 1 and FILL == 2):
+        cap = tl.load(CAP + (b * H + hl) * N + offs_m, mask=m_ok, other=1.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seed = 0
@@ -519,14 +565,16 @@ def _bwd_dq(
     # The blocks that read the mask (before and after the neutral keys),
     # then those that need not.
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, kT_cols, vT_cols, mask_rows, lo, free_lo, free_hi, hi, m0, offs_m, m_ok,
-        rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, inv_keep, threshold, seed, bh,
-        DIAG_OFF, WL, WR, HAS_WL, HAS_WR, MASK_KIND, HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N, DESC)
+        dq, q, do, shift, cap, delta, kT_cols, vT_cols, mask_rows, lo, free_lo, free_hi, hi, m0, offs_m, m_ok,
+        rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed,
+        bh, DIAG_OFF, WL, WR, mask_fill, HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT, PREC, UPCAST,
+        BLOCK_M, BLOCK_N, DESC)
     if SKIP_HIDDEN:
         dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, kT_cols, vT_cols, mask_rows, free_lo, free_hi, free_hi, free_hi, m0, offs_m,
-            m_ok, rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, inv_keep, threshold, seed,
-            bh, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, 0, HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N, DESC)
+            dq, q, do, lse, cap, delta, kT_cols, vT_cols, mask_rows, free_lo, free_hi, free_hi, free_hi, m0,
+            offs_m, m_ok, rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, scale, inv_keep,
+            threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill, HAS_WL, HAS_WR, 0, 0, HAS_DROPOUT, PREC, UPCAST,
+            BLOCK_M, BLOCK_N, DESC)
 
     tl.store(DQ + b * s_dqb + hl * s_dqh + m0l * s_dqn + rm[:, None] * s_dqn + rd[None, :] * s_dqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (rd < D_QK)[None, :])
@@ -714,6 +762,7 @@ def attention_backward(
     window_right: int | None,
     bottom_right: bool,
     mask_grad: bool,
+    mask_fill: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and a float mask.
 
@@ -736,6 +785,8 @@ def attention_backward(
         bottom_right: align the band's diagonal to the bottom-right corner
             (offset M - N) instead of the top-left.
         mask_grad: also return the gradient of the float ``attn_mask``.
+        mask_fill: as in the forward (bool masks): the score of the pairs
+            the mask hides, which pass no gradient to q and k; None: -inf.
 
     Returns:
         (dq, dk, dv, dmask): ``empty_like`` of q, k, v; dmask is None unless
@@ -815,13 +866,15 @@ def attention_backward(
 
     prec = _dot_precision(q)
 
-    skip_hidden = mask_kind != _NO_MASK and SKIP_HIDDEN_BLOCKS
+    fill, fill_arg = fill_kind(mask_kind == _BOOL_MASK, mask_fill)
+    skip_hidden = mask_kind != _NO_MASK and SKIP_HIDDEN_BLOCKS and (fill == 0 or fill_hides(mask_fill))
     if skip_hidden:
         band = dict(diag_off=diag_off, window_left=wl, window_right=wr,
-                    has_window_left=has_wl, has_window_right=has_wr)
+                    has_window_left=has_wl, has_window_right=has_wr, fills=fill != 0)
         # The key table serves dQ, and the query table's pass for float masks
-        # (rows that average); one pass with a bool mask needs only the latter.
-        need_keys = not one_pass or mask_kind == _FLOAT_MASK
+        # and fills (rows that average); one pass with a plain bool mask needs
+        # only the latter.
+        need_keys = not one_pass or mask_kind == _FLOAT_MASK or fill != 0
         key_ranges = mask_key_table(mask_arg, N, M, **band) if need_keys else lse
         query_ranges = mask_query_table(mask_arg, key_ranges, N, M, **band)
         kr_strides = table_strides(key_ranges) if need_keys else (0, 0)
@@ -835,7 +888,7 @@ def attention_backward(
                       diag_off, wl, wr)
     lse_strides = lse.stride()
     interp = _interpreting(q)
-    flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, PREC=prec,
+    flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, FILL=fill, HAS_DROPOUT=has_dropout, PREC=prec,
                  SKIP_HIDDEN=skip_hidden,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
     # dQ streams K and V through tensor descriptors where the layout allows
@@ -862,13 +915,16 @@ def attention_backward(
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         # delta = rowsum(dO * O)
         delta = torch.empty((B, Hq, N), device=device, dtype=torch.float32)
-        pre_args = (out, grad_out, delta, *out.stride(), *grad_out.stride(), N, Dv)
+        # 1 / l per row for rows lse marks as averaging l keys (1 elsewhere).
+        marks = mask_kind == _FLOAT_MASK or fill == 2
+        cap = torch.empty((B, Hq, N), device=device, dtype=torch.float32) if marks else delta
+        pre_args = (out, grad_out, delta, lse, cap, *out.stride(), *grad_out.stride(), *lse.stride(), N, Dv)
         if interp:
-            _bwd_preprocess[(cdiv(N, 16), Hq, B)](*pre_args, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
+            _bwd_preprocess[(cdiv(N, 16), Hq, B)](*pre_args, MARKS=marks, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
         else:
             _preprocess_launcher(
-                (device, BLOCK_DV), lambda: [_preprocess_config(BLOCK_DV)], lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
-                *pre_args, BLOCK_DV=BLOCK_DV,
+                (device, BLOCK_DV, marks), lambda: [_preprocess_config(BLOCK_DV)],
+                lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), *pre_args, MARKS=marks, BLOCK_DV=BLOCK_DV,
             )
 
         # When the mask broadcasts over the batch, the dS buffer is filled a
@@ -887,13 +943,13 @@ def attention_backward(
 
             launch(
                 "dkdv_dq" if one_pass else "dkdv", lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, b1 - b0),
-                rows(q), rows(k), rows(v), rows(grad_out), rows(lse), rows(delta),
+                rows(q), rows(k), rows(v), rows(grad_out), rows(lse), rows(delta), rows(cap),
                 rows(mask_arg) if attn_mask is not None else q,
                 rows(query_ranges) if qr_strides[0] else query_ranges,
                 seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if chunked else gbuf, rows(dq_acc) if one_pass else dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *qr_strides,
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
-                *common_scalars, b0,
+                *common_scalars, b0, fill_arg,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
                 RANGE_GROUP=_COL_GROUP, **flags,
             )
@@ -908,10 +964,10 @@ def attention_backward(
         else:
             launch(
                 "dq", lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
-                q, k, v, grad_out, lse, delta, mask_arg, key_ranges, seed_arg, dq,
+                q, k, v, grad_out, lse, delta, cap, mask_arg, key_ranges, seed_arg, dq,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *kr_strides,
                 *dq.stride(),
-                *common_scalars,
+                *common_scalars, fill_arg,
                 RANGE_GROUP=_ROW_GROUP, DESC=dq_desc, **flags,
             )
 

@@ -99,6 +99,72 @@ def _narrow_span(lo, hi, r_lo, r_hi, f_lo, f_hi, BLOCK: tl.constexpr):
     return new_lo, new_hi, free_lo, free_hi
 
 
+# Rows that a finite mask value hides entirely average the values of their
+# keys; their lse is stored as a marker holding the number of keys, l
+# (``reference.lse_marker``: -FLT_MAX + l * 2**104), because m + log(l)
+# rounds to m in float32 when m is huge. The forward marks a float-masked
+# row whose largest base-2 score is at or below AVERAGE_AT_BASE2 (other
+# scores of the row are then at least 64 below it: exp2 gives exactly 0 or
+# 1), and with FILL == 2 a bool-masked row whose largest score is the fill.
+AVERAGE_AT_BASE2 = tl.constexpr(-774541002.0)  # -2**29 * log2(e): reference._AVERAGE_AT in base 2
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+LSE_MARK_UNIT = tl.constexpr(2.028240960365167e31)  # 2**104
+LSE_MARK_MAX_KEYS = tl.constexpr(8388607.0)  # 2**23 - 1: markers stay below -1e38
+
+
+@triton.jit
+def _lse_marked(lse, l_i, uniform):
+    """The forward's stored lse: the marker for ``uniform`` rows (``l_i``
+    keys, each with probability 1 / l_i), ``lse`` for the others."""
+    return tl.where(uniform, -FLT_MAX + tl.minimum(l_i, LSE_MARK_MAX_KEYS) * LSE_MARK_UNIT, lse)
+
+
+@triton.jit
+def _lse_cap(lse):
+    """Per row, from the stored lse: 1 / l for a marked row, 1 for others.
+    Computed once per row (the backward's preprocess kernel): in the dK/dV
+    loop, which reads lse per query block, its special-function ops cost
+    several hundred instructions per iteration."""
+    marked = lse <= -1.0e38
+    return tl.where(marked, 1.0 / tl.where(marked, (lse + FLT_MAX) * (1.0 / LSE_MARK_UNIT), 1.0), 1.0)
+
+
+@triton.jit
+def _lse_shift(lse, fill, MASK_KIND: tl.constexpr, FILL: tl.constexpr):
+    """Per row, from the stored natural-log ``lse``: ``shift`` such that,
+    with ``cap`` from ``_lse_cap``, a recomputed probability is
+
+    * float mask (MASK_KIND 2): ``min(exp2((s - shift) * log2(e)), cap)``,
+      ``s`` the natural-log score. A marked row gets shift -FLT_MAX, so
+      every finite score gives at least 1, capped at 1 / l; other rows get
+      cap 1, above any of their probabilities.
+    * bool mask with a marking fill (FILL == 2): ``exp2(s - shift) * cap``,
+      ``s`` in base 2 with hidden pairs at ``fill`` (base 2): a marked row is
+      shifted by its largest score, the fill, and scaled by 1 / l.
+    * otherwise: ``exp2(s - shift)``, cap unused.
+    """
+    marked = lse <= -1.0e38
+    if MASK_KIND == 2:
+        shift = tl.where(lse == float("-inf"), float("inf"), lse)
+        shift = tl.where(marked, -FLT_MAX, shift)
+    elif FILL == 2:
+        shift = tl.where(marked, fill, _lse_base2(lse))
+    else:
+        shift = _lse_base2(lse)
+    return shift
+
+
+@triton.jit
+def _lse_base2(lse):
+    """Natural-log lse to base 2. A row with no visible key has lse = +inf
+    (or -inf from some producers): +inf, so its probabilities are exactly 0.
+    A marked row (see ``_lse_shift``) overflows in base 2: kept finite, so
+    that a kernel that reads no mask (a block where the mask is neutral,
+    which such a row never sees inside the band) gets 0 rather than NaN."""
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    return tl.maximum(lse, -3.0e38)
+
+
 # Dropout draws 16 random bits per element: one Philox4x32-10 call (128
 # bits) serves eight keys of one query. Fewer bits would make the drop rate a
 # coarse multiple of 2**-DROPOUT_BITS; more would cost more Philox calls, which

@@ -27,14 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _dropout_keep_block, _mask_key_span, _visible
+from .common import AVERAGE_AT_BASE2, _dropout_keep_block, _lse_marked, _mask_key_span, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
     DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, next_pow2, static_int,
 )
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
-from .mask_ranges import mask_key_table, table_strides
+from .mask_ranges import fill_hides, mask_key_table, table_strides
+from .. import reference as _reference
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -97,10 +98,10 @@ def _attn_fwd_inner(
     N, M,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
     qk_scale, diag_off, window_left, window_right,
-    seed, bh, dropout_threshold,
+    seed, bh, dropout_threshold, mask_fill,
     BOUNDARY: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     SCALE_NONNEG: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
@@ -113,7 +114,8 @@ def _attn_fwd_inner(
     key/value head, ``mask_base`` at (row offs_m, key 0) of the mask tile rows.
     BOUNDARY blocks may cross the visible band or the end of the keys: they
     apply ``_visible`` and bounds-check their loads; other blocks are known to
-    be fully visible to every real query of the tile.
+    be fully visible to every real query of the tile. FILL (bool masks):
+    the pairs the mask hides score ``mask_fill`` (base 2) instead of -inf.
     """
     # Loop-invariant pointer tiles; only the scalar base advances, so the
     # per-element offsets stay small (int32) even for multi-million keys.
@@ -167,10 +169,19 @@ def _attn_fwd_inner(
                 qk = tl.where(vis, qk, float("-inf"))
         elif MASK_KIND == 1:
             keep = mvals != 0
-            if BOUNDARY:
-                keep = keep & _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
-                                       HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            if FILL != 0:
+                # masked_fill: hidden pairs score the fill; outside the band
+                # nothing takes part, as with is_causal.
+                qk = tl.where(keep, qk * qk_scale, mask_fill)
+                if BOUNDARY:
+                    vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                                   HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+                    qk = tl.where(vis, qk, float("-inf"))
+            else:
+                if BOUNDARY:
+                    keep = keep & _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
+                                           HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+                qk = tl.where(keep, qk * qk_scale, float("-inf"))
         elif BOUNDARY:
             vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
                            HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
@@ -216,11 +227,11 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     Hq, Hkv, N, M,
     qk_scale, diag_off, window_left, window_right,
-    dropout_threshold, dropout_scale,
+    dropout_threshold, dropout_scale, mask_fill,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, SCALE_NONNEG: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, RANGE_GROUP: tl.constexpr,
     KV_DESC: tl.constexpr,
@@ -232,10 +243,14 @@ def _attn_fwd(
     through its (possibly 0) strides, Seed an int64 scalar, Out (B, Hq, N, Dv)
     through its strides, Lse (B, Hq, N) contiguous fp32. ``qk_scale`` is
     ``scale * log2(e)``; ``diag_off`` the visibility diagonal offset.
+    FILL: 0, or with a bool mask the score of the pairs it hides,
+    ``mask_fill`` in base 2 (1), and then whether a row whose largest score
+    is the fill is marked in lse as averaging its keys (2).
     """
     # Inductor passes Python floats as fp64; the arithmetic must stay fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     dropout_scale = tl.cast(dropout_scale, tl.float32)
+    mask_fill = tl.cast(mask_fill, tl.float32)
     # Last query tiles first: under causal masking they have the most keys,
     # so starting them early balances the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -317,8 +332,8 @@ def _attn_fwd(
         acc, l_i, m_i, q, k_base, v_base, mask_base, lo_blk, mid_lo,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
-        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
     # Phase 2: blocks fully visible to every real row; with a mask, those
     # before, in and after the part where its values are all neutral.
@@ -326,31 +341,31 @@ def _attn_fwd(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, free_lo,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
-        False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+        False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
     if SKIP_HIDDEN:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_lo, free_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
-            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, 0, DROPOUT,
+            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, 0, 0, DROPOUT,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_hi, mid_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
-            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
     # Phase 3: blocks that straddle the band's end or the last key.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold,
-        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, DROPOUT,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
 
     # Rows that saw no key (l_i == 0): output 0, lse +inf.
@@ -360,6 +375,12 @@ def _attn_fwd(
         inv_l = inv_l * dropout_scale
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    # Rows that a finite value hides entirely: the marker holding l (see
+    # common._lse_marked); m_i + log2(l) would have rounded to m_i.
+    if MASK_KIND == 2:
+        lse = _lse_marked(lse, l_i, (m_i <= AVERAGE_AT_BASE2) & (~empty))
+    elif FILL == 2:
+        lse = _lse_marked(lse, l_i, (m_i == mask_fill) & (~empty))
 
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od
     if BLOCK_DV != HEAD_DIM_V:
@@ -466,6 +487,19 @@ _INTERPRET_BLOCK_N = 32  # >= 32: the block dropout draw
 _BUCKET_CAP = 1 << 16
 
 
+def fill_kind(bool_mask: bool, mask_fill: float | None) -> tuple[int, float]:
+    """The kernels' FILL flag and fill argument for a call: ``(0, 0.0)``
+    without a fill (or without a bool mask), else the fill in base 2 (values
+    at or below -1e38 kept as they are, as the kernels convert float masks)
+    and 2 when it is low enough that a row scoring the fill at most is taken
+    as hidden entirely (``reference.FILL_MARKS_AT``), 1 otherwise."""
+    if not bool_mask or mask_fill is None or mask_fill == float("-inf"):
+        return 0, 0.0
+    fill = float(mask_fill)
+    base2 = fill * _LOG2E if fill > -1.0e38 else fill
+    return (2 if fill <= _reference.FILL_MARKS_AT else 1), base2
+
+
 def _clamp_window(w: int | None, limit: int) -> int:
     """Clamp a window bound to [-limit, limit]: beyond N + M it changes
     nothing, and clamping keeps in-kernel index sums within int32."""
@@ -486,6 +520,7 @@ def attention_forward(
     window_left: int | None,
     window_right: int | None,
     bottom_right: bool,
+    mask_fill: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward on the Triton kernel.
 
@@ -503,11 +538,14 @@ def attention_forward(
         window_left: left visibility bound (None: unbounded).
         window_right: right visibility bound (None: unbounded; 0: causal).
         bottom_right: diagonal offset ``M - N`` instead of 0.
+        mask_fill: with a bool mask, the score of the pairs it hides (as
+            ``masked_fill``); None: they take no part.
 
     Returns:
         ``(out, lse)``: out (B, Hq, N, Dv) in q's dtype, laid out as
         ``empty(B, N, Hq, Dv).transpose(1, 2)``; lse float32 (B, Hq, N)
-        contiguous, natural log, +inf for rows with no visible key.
+        contiguous, natural log, +inf for rows with no visible key,
+        ``reference.lse_marker`` for rows that average their keys.
     """
     B, Hq, N, D = q.shape
     Hkv, M = k.shape[1], k.shape[2]
@@ -530,6 +568,8 @@ def attention_forward(
             mask_kind = _MASK_FLOAT
         mask_strides = mask.stride()
 
+    fill, fill_arg = fill_kind(mask_kind == _MASK_BOOL, mask_fill)
+
     dropout = dropout_p > 0.0
     if dropout:
         threshold = _keep_threshold(dropout_p)
@@ -548,9 +588,9 @@ def attention_forward(
     band = dict(diag_off=(M - N) if bottom_right else 0, window_left=_clamp_window(window_left, limit),
                 window_right=_clamp_window(window_right, limit), has_window_left=window_left is not None,
                 has_window_right=window_right is not None)
-    skip_hidden = mask_kind != _MASK_NONE and SKIP_HIDDEN_BLOCKS
+    skip_hidden = mask_kind != _MASK_NONE and SKIP_HIDDEN_BLOCKS and (fill == 0 or fill_hides(mask_fill))
     if skip_hidden:
-        key_table = mask_key_table(mask, N, M, **band)
+        key_table = mask_key_table(mask, N, M, **band, fills=fill != 0)
         range_strides = table_strides(key_table)
     else:
         key_table, range_strides = lse, (0, 0)  # never read
@@ -559,13 +599,13 @@ def attention_forward(
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *range_strides, *out.stride(),
         Hq, Hkv, N, M,
         float(scale) * _LOG2E, band["diag_off"], band["window_left"], band["window_right"],
-        threshold, dropout_scale,
+        threshold, dropout_scale, fill_arg,
     )
     meta = dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv,
         BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
-        MASK_KIND=mask_kind, DROPOUT=dropout, INPUT_PRECISION=precision,
+        MASK_KIND=mask_kind, FILL=fill, DROPOUT=dropout, INPUT_PRECISION=precision,
         SKIP_HIDDEN=skip_hidden,
         SCALE_NONNEG=scale >= 0, RANGE_GROUP=_RANGE_GROUP, KV_DESC=kv_desc,
     )

@@ -33,7 +33,8 @@ import triton.language as tl
 from .common import _visible
 from .launch import ConfigLauncher, _interpreting, cdiv
 
-__all__ = ["COL_GROUP", "ROW_GROUP", "mask_hidden_at", "mask_key_table", "mask_query_table", "table_strides"]
+__all__ = ["COL_GROUP", "ROW_GROUP", "fill_hides", "mask_hidden_at", "mask_key_table", "mask_query_table",
+           "table_strides"]
 
 # Query rows per key-table entry: a divisor of every forward and dQ BLOCK_M.
 ROW_GROUP = 16
@@ -80,15 +81,17 @@ def _mask_key_table(
     s_mb, s_mh, s_mn, s_mm, s_tb, s_th,
     N, M, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr,
+    MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr, AVERAGES: tl.constexpr,
     GROUP: tl.constexpr, STEP: tl.constexpr,
 ):
     """Grid (cdiv(N, GROUP), mask heads, mask batches): one group of rows.
 
     A score takes part when the mask lets it (``_mask_takes_part``) and it is
-    in the band (``_visible``). A float-masked row none of whose band scores
-    takes part, but some of which are finite (hidden by values like -3.4e38),
-    averages all its band keys, so all of them take part ("averages").
+    in the band (``_visible``). With AVERAGES (a float mask, or a bool mask
+    whose hidden pairs score a finite fill), a row none of whose band scores
+    takes part, but some of which are finite (hidden by values like -3.4e38,
+    or filled), averages all its band keys, so all of them take part
+    ("averages").
 
     Per row: ``first`` / ``last``, its first and last key taking part, and
     ``z``, its first band key at or after ``first`` whose mask value is not
@@ -104,7 +107,6 @@ def _mask_key_table(
     offs_m = g * GROUP + tl.arange(0, GROUP)
     real = offs_m < N
     rows = Mask + b.to(tl.int64) * s_mb + h.to(tl.int64) * s_mh + offs_m.to(tl.int64)[:, None] * s_mn
-    FLOAT: tl.constexpr = MASK_KIND == 2
     first = tl.full([GROUP], 0, tl.int32) + M
     last = tl.full([GROUP], -1, tl.int32)
     z = tl.full([GROUP], 0, tl.int32) + M
@@ -122,12 +124,15 @@ def _mask_key_table(
         # Keys are visited in order, so ``first`` is final once it is < M.
         cut = vis & (~_mask_neutral(mv, MASK_KIND)) & (offs_n[None, :] >= first[:, None])
         z = tl.minimum(z, tl.min(tl.where(cut, offs_n[None, :], M), 1))
-        if FLOAT:
+        if AVERAGES:
             band_first = tl.minimum(band_first, tl.min(tl.where(vis, offs_n[None, :], M), 1))
             band_last = tl.maximum(band_last, tl.max(tl.where(vis, offs_n[None, :], -1), 1))
-            finite = tl.maximum(finite, tl.max((vis & (mv.to(tl.float32) > float("-inf"))).to(tl.int32), 1))
+            if MASK_KIND == 2:
+                finite = tl.maximum(finite, tl.max((vis & (mv.to(tl.float32) > float("-inf"))).to(tl.int32), 1))
+            else:  # every filled pair is finite
+                finite = tl.maximum(finite, tl.max(vis.to(tl.int32), 1))
     averages = tl.zeros([GROUP], tl.int32)
-    if FLOAT:
+    if AVERAGES:
         averages = (real & (last < 0) & (finite > 0)).to(tl.int32)
         first = tl.where(averages > 0, band_first, first)
         last = tl.where(averages > 0, band_last, last)
@@ -146,7 +151,7 @@ def _mask_query_table(
     s_mb, s_mh, s_mn, s_mm, s_kb, s_kh, s_tb, s_th,
     N, M, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr,
+    MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr, AVERAGES: tl.constexpr,
     GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, STEP: tl.constexpr,
 ):
     """Grid (cdiv(M, GROUP), mask heads, mask batches): one group of keys.
@@ -176,7 +181,7 @@ def _mask_query_table(
                        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
         mv = tl.load(cols + offs_m.to(tl.int64)[:, None] * s_mn, mask=row_ok[:, None] & real[None, :], other=0)
         part = _mask_takes_part(mv, MASK_KIND, HIDDEN_AT)
-        if MASK_KIND == 2:
+        if AVERAGES:
             averages = tl.load(kt + (offs_m // ROW_GROUP) * 5 + 4, mask=row_ok, other=0)
             part = part | (averages > 0)[:, None]
         part = part & vis
@@ -202,6 +207,14 @@ def mask_hidden_at(mask_is_fp16: bool) -> float:
     return -65504.0 if mask_is_fp16 else -1.0e38
 
 
+def fill_hides(mask_fill: float) -> bool:
+    """Whether the pairs a bool mask fills with ``mask_fill`` may be skipped
+    like hidden ones (in rows that do not average): at or below -65504, the
+    lowest float16, ``exp`` of the fill underflows to exactly 0 next to any
+    score a row sees. Higher fills (e.g. 0) take part: no tables then."""
+    return mask_fill <= -65504.0
+
+
 def _table_shape(mask: torch.Tensor) -> tuple[int, int]:
     """(Bm, Hm): 1 over a dimension the mask broadcasts (stride 0)."""
     B, H = mask.shape[0], mask.shape[1]
@@ -209,15 +222,15 @@ def _table_shape(mask: torch.Tensor) -> tuple[int, int]:
     return (1 if s_mb == 0 else B), (1 if s_mh == 0 else H)
 
 
-def _meta(mask: torch.Tensor, has_window_left: bool, has_window_right: bool) -> dict:
-    return dict(HAS_WINDOW_LEFT=has_window_left, HAS_WINDOW_RIGHT=has_window_right,
-                MASK_KIND=1 if mask.dtype in (torch.uint8, torch.bool) else 2,
-                HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16))
+def _meta(mask: torch.Tensor, has_window_left: bool, has_window_right: bool, fills: bool) -> dict:
+    kind = 1 if mask.dtype in (torch.uint8, torch.bool) else 2
+    return dict(HAS_WINDOW_LEFT=has_window_left, HAS_WINDOW_RIGHT=has_window_right, MASK_KIND=kind,
+                HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16), AVERAGES=kind == 2 or fills)
 
 
 def mask_key_table(
     mask: torch.Tensor, N: int, M: int, *, diag_off: int, window_left: int, window_right: int,
-    has_window_left: bool, has_window_right: bool,
+    has_window_left: bool, has_window_right: bool, fills: bool = False,
 ) -> torch.Tensor:
     """Key ranges of each group of ``ROW_GROUP`` query rows of a mask.
 
@@ -228,6 +241,8 @@ def mask_key_table(
         N, M: queries and keys.
         diag_off, window_left, window_right, has_window_left,
         has_window_right: the band, as the attention kernels take it.
+        fills: a bool mask whose hidden pairs score a finite fill (see
+            ``fill_hides``): rows it hides entirely average their band keys.
 
     Returns:
         int32 (Bm, Hm, cdiv(N, ROW_GROUP), 5): ``(lo, hi, free_lo, free_hi,
@@ -240,19 +255,20 @@ def mask_key_table(
     # Every entry is written: no fill. A tensor of its own (see launch._traced).
     table = torch.empty(Bm, Hm, groups, KEY_ENTRY, dtype=torch.int32, device=mask.device)
     args = (mask, table, *mask.stride(), *table.stride()[:2], N, M, diag_off, window_left, window_right)
-    meta = dict(_meta(mask, has_window_left, has_window_right), GROUP=ROW_GROUP)
+    meta = dict(_meta(mask, has_window_left, has_window_right, fills), GROUP=ROW_GROUP)
     _launch(_key_launcher, lambda: _KEY_CONFIG, mask, (groups, Hm, Bm), args, meta)
     return table
 
 
 def mask_query_table(
     mask: torch.Tensor, key_table: torch.Tensor, N: int, M: int, *, diag_off: int, window_left: int,
-    window_right: int, has_window_left: bool, has_window_right: bool,
+    window_right: int, has_window_left: bool, has_window_right: bool, fills: bool = False,
 ) -> torch.Tensor:
     """Query ranges of each group of ``COL_GROUP`` keys of a mask.
 
     Args: as ``mask_key_table``, plus ``key_table``, its result for the same
-    mask and band (read for float masks: rows that average take part).
+    mask, band and fill (read for float masks and fills: rows that average
+    take part).
 
     Returns:
         int32 (Bm, Hm, cdiv(M, COL_GROUP), 4): ``(lo, hi, free_lo,
@@ -264,7 +280,7 @@ def mask_query_table(
     table = torch.empty(Bm, Hm, groups, QUERY_ENTRY, dtype=torch.int32, device=mask.device)
     args = (mask, key_table, table, *mask.stride(), *table_strides(key_table), *table.stride()[:2],
             N, M, diag_off, window_left, window_right)
-    meta = dict(_meta(mask, has_window_left, has_window_right), GROUP=COL_GROUP, ROW_GROUP=ROW_GROUP)
+    meta = dict(_meta(mask, has_window_left, has_window_right, fills), GROUP=COL_GROUP, ROW_GROUP=ROW_GROUP)
     _launch(_query_launcher, lambda: _QUERY_CONFIG, mask, (groups, Hm, Bm), args, meta)
     return table
 

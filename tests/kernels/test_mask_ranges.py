@@ -24,7 +24,7 @@ def _first_at_or_after(flags: torch.Tensor, start: torch.Tensor, none: int) -> t
     return torch.where(hit.any(-1), torch.where(hit, idx, flags.shape[-1]).amin(-1), torch.tensor(none))
 
 
-def _expected(mask, N, M, band):
+def _expected(mask, N, M, band, fills=False):
     """The key table (lo, hi, free_lo, free_hi, averages) per group of rows
     and the query table (lo, hi, free_lo, free_hi) per group of keys, by the
     rules mask_ranges documents, over the mask's own (B, H)."""
@@ -34,7 +34,9 @@ def _expected(mask, N, M, band):
     if m.dtype == torch.bool:
         part = m & vis
         neutral = m
-        averages = torch.zeros(m.shape[:3], dtype=torch.bool)
+        # With a finite fill every band pair is finite: rows hidden entirely
+        # average their band keys.
+        averages = ~part.any(-1) & vis.any(-1) if fills else torch.zeros(m.shape[:3], dtype=torch.bool)
     else:
         x = m.float()
         part = ((x > mask_hidden_at(m.dtype == torch.float16)) | x.isnan()) & vis
@@ -83,7 +85,7 @@ def _mask(kind, B, H, N, M, gen, values):
     return mask
 
 
-def _tables(mask, N, M, band):
+def _tables(mask, N, M, band, fills=False):
     limit = N + M
     arg = mask.to(DEVICE)
     arg = arg.view(torch.uint8) if arg.dtype == torch.bool else arg
@@ -91,8 +93,8 @@ def _tables(mask, N, M, band):
               window_left=max(-limit, min(band["window_left"] or 0, limit)),
               window_right=max(-limit, min(band["window_right"] or 0, limit)),
               has_window_left=band["window_left"] is not None, has_window_right=band["window_right"] is not None)
-    keys = mask_key_table(arg, N, M, **kw)
-    return keys, mask_query_table(arg, keys, N, M, **kw)
+    keys = mask_key_table(arg, N, M, **kw, fills=fills)
+    return keys, mask_query_table(arg, keys, N, M, **kw, fills=fills)
 
 
 @pytest.mark.parametrize("kind, values", [("bool", "bias"), ("float32-min", "bias"), ("float32-inf", "bias"),
@@ -107,6 +109,23 @@ def test_tables_match_brute_force(kind, values, N, M, band):
     band = {"window_left": None, "window_right": None, "bottom_right": False, **band}
     want_keys, want_queries = _expected(mask, N, M, band)
     keys, queries = _tables(mask, N, M, band)
+    assert torch.equal(keys.cpu(), want_keys)
+    assert torch.equal(queries.cpu(), want_queries)
+
+
+@pytest.mark.parametrize("N, M", [(37, 150), (70, 33)])
+@pytest.mark.parametrize("band", [{}, {"window_right": 0}, {"window_left": 9, "window_right": 3, "bottom_right": True}],
+                         ids=["none", "causal", "window"])
+def test_tables_with_a_fill_match_brute_force(N, M, band):
+    # A bool mask whose hidden pairs score a finite fill: rows it hides
+    # entirely (row 7, and rows the band leaves only hidden keys) average
+    # their band keys, so all of those take part.
+    gen = torch.Generator().manual_seed(N * 1000 + M)
+    mask = _mask("bool", 2, 1, N, M, gen, "bias")
+    band = {"window_left": None, "window_right": None, "bottom_right": False, **band}
+    want_keys, want_queries = _expected(mask, N, M, band, fills=True)
+    assert want_keys[..., 4].any() or band["bottom_right"]  # there, row 7 has no band key
+    keys, queries = _tables(mask, N, M, band, fills=True)
     assert torch.equal(keys.cpu(), want_keys)
     assert torch.equal(queries.cpu(), want_queries)
 

@@ -312,6 +312,195 @@ def test_inf_in_query_poisons_its_row(path):
 
 
 # ---------------------------------------------------------------------------
+# Rows that a finite value hides entirely
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def poisoned_small_tiles(monkeypatch):
+    """NaN in every floating tensor the implementations allocate with
+    torch.empty / empty_like (an element left unwritten shows), and tiles of
+    the blockwise path small enough that rows span several key tiles and
+    query chunks."""
+    real_empty_like, real_empty = torch.empty_like, torch.empty
+
+    def empty_like(*args, **kwargs):
+        t = real_empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(flashfuse.reference, "KEY_BLOCK", 8)
+    monkeypatch.setattr(flashfuse.reference, "TILE_ELEMENTS", 1)
+
+
+def _visible_pairs(pattern, B, N, M, gen):
+    """bool (B, 1, N, M), True where the mask lets a pair take part, with
+    rows that see nothing: left padding (the first queries of batch 1 see
+    only its padding keys, with the causal band), a strict causal mask j < i
+    (row 0 sees nothing), or random pairs with rows 1 and 4 hidden."""
+    i, j = torch.arange(N)[:, None], torch.arange(M)[None, :]
+    if pattern == "left-pad":
+        keep = (j <= i).expand(B, 1, N, M).clone()
+        keep[1, :, :, :5] = False
+    elif pattern == "strict-causal":
+        keep = (j < i).expand(B, 1, N, M).clone()
+    else:
+        keep = torch.rand(B, 1, N, M, generator=gen) > 0.3
+        keep[:, :, [1, 4]] = False
+    return keep
+
+
+def _eager_attention(q, k, v, mask, fill, band, scale):
+    """What eager PyTorch computes (in q's dtype): scores plus a float mask,
+    or masked_fill of a bool one; the band as -inf."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.mT * scale
+    s = s + mask if fill is None else s.masked_fill(~mask, fill)
+    vis = reference_visibility(q.shape[2], k.shape[2], band)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def reference_visibility(N, M, band):
+    from flashfuse.reference import visibility_mask
+
+    return visibility_mask(N, M, window_left=band["window_left"], window_right=band["window_right"],
+                           bottom_right=band["bottom_right"])
+
+
+def _check_hidden_rows(pattern, mask_kind, dtype, band, Hq=2, Hkv=2, N=21, M=21, D=24, dropout_p=0.0,
+                       device=DEVICE, grad_tol=None, seed=0):
+    """The op (through its private forward, so dropout can be seeded) on
+    rows hidden entirely, against the float64 reference: output and the
+    gradients of q, k, v (and of a float mask that requires grad). fp32
+    cases also against eager PyTorch."""
+    fwd_tol, default_grad_tol = TOL[dtype]
+    grad_tol = grad_tol or default_grad_tol
+    B = 2
+    gen = torch.Generator().manual_seed(seed)
+    band = {"window_left": None, "window_right": None, "bottom_right": False, **band}
+    q, k, v = (torch.randn(B, H, L, d, generator=gen).to(device, dtype).requires_grad_()
+               for H, L, d in ((Hq, N, D), (Hkv, M, D), (Hkv, M, D + 8)))
+    keep = _visible_pairs(pattern, B, N, M, gen)
+    low = torch.finfo(dtype).min
+    fill = None
+    if mask_kind.startswith("additive"):
+        # As Hugging Face builds it: 0 (or a learned bias) / the dtype's lowest.
+        bias = torch.randn(keep.shape, generator=gen) if mask_kind == "additive-grad" else torch.zeros(keep.shape)
+        mask = bias.masked_fill(~keep, low).to(device, dtype).requires_grad_(mask_kind == "additive-grad")
+        mask64 = mask.detach().double().requires_grad_(mask.requires_grad)
+    else:
+        fill = -1e4 if mask_kind == "fill-1e4" else low
+        mask = mask64 = keep.to(device)
+    scale = D ** -0.5
+    seed_t = torch.tensor(77 + seed, dtype=torch.int64, device=device) if dropout_p else None
+    out, lse = torch.ops.flashfuse._attention_forward(
+        q, k, v, mask, seed_t, dropout_p, scale, band["window_left"], band["window_right"], band["bottom_right"],
+        fill)
+    go = torch.randn(out.shape, generator=gen).to(device, dtype)
+    leaves = [t for t in (q, k, v, mask) if t.requires_grad]
+    grads = torch.autograd.grad(out, leaves, go)
+
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)] + ([mask64] if mask64.requires_grad else [])
+    drop = None
+    if dropout_p:
+        drop = flashfuse.reference.dropout_keep_mask(int(seed_t), B, Hq, N, M, dropout_p, device=device)
+    want = reference_attention(refs[0], refs[1], refs[2], mask64, scale=scale, dropout_mask=drop,
+                               dropout_p=dropout_p, mask_fill=fill, **band)
+    want_grads = torch.autograd.grad(want, refs, go.double())
+    assert torch.isfinite(out).all() and _rel(out, want) <= fwd_tol, f"forward relative error {_rel(out, want):.3g}"
+    for name, got, exp in zip(("dq", "dk", "dv", "dmask"), grads, want_grads):
+        assert torch.isfinite(got).all(), f"non-finite {name}"
+        assert _rel(got, exp) <= grad_tol, f"{name} relative error {_rel(got, exp):.3g}"
+    if fill is not None:
+        # Filled pairs pass no gradient to q: rows hidden entirely get none.
+        vis = reference_visibility(N, M, band)
+        hidden = ~(keep.to(device) & (True if vis is None else vis.to(device))).any(-1)  # (B, 1, N)
+        assert (grads[0].masked_select(hidden[..., None].expand_as(grads[0])) == 0).all()
+    if dtype == torch.float32 and not dropout_p:
+        # What the issue measures: eager PyTorch in float32.
+        ins = [t.detach().requires_grad_() for t in (q, k, v)] + ([mask.detach().requires_grad_()]
+                                                                   if mask.requires_grad else [])
+        e = _eager_attention(ins[0], ins[1], ins[2], ins[3] if len(ins) > 3 else mask, fill, band, scale)
+        e_grads = torch.autograd.grad(e, ins, go)
+        assert _rel(out, e) <= fwd_tol
+        for name, got, exp in zip(("dq", "dk", "dv", "dmask"), grads, e_grads):
+            assert _rel(got, exp) <= grad_tol, f"{name} against eager: relative error {_rel(got, exp):.3g}"
+    return out, lse
+
+
+HIDDEN_ROW_CASES = [
+    # pattern, mask kind, dtype, band, heads (Hq, Hkv)
+    ("left-pad", "additive", torch.float32, {"window_right": 0}, (4, 2)),
+    ("strict-causal", "additive-grad", torch.float32, {"window_left": 6, "window_right": 0}, (2, 2)),
+    ("random", "additive", torch.bfloat16, {}, (2, 1)),
+    ("left-pad", "fill", torch.float32, {"window_right": 0}, (4, 2)),
+    ("strict-causal", "fill-1e4", torch.float32, {}, (2, 2)),
+    ("random", "fill", torch.float16, {"window_left": 5, "window_right": 3, "bottom_right": True}, (2, 2)),
+]
+
+
+@pytest.mark.parametrize("pattern, mask_kind, dtype, band, heads", HIDDEN_ROW_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{len(c[3])}" for c in HIDDEN_ROW_CASES])
+@pytest.mark.usefixtures("poisoned_small_tiles")
+def test_rows_hidden_by_a_finite_value(path, pattern, mask_kind, dtype, band, heads):
+    """Rows whose every key a finite value hides (a float mask of the
+    dtype's lowest, a bool mask with mask_fill) average their keys, forward
+    and backward as eager softmax does: p = 1 / l at each of them."""
+    _check_hidden_rows(pattern, mask_kind, dtype, band, Hq=heads[0], Hkv=heads[1], N=21, M=26)
+
+
+@pytest.mark.parametrize("mask_kind", ["additive", "fill"])
+@pytest.mark.usefixtures("poisoned_small_tiles")
+def test_rows_hidden_by_a_finite_value_with_dropout(path, mask_kind):
+    _check_hidden_rows("random", mask_kind, torch.float32, {"window_right": 2}, N=19, M=33, dropout_p=0.3)
+
+
+def test_hidden_rows_lse_holds_the_number_of_keys(path):
+    # lse of a row averaging l keys is the marker -FLT_MAX + l * 2**104,
+    # within l * 2**-24 of the true lse for finfo(float32).min; others exact.
+    _, lse = _check_hidden_rows("left-pad", "fill", torch.float32, {"window_right": 0}, N=9, M=9, Hq=1, Hkv=1)
+    marked, count = flashfuse.reference.lse_marked_keys(lse.detach().cpu())
+    # Batch 1: its queries 0-4 see only its padding keys 0..i: i + 1 of them.
+    assert marked[1, 0, :5].all() and not marked[1, 0, 5:].any() and not marked[0].any()
+    assert torch.equal(count[1, 0, :5], torch.arange(1.0, 6.0))
+    true = torch.finfo(torch.float32).min + torch.log(torch.arange(1.0, 6.0, dtype=torch.float64))
+    torch.testing.assert_close(lse[1, 0, :5].double().cpu(), true, rtol=1e-6, atol=0)
+
+
+@pytest.mark.usefixtures("poisoned_small_tiles")
+def test_left_padded_llama_mask_gives_eager_gradients(path):
+    """A LLaMA-style 4-D additive mask (causal and left padding, 0 /
+    finfo.min) with grouped heads: the padding queries see only padding keys,
+    and their gradients (which reach dk, dv of the padding keys and dq of
+    those rows) are eager's."""
+    B, Hq, Hkv, T, D, pad = 2, 4, 2, 20, 16, 6
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen).to(DEVICE).requires_grad_() for H in (Hq, Hkv, Hkv))
+    attention_mask = torch.ones(B, T, dtype=torch.bool)
+    attention_mask[0, :pad] = False
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    keep = causal[None, None] & attention_mask[:, None, None, :]
+    mask = torch.zeros(B, 1, T, T).masked_fill(~keep, torch.finfo(torch.float32).min).to(DEVICE)
+    go = torch.randn(B, Hq, T, D, generator=gen).to(DEVICE)
+    out = flashfuse.attention(q, k, v, mask, enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    e = _eager_attention(q, k, v, mask, None, {"window_left": None, "window_right": None, "bottom_right": False},
+                         D ** -0.5)
+    e_grads = torch.autograd.grad(e, (q, k, v), go)
+    assert _rel(out, e) <= 2e-5
+    for name, got, exp in zip("qkv", grads, e_grads):
+        assert _rel(got, exp) <= 1e-4, f"d{name} relative error {_rel(got, exp):.3g}"
+
+
+# ---------------------------------------------------------------------------
 # gradcheck in float64 (blockwise CPU path; CPU tensors on any machine)
 # ---------------------------------------------------------------------------
 
@@ -386,3 +575,16 @@ def test_gpu_nan_propagation():
     q[0, 1, 7, 3] = float("nan")
     v[0, 0, 100, 5] = float("nan")
     _same_nan_pattern(flashfuse.attention(q, k, v), _eager(q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern, mask_kind, dtype, band, heads", HIDDEN_ROW_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{len(c[3])}" for c in HIDDEN_ROW_CASES])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("bwd", ["one_pass", "two_pass"])
+def test_gpu_rows_hidden_by_a_finite_value(pattern, mask_kind, dtype, band, heads, dropout_p, bwd, monkeypatch):
+    # Several blocks in every direction, D = 64 and 128, both backward schedules.
+    monkeypatch.setenv("FLASHFUSE_BWD", bwd)
+    for D, N, M in ((64, 333, 300), (128, 200, 257)):
+        _check_hidden_rows(pattern, mask_kind, dtype, band, Hq=heads[0], Hkv=heads[1], N=N, M=M, D=D,
+                           dropout_p=dropout_p)

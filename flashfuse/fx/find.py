@@ -31,7 +31,7 @@ import torch.fx
 
 from . import nodes as N
 from .masks import Band, MaskEvaluator
-from .match import Candidate, MaskTerm, Operand, Plan
+from .match import Candidate, MaskTerm, Operand, Plan, source_line
 
 # Head sizes and dtypes the op supports.
 MIN_HEAD_DIM = 16
@@ -51,16 +51,23 @@ class NoMatch(Exception):
 
 
 def find(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = None) -> list[Candidate]:
-    """All softmax candidates of ``gm``, each with a plan or a reason."""
+    """All softmax candidates of ``gm``, each with a plan or a reason.
+
+    The one change it makes to the graph keeps what it computes: a read of a
+    tensor after an in-place op on it reads that op's result (the same
+    tensor), see :func:`read_after_mutation`."""
+    if read_after_mutation(gm.graph):
+        gm.recompile()
     constants = _constants(gm, example_inputs)
     evaluator = MaskEvaluator(constants)
+    muts = Mutations(gm.graph)
     out = []
     for node in list(gm.graph.nodes):
         if N.kind(node, gm) != "softmax":
             continue
         cand = Candidate(softmax=node)
         try:
-            _analyse(cand, gm, evaluator)
+            _analyse(cand, gm, evaluator, muts)
         except NoMatch as e:
             cand.plan = None
             cand.reason = str(e)
@@ -112,10 +119,168 @@ def _constants(gm: torch.fx.GraphModule, example_inputs) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# in-place ops: which tensors change, and when
+
+
+def read_after_mutation(graph: torch.fx.Graph) -> bool:
+    """Make every read of a tensor that follows an in-place op on it read the
+    op's result instead (``q.mul_(s); q @ k`` becomes ``q2 = q.mul_(s); q2 @
+    k``). Only where the op returns the very tensor it wrote (the same
+    example value), so the graph computes exactly what it did; the finder
+    then sees the mutation as an ordinary new value. Returns whether any
+    read changed."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for m in list(graph.nodes):
+        written = N.mutated_args(m)
+        x = m.args[0] if m.args else None
+        if not written or not isinstance(x, torch.fx.Node) or not any(w is x for w in written):
+            continue
+        tv = N.tensor_val(x)
+        if tv is None or N.tensor_val(m) is not tv:
+            continue
+        for user in list(x.users):
+            if user is not m and order.get(user, -1) > order[m]:
+                user.replace_input_with(x, m)
+                changed = True
+    return changed
+
+
+def _storage(x: Any):
+    """An identity for the memory a node's tensor lives in (views share it),
+    or None for non-tensors."""
+    t = N.tensor_val(x)
+    if t is None:
+        return None
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(t.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor without a plain storage
+        return _UNKNOWN
+
+
+# The storage of a tensor that has none PyTorch can name: may alias anything.
+_UNKNOWN = object()
+
+
+class Mutations:
+    """The graph's in-place ops, in order, with the storages they write."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.pos = {n: i for i, n in enumerate(graph.nodes)}
+        self.events: list[tuple] = []  # (position, node, set of storages | None = any)
+        for n in graph.nodes:
+            written = N.mutated_args(n)
+            if written is None:
+                continue
+            keys: Optional[set] = set()
+            for w in written:
+                key = _storage(w) if isinstance(w, torch.fx.Node) else None
+                if key is None or key is _UNKNOWN:
+                    keys = None  # writes something unknown: assume anything
+                    break
+                keys.add(key)
+            self.events.append((self.pos[n], n, keys))
+
+    def between(self, x: torch.fx.Node, lo: int, hi: int, skip=()) -> Optional[torch.fx.Node]:
+        """The first in-place op strictly between positions ``lo`` and ``hi``
+        that may write the memory of ``x``'s tensor (``skip``: ops already
+        understood)."""
+        if not self.events or hi - lo < 2:
+            return None
+        key = _storage(x)
+        if key is None:
+            return None
+        for p, m, keys in self.events:
+            if lo < p < hi and m not in skip and (keys is None or key is _UNKNOWN or key in keys):
+                return m
+        return None
+
+    def in_ancestry(self, root: torch.fx.Node, until: int) -> Optional[torch.fx.Node]:
+        """An in-place op that changes a tensor of ``root``'s ancestry between
+        its creation and a read of it, or ``root`` itself before ``until``:
+        then the values that built ``root`` are not what its nodes say."""
+        if not self.events:
+            return None
+        m = self.between(root, self.pos[root], until)
+        seen: set = set()
+        stack = [root]
+        while stack and m is None:
+            c = stack.pop()
+            if c in seen or N.kind(c) == "size":  # metadata reads see no values
+                continue
+            seen.add(c)
+            for n in c.all_input_nodes:
+                m = m or self.between(n, self.pos[n], self.pos[c])
+                stack.append(n)
+        return m
+
+
+def _mutation_reason(what: str, m: torch.fx.Node) -> str:
+    line = source_line(m)
+    at = f" at {line}" if line else ""
+    return f"{what} is mutated in place by {N.describe(m)}{at}; left alone"
+
+
+def _check_mutations(cand: Candidate, plan: Plan, muts: Mutations) -> None:
+    """The op reads its inputs where the ``probs @ v`` product was, and the
+    finder read the nodes between them and the products as values fixed when
+    each was computed. Refuse when an in-place op could make either untrue:
+
+    * a tensor the finder interpreted (a peeled view or scaling of q or k,
+      a mask proved to be a band, a constant scale) is written between its
+      creation and its read;
+    * an input the op reads (q, k, v, a mask tensor, a scale tensor) is
+      written between the pattern's first read of it and the op.
+
+    In-place ops on the scores that the finder recognised are part of the
+    pattern. Writes before the pattern reads a tensor are fine: the op sees
+    the written value, as eager did."""
+    if not muts.events:
+        return
+    op_pos = muts.pos[cand.output]
+    chain = set(cand.replaced)
+    inputs: dict = {}
+    for op, role in ((plan.query, "q"), (plan.key, "k"), (plan.value, "v")):
+        inputs.setdefault(op.node, role)
+    for term in plan.additive:
+        inputs.setdefault(term.node, "the mask")
+        for _, f in term.factors:
+            if isinstance(f, torch.fx.Node):
+                inputs.setdefault(f, "a scale factor")
+    for h in plan.hide:
+        inputs.setdefault(h.node, "the mask")
+    for _, f in plan.q_factors:
+        if isinstance(f, torch.fx.Node):
+            inputs.setdefault(f, "a scale factor")
+    region: set = set()
+    stack = list(chain)
+    while stack:
+        c = stack.pop()
+        if c in region or c in inputs or N.kind(c) == "size":
+            continue
+        region.add(c)
+        for n in c.all_input_nodes:
+            if n in inputs:
+                continue
+            m = muts.between(n, muts.pos[n], muts.pos[c], skip=chain)
+            if m is not None:
+                raise NoMatch(_mutation_reason(f"{n.name}, which the attention is computed from,", m))
+            stack.append(n)
+    for n, role in inputs.items():
+        reads = [muts.pos[c] for c in n.users if c in region]
+        first = min(reads) if reads else muts.pos[n]
+        m = muts.between(n, first, op_pos, skip=chain)
+        if m is not None:
+            raise NoMatch(_mutation_reason(f"{role} ({n.name}), read by the attention,", m))
+
+
+# ---------------------------------------------------------------------------
 # the walk
 
 
-def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator) -> None:
+def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, muts: Mutations) -> None:
     sm = cand.softmax
     if sm.op == "call_module":
         mod = gm.get_submodule(sm.target)
@@ -158,7 +323,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator) ->
     q_op, k_op, pre = _score_operands(qk)
     transforms = pre + transforms
     v_op, out_steps = _value_operand(pv)
-    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
+    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts)
+    _check_mutations(cand, plan, muts)
     cand.plan = plan
 
 
@@ -409,7 +575,9 @@ def _check_no_mutation_between(first: torch.fx.Node, last: torch.fx.Node, chain:
         if n is last:
             return
         if inside and n not in chain and N.is_inplace(n):
-            raise NoMatch(f"in-place {N.describe(n)} between the two products")
+            line = source_line(n)
+            at = f" at {line}" if line else ""
+            raise NoMatch(f"in-place {N.describe(n)}{at} between the two products; left alone")
 
 
 # ---------------------------------------------------------------------------
@@ -779,7 +947,7 @@ def _check_head_dim(d, what: str) -> None:
         raise NoMatch(f"{what} head size {c} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
 
 
-def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks) -> Plan:
+def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts=None) -> Plan:
     qv, kv, vv = _operand_val(q_op), _operand_val(k_op), _operand_val(v_op)
     out_t = N.tensor_val(cand.output)
     scores_t = N.tensor_val(cand.scores)
@@ -891,6 +1059,14 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
             raise NoMatch(f"internal: unknown transform {t[0]}")
 
     N_, M_ = scores_t.shape[-2], scores_t.shape[-1]
+
+    def mask_value(node):
+        # A mask written in place after (part of) it was built is not what
+        # its nodes say: it stays a tensor, read as the op finds it.
+        if muts is not None and muts.in_ancestry(node, muts.pos[cand.output]) is not None:
+            return None
+        return masks(node)
+
     bands: list[Band] = []
     hide_ops: list[Operand] = []
     mask_kinds: list[str] = []
@@ -902,7 +1078,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
         if cv is None or cv.dtype != torch.bool:
             raise NoMatch("masked_fill/where condition is not a bool tensor")
         _check_mask_shape(cond, scores_t)
-        band = _visible_band(masks(cond), cond, hide_true, N_, M_)
+        band = _visible_band(mask_value(cond), cond, hide_true, N_, M_)
         if band is not None:
             bands.append(band)
             continue
@@ -914,7 +1090,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
         _check_mask_shape(term.node, scores_t)
         band = None
         if tv.dtype.is_floating_point and not term.negate:
-            band = _additive_band(masks(term.node), term, N_, M_)
+            band = _additive_band(mask_value(term.node), term, N_, M_)
         if band is not None:
             bands.append(band)
             continue

@@ -211,3 +211,173 @@ def test_fully_masked_rows_documented_difference():
     rows[3] = False
     torch.testing.assert_close(out[0][:, rows], ref[0][:, rows])
     torch.testing.assert_close(out[1], ref[1])
+
+
+# ---------------------------------------------------------------------------
+# In-place ops on the pattern's inputs. Inputs arrive as (B, N, H, D) leaves,
+# so every function works on views or copies that may be written in place.
+
+
+def _heads(x):
+    return x.transpose(1, 2)
+
+
+def contiguous_then_mul_(x, k, v):
+    q = _heads(x).contiguous()  # a copy: writing it leaves x alone
+    q.mul_(SCALE)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def contiguous_mul_chained(x, k, v):
+    q = _heads(x).contiguous().mul_(SCALE)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def scaled_then_mul_(x, k, v):
+    q = _heads(x) * SCALE
+    q.mul_(2.0)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def operator_imul(x, k, v):
+    q = _heads(x).contiguous()
+    q *= SCALE
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def tensor_mul_function(x, k, v):
+    q = _heads(x).contiguous()
+    torch.Tensor.mul_(q, SCALE)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def k_add_v_div(x, k, v):
+    k, v = _heads(k).contiguous(), _heads(v).contiguous()
+    k.add_(0.5)
+    v.div_(3.0)
+    return F.softmax(_heads(x) @ k.transpose(-2, -1) * SCALE, dim=-1) @ v
+
+
+def q_copy_(x, k, v):
+    q = _heads(x).contiguous()
+    q.copy_(_heads(x) * 2.0)
+    return F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+
+
+def q_setitem(x, k, v):
+    q = _heads(x).clone()
+    q[:, :, 0] = 0.0
+    return F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+
+
+def q_index_put_(x, k, v):
+    q = _heads(x).contiguous()
+    q.index_put_((torch.tensor([1]),), torch.zeros(()))
+    return F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+
+
+def scale_tensor_mul_(x, k, v):
+    scale = torch.tensor(SCALE)
+    scale.mul_(2.0)
+    return F.softmax(_heads(x) @ _heads(k).transpose(-2, -1) * scale, dim=-1) @ _heads(v)
+
+
+def scores_masked_fill_(x, k, v):
+    # The recognised spelling: the in-place fill is part of the pattern.
+    n = x.size(1)
+    s = _heads(x) @ _heads(k).transpose(-2, -1) * SCALE
+    s.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ _heads(v)
+
+
+def causal_mask_edited_in_place(x, k, v):
+    # Built as a causal mask, then every query is allowed key 0 as well: not
+    # causal any more, so it must stay a tensor.
+    n = x.size(1)
+    keep = torch.ones(n, n, dtype=torch.bool).tril()
+    keep[:, 0] = True
+    keep[1:, 1] = False
+    s = _heads(x) @ _heads(k).transpose(-2, -1) * SCALE
+    return s.masked_fill(~keep, float("-inf")).softmax(-1) @ _heads(v)
+
+
+def q_mutated_after_the_chain(x, k, v):
+    q = _heads(x).clone()
+    out = F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+    q.mul_(3.0)  # after the op has read q
+    return out, q
+
+
+MUTATED_BEFORE = [
+    contiguous_then_mul_, contiguous_mul_chained, scaled_then_mul_, operator_imul, tensor_mul_function,
+    k_add_v_div, q_copy_, q_setitem, q_index_put_, scale_tensor_mul_, scores_masked_fill_,
+    causal_mask_edited_in_place, q_mutated_after_the_chain,
+]
+
+
+def _bnhd(n=8, h=4, d=16, seed=0, grad=True):
+    q, k, v = qkv(h=h, n=n, d=d, seed=seed, grad=False)
+    return [t.transpose(1, 2).contiguous().requires_grad_(grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("fn", MUTATED_BEFORE, ids=lambda f: f.__name__)
+def test_mutation_before_the_chain_is_read_after_it(fn):
+    """An in-place op that runs before the pattern reads a tensor is just a
+    new value: the op is fed the written tensor, forward and gradients
+    match eager."""
+    # Eager cannot differentiate through q written after the product read it.
+    grad = fn is not q_mutated_after_the_chain
+    _, backend = compile_and_compare(fn, *_bnhd(n=7, grad=grad), expect=1, grad=grad)
+    if fn is causal_mask_edited_in_place:
+        assert backend.candidates[0].facts.get("causal") is None, backend.candidates[0].facts
+
+
+def product_then_k_mutated(x, k, v):
+    k = _heads(k).contiguous()
+    s = _heads(x) @ k.transpose(-2, -1) * SCALE
+    k.mul_(2.0)  # after the product read k, before the softmax
+    return F.softmax(s, dim=-1) @ _heads(v)
+
+
+def k_mutated_through_a_view(x, k, v):
+    k = _heads(k).clone()
+    kt = k.transpose(-2, -1)
+    k[:, :, :, 0].mul_(0.0)  # writes kt's memory through another view
+    return F.softmax(_heads(x) @ kt * SCALE, dim=-1) @ _heads(v)
+
+
+def scaled_q_then_q_mutated(x, k, v):
+    q = _heads(x).clone()
+    qs = q * SCALE  # peeled: the op would read q itself
+    q.mul_(3.0)
+    return F.softmax(qs @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def scaled_q_then_view_mutated(x, k, v):
+    q = _heads(x).clone()
+    qs = q * SCALE
+    q[:, :, 1:].zero_()
+    return F.softmax(qs @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+MUTATION_TRAPS = [product_then_k_mutated, k_mutated_through_a_view, scaled_q_then_q_mutated,
+                  scaled_q_then_view_mutated]
+
+
+@pytest.mark.parametrize("fn", MUTATION_TRAPS, ids=lambda f: f.__name__)
+def test_subtle_mutations_are_left_alone(fn):
+    """Writes the op cannot reproduce by reading its inputs later are refused,
+    with a reason naming the in-place op. (Forward only: eager cannot
+    differentiate through most of these.)"""
+    _, backend = compile_and_compare(fn, *_bnhd(n=7, grad=False), expect=0)
+    reason = backend.candidates[0].reason
+    assert "in place" in reason or "in-place" in reason, reason
+    assert "left alone" in reason, reason
+
+
+def test_explain_names_the_mutation():
+    from flashfuse.fx import explain
+
+    rows = explain(scaled_q_then_q_mutated, *_bnhd(n=7, grad=False), print_table=False).rows
+    assert len(rows) == 1 and not rows[0].rewritten
+    assert "mutated in place by .mul_()" in rows[0].reason and "q.mul_(3.0)" in rows[0].reason, rows[0].reason

@@ -515,7 +515,7 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
         v = N.number(value)
         if v is None:
             raise NoMatch("masked_fill with a value that is not a compile-time constant")
-        return ("fill", cond, True, v), chain_arg
+        return ("fill", cond, True, _in_dtype(v, sv)), chain_arg
     if base == "where":
         if len(node.args) < 3:
             raise NoMatch("torch.where with one argument")
@@ -526,14 +526,46 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
             v = N.number(b)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return ("fill", cond, False, v), a
+            return ("fill", cond, False, _in_dtype(v, sv)), a
         if b_chain and not a_chain:
             v = N.number(a)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return ("fill", cond, True, v), b
+            return ("fill", cond, True, _in_dtype(v, sv)), b
         raise NoMatch("torch.where mixes the scores with another tensor")
     raise NoMatch(f"{N.describe(node)} between the q·kᵀ product and the softmax is not understood")
+
+
+def _in_dtype(v: float, t: Optional[torch.Tensor]) -> float:
+    """A fill value as the scores hold it (-1e9 is -inf in float16)."""
+    if t is None or not t.dtype.is_floating_point or math.isnan(v):
+        return v
+    return float(torch.tensor(v, dtype=torch.float64).to(t.dtype).item())
+
+
+def op_accepts_mask_fill() -> bool:
+    """Whether ``torch.ops.flashfuse.attention`` takes ``mask_fill`` (the
+    value hidden scores of a bool mask are replaced by, as masked_fill does)."""
+    try:
+        if not hasattr(torch.ops.flashfuse, "attention"):
+            import flashfuse.ops  # noqa: F401  (registers the op)
+        schema = torch.ops.flashfuse.attention.default._schema
+        return any(a.name == "mask_fill" for a in schema.arguments)
+    except Exception:  # noqa: BLE001 - no op, no argument
+        return False
+
+
+def _rows_keep_a_key(band: Band, n, m) -> bool:
+    """Every query row 0..n-1 provably has a key 0..m-1 with
+    ``lo <= j - i <= hi``."""
+    lo, hi = band.lo, band.hi
+    if not N.known_le(1, m):
+        return False
+    if hi is not None and not N.known_le(0, hi):  # row 0 needs j = 0 <= hi
+        return False
+    if lo is not None and not N.known_le(lo + n, m):  # row n-1 needs j = m-1 >= n-1+lo
+        return False
+    return lo is None or hi is None or N.known_le(lo, hi)
 
 
 def _leads_to_product(x: Any, depth: int = 12) -> bool:
@@ -1067,47 +1099,81 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
             return None
         return masks(node)
 
-    bands: list[Band] = []
-    hide_ops: list[Operand] = []
-    mask_kinds: list[str] = []
+    # A finite fill is masked_fill's value for the rows it hides entirely
+    # (eager averages them; the op returns 0 for a -inf hide or a window), and
+    # such rows pass no gradient to q or k: it becomes a window only when no
+    # row can be hidden entirely, else a bool mask with mask_fill.
+    bands: list[tuple] = []  # (band, finite hidden value, source)
+    hide_ops: list[tuple] = []  # (operand, fill value in the op's units)
     for cond, hide_true, value, factor in hides:
         if not math.isinf(value):
             if factor is None or value * factor > HIDE_THRESHOLD:
                 raise NoMatch(f"masked_fill with {value:g} does not remove positions (only -inf or <= {HIDE_THRESHOLD:g} do)")
+        fill = -math.inf if math.isinf(value) else value * factor
         cv = N.tensor_val(cond)
         if cv is None or cv.dtype != torch.bool:
             raise NoMatch("masked_fill/where condition is not a bool tensor")
         _check_mask_shape(cond, scores_t)
+        operand = Operand(cond) if hide_true else Operand(cond, [("not",)])
         band = _visible_band(mask_value(cond), cond, hide_true, N_, M_)
         if band is not None:
-            bands.append(band)
+            bands.append((band, math.isfinite(fill), ("hide", operand, fill)))
             continue
-        hide_ops.append(Operand(cond) if hide_true else Operand(cond, [("not",)]))
-        mask_kinds.append("bool")
+        hide_ops.append((operand, fill))
     kept_terms: list[MaskTerm] = []
     for term in additive:
         tv = N.tensor_val(term.node)
         _check_mask_shape(term.node, scores_t)
-        band = None
+        band, finite = None, False
         if tv.dtype.is_floating_point and not term.negate:
-            band = _additive_band(mask_value(term.node), term, N_, M_)
+            band, finite = _additive_band(mask_value(term.node), term, N_, M_)
         if band is not None:
-            bands.append(band)
+            bands.append((band, finite, ("add", term)))
             continue
         kept_terms.append(term)
-        mask_kinds.append("additive")
+
+    from .masks import conjoin
+
+    def combined(items):
+        band = items[0][0]
+        for other, _, _ in items[1:]:
+            band = conjoin(band, other)
+            if band is None:
+                raise NoMatch("two window masks that cannot be combined")
+        return band
+
+    if any(finite for _, finite, _ in bands):
+        # Exact as a window only if every row keeps a key and no mask tensor
+        # could hide the rest of a row; else such masks stay tensors.
+        if hide_ops or kept_terms or not _rows_keep_a_key(combined(bands), N_, M_):
+            for _, finite, source in bands:
+                if finite and source[0] == "hide":
+                    hide_ops.append(source[1:])
+                elif finite:
+                    kept_terms.append(source[1])
+            bands = [b for b in bands if not b[1]]
+    mask_fill = None
+    fills = {fill for _, fill in hide_ops}
+    if any(math.isfinite(f) for f in fills):
+        if len(fills) > 1:
+            raise NoMatch("masked_fill with different values (" + ", ".join(f"{f:g}" for f in sorted(fills))
+                          + "): the op replaces hidden scores with one value; left alone")
+        if kept_terms:
+            raise NoMatch("masked_fill with a finite value and an additive mask: the op cannot replace hidden "
+                          "scores and add a mask at once; left alone")
+        if bands:
+            raise NoMatch("masked_fill with a finite value and a causal/window mask: rows it hides entirely "
+                          "would not average the same keys; left alone")
+        if not op_accepts_mask_fill():
+            raise NoMatch("masked_fill with a finite value needs the op's mask_fill argument, which this "
+                          "flashfuse lacks; left alone")
+        mask_fill = float(next(iter(fills)))
+    mask_kinds = ["bool"] * len(hide_ops) + ["additive"] * len(kept_terms)
 
     window_left = window_right = None
     alignment = "top_left"
     if bands:
-        band = bands[0]
-        for other in bands[1:]:
-            from .masks import conjoin
-
-            both = conjoin(band, other)
-            if both is None:
-                raise NoMatch("two window masks that cannot be combined")
-            band = both
+        band = combined(bands)
         window = _band_to_window(band, N_, M_)
         if window is None:
             raise NoMatch("internal: a recognised band has no window form")
@@ -1123,10 +1189,11 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
 
     plan = Plan(
         query=q_op, key=k_op, value=v_op, scale=scale, q_factors=q_factors,
-        additive=kept_terms, hide=hide_ops, window_left=window_left,
+        additive=kept_terms, hide=[op for op, _ in hide_ops], window_left=window_left,
         window_right=window_right, alignment=alignment, enable_gqa=enable_gqa,
         dropout_p=dropout_p, out_steps=out_steps, out_dtype=out_t.dtype,
         expand=expands, compute_dtype=compute_dtype, op_dtype=compute_dtype or qv.dtype,
+        mask_fill=mask_fill,
     )
     # Facts for explain.
     facts["scale"] = _fmt_scale(scale, q_factors)
@@ -1135,6 +1202,8 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     elif window_left is not None or window_right is not None:
         facts["window"] = f"({_fmt(window_left)}, {_fmt(window_right)}) {alignment}"
     facts["mask"] = "+".join(sorted(set(mask_kinds))) or "none"
+    if mask_fill is not None:
+        facts["mask_fill"] = mask_fill
     facts["dropout"] = dropout_p
     facts.setdefault("gqa", "")
     return plan
@@ -1164,35 +1233,38 @@ def _visible_band(v, cond, hide_true: bool, n, m) -> Optional[Band]:
     return visible if _band_to_window(visible, n, m) is not None else None
 
 
-def _additive_band(v, term: MaskTerm, n, m) -> Optional[Band]:
+def _additive_band(v, term: MaskTerm, n, m) -> tuple:
     """An additive mask that is 0 (or any constant) on a band and -inf (or a
-    value that removes positions) elsewhere."""
+    value that removes positions) elsewhere: (visible band, whether the
+    hidden value is finite), or (None, False)."""
     if not isinstance(v, Band) or v.trivial:
-        return None
+        return None, False
     if not _band_dims_full(term.node, n, m):
-        return None
+        return None, False
     factor = 1.0
     for op, f in term.factors:
         if not isinstance(f, float):
-            return None
+            return None, False
         factor = factor * f if op == "mul" else factor / f
     try:
         inside, outside = float(v.inside) * factor, float(v.outside) * factor
     except (TypeError, ValueError):
-        return None
+        return None, False
 
     def hides(x: float, kept: float) -> bool:
         return x == -math.inf or (math.isfinite(x) and x - kept <= HIDE_THRESHOLD)
 
     if math.isfinite(inside) and hides(outside, inside):
-        visible = Band(v.lo, v.hi, True, False, v.ndim)
+        visible, hidden = Band(v.lo, v.hi, True, False, v.ndim), outside
     elif math.isfinite(outside) and hides(inside, outside):
-        visible = Band(v.lo, v.hi, False, True, v.ndim).normalized()
+        visible, hidden = Band(v.lo, v.hi, False, True, v.ndim).normalized(), inside
         if visible.inside is not True:
-            return None
+            return None, False
     else:
-        return None
-    return visible if _band_to_window(visible, n, m) is not None else None
+        return None, False
+    if _band_to_window(visible, n, m) is None:
+        return None, False
+    return visible, math.isfinite(hidden)
 
 
 def _band_dims_full(node, n, m) -> bool:

@@ -222,6 +222,9 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
         window_right=None if plan.is_causal else plan.window_right,
         alignment=plan.alignment,
     )
+    if plan.mask_fill is not None:
+        # Only with a bool mask (the finder keeps no additive term then).
+        kwargs["mask_fill"] = float(plan.mask_fill)
     out = em.call("function", _attention_op(), q, k, v, **kwargs)
     for step in plan.out_steps:
         if step[0] == "squeeze":

@@ -8,7 +8,9 @@ Usage::
 The backend receives the FX graph Dynamo traced, rewrites every attention it
 can prove into ``torch.ops.flashfuse.attention`` (see :mod:`flashfuse.fx`),
 and hands the graph to a compiler: Inductor by default. The rewrite runs
-before AOTAutograd, so training uses the op's own flash backward.
+before AOTAutograd, so training uses the op's own flash backward. Inductor's
+own attention rewrite (its ``fuse_attention`` patterns) is switched off under
+this backend: flashfuse's pass takes its place (see ``_inductor_patches``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,32 @@ log = logging.getLogger("flashfuse")
 Compiler = Union[str, Callable[[torch.fx.GraphModule, list], Callable]]
 
 
+def _inductor_patches(options: Optional[dict]) -> dict:
+    """Inductor config for the graph after the rewrite: the user's options,
+    with Inductor's own attention rewrite (the ``fuse_attention`` patterns)
+    switched off unless the options set the knob themselves.
+
+    flashfuse's pass replaces that rewrite: what it leaves alone it left
+    alone on purpose, and Inductor's patterns then match programs they get
+    wrong (a softmax over the queries) or cannot lower. Inductor has no knob
+    for those patterns alone; they are registered among the joint-graph
+    passes, so those are switched off (post-grad pattern passes still run).
+    Older Inductors without that knob get ``pattern_matcher`` off instead,
+    which also covers the joint graph. Config patches are part of Inductor's
+    cache key, so a cached graph compiled with the patterns is never reused.
+    """
+    import torch._inductor.config as inductor_config
+
+    patches = dict(options or {})
+    if hasattr(inductor_config, "use_joint_graph_passes"):
+        knob = "use_joint_graph_passes"
+    else:  # pragma: no cover - torch without the joint-graph knob
+        knob = "pattern_matcher"
+    if "use_joint_graph_passes" not in patches and "pattern_matcher" not in patches:
+        patches[knob] = False
+    return patches
+
+
 def _compiler_fn(compiler: Compiler, options: Optional[dict]) -> Callable:
     if callable(compiler):
         return compiler
@@ -37,7 +65,7 @@ def _compiler_fn(compiler: Compiler, options: Optional[dict]) -> Callable:
         def inductor(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs, config_patches=options or None)
+            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(options))
 
         return inductor
     if compiler == "eager":

@@ -168,3 +168,61 @@ def test_gpu_fp32_large_head_dims_compile(d, train):
             assert (a.double() - b).norm() / b.norm() < 1e-4
     (cand,) = be.candidates
     assert cand.rewritten or "cannot run this shape" in cand.reason, cand.reason
+
+
+# Programs flashfuse leaves alone on purpose, which Inductor's own attention
+# rewrite (fuse_attention, a joint-graph pattern pass) must not touch either.
+
+
+def softmax_over_queries(q, k, v):
+    return F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-2) @ v
+
+
+def gqa_bnhd_tensor_scale_bias(x, kx, vx, bias):
+    # (B, N, H, D) inputs, grouped heads by repeat_interleave after the
+    # transposes, a 0-d tensor scale and an additive bias; head size 8 is
+    # below the op's minimum, so flashfuse leaves it alone.
+    q = x.transpose(1, 2)
+    k = kx.transpose(1, 2).repeat_interleave(2, dim=1)
+    v = vx.transpose(1, 2).repeat_interleave(2, dim=1)
+    scale = torch.tensor(math.sqrt(q.size(-1)))
+    s = torch.matmul(q, k.transpose(-2, -1)) / scale + bias
+    return torch.matmul(s.softmax(dim=-1), v)
+
+
+def _left_alone_inputs(fn):
+    g = torch.Generator().manual_seed(0)
+    if fn is softmax_over_queries:
+        shapes = [(2, 3, 7, 16)] * 3
+    else:
+        shapes = [(2, 7, 4, 8), (2, 7, 2, 8), (2, 7, 2, 8), (2, 4, 7, 7)]
+    return [torch.randn(*s, generator=g, requires_grad=True) for s in shapes]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", [softmax_over_queries, gqa_bnhd_tensor_scale_bias], ids=lambda f: f.__name__)
+def test_inductor_attention_rewrite_is_off(fn, dynamic):
+    """Under the flashfuse backend Inductor does not rewrite attention itself:
+    forward and gradients of programs the pass leaves alone match eager."""
+    inputs = _left_alone_inputs(fn)
+    ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    backend = make_backend(record=True)
+    out = torch.compile(fn, backend=backend, dynamic=dynamic)(*inputs)
+    assert [c.rewritten for c in backend.candidates] == [False]
+    ref = fn(*ref_inputs)
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-4)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(g)
+    ref.backward(g.double())
+    for x, xr in zip(inputs, ref_inputs):
+        torch.testing.assert_close(x.grad, xr.grad.float(), atol=1e-5, rtol=1e-4)
+
+
+def test_inductor_patches_keep_user_options():
+    from flashfuse.backend import _inductor_patches
+
+    patches = _inductor_patches({"max_autotune": True})
+    assert patches["max_autotune"] is True
+    assert patches.get("use_joint_graph_passes", patches.get("pattern_matcher")) is False
+    # A user who sets the knob explicitly gets what they asked for.
+    assert _inductor_patches({"use_joint_graph_passes": True})["use_joint_graph_passes"] is True

@@ -98,9 +98,9 @@ def explain(model: Callable, *args: Any, print_table: bool = True, dynamic: Any 
     on a copy of each graph, and the model then runs eagerly, unchanged. Candidates that would be rewritten show
     what was recognised (scale, mask kind, causal alignment, window, grouped
     heads, dropout); the others say why the graph is left as it is. Rows
-    with every key masked differ in one documented way once rewritten: the
-    op returns 0 there, where eager softmax gives NaN (-inf masks) or a
-    uniform average (finite masks).
+    with every key masked by -inf differ in one documented way once
+    rewritten: the op returns 0 there, where eager softmax gives NaN. Finite
+    fills are passed as the op's ``mask_fill`` (eager's uniform average).
 
     Args:
         print_table: print the table (returned as data either way).

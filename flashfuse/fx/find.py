@@ -31,7 +31,7 @@ import torch.fx
 
 from . import nodes as N
 from .masks import Band, MaskEvaluator
-from .match import Candidate, MaskTerm, Operand, Plan
+from .match import Candidate, MaskTerm, Operand, Plan, source_line
 
 # Head sizes and dtypes the op supports.
 MIN_HEAD_DIM = 16
@@ -51,16 +51,23 @@ class NoMatch(Exception):
 
 
 def find(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = None) -> list[Candidate]:
-    """All softmax candidates of ``gm``, each with a plan or a reason."""
+    """All softmax candidates of ``gm``, each with a plan or a reason.
+
+    The one change it makes to the graph keeps what it computes: a read of a
+    tensor after an in-place op on it reads that op's result (the same
+    tensor), see :func:`read_after_mutation`."""
+    if read_after_mutation(gm.graph):
+        gm.recompile()
     constants = _constants(gm, example_inputs)
     evaluator = MaskEvaluator(constants)
+    muts = Mutations(gm.graph)
     out = []
     for node in list(gm.graph.nodes):
         if N.kind(node, gm) != "softmax":
             continue
         cand = Candidate(softmax=node)
         try:
-            _analyse(cand, gm, evaluator)
+            _analyse(cand, gm, evaluator, muts)
         except NoMatch as e:
             cand.plan = None
             cand.reason = str(e)
@@ -112,10 +119,168 @@ def _constants(gm: torch.fx.GraphModule, example_inputs) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# in-place ops: which tensors change, and when
+
+
+def read_after_mutation(graph: torch.fx.Graph) -> bool:
+    """Make every read of a tensor that follows an in-place op on it read the
+    op's result instead (``q.mul_(s); q @ k`` becomes ``q2 = q.mul_(s); q2 @
+    k``). Only where the op returns the very tensor it wrote (the same
+    example value), so the graph computes exactly what it did; the finder
+    then sees the mutation as an ordinary new value. Returns whether any
+    read changed."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for m in list(graph.nodes):
+        written = N.mutated_args(m)
+        x = m.args[0] if m.args else None
+        if not written or not isinstance(x, torch.fx.Node) or not any(w is x for w in written):
+            continue
+        tv = N.tensor_val(x)
+        if tv is None or N.tensor_val(m) is not tv:
+            continue
+        for user in list(x.users):
+            if user is not m and order.get(user, -1) > order[m]:
+                user.replace_input_with(x, m)
+                changed = True
+    return changed
+
+
+def _storage(x: Any):
+    """An identity for the memory a node's tensor lives in (views share it),
+    or None for non-tensors."""
+    t = N.tensor_val(x)
+    if t is None:
+        return None
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(t.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor without a plain storage
+        return _UNKNOWN
+
+
+# The storage of a tensor that has none PyTorch can name: may alias anything.
+_UNKNOWN = object()
+
+
+class Mutations:
+    """The graph's in-place ops, in order, with the storages they write."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.pos = {n: i for i, n in enumerate(graph.nodes)}
+        self.events: list[tuple] = []  # (position, node, set of storages | None = any)
+        for n in graph.nodes:
+            written = N.mutated_args(n)
+            if written is None:
+                continue
+            keys: Optional[set] = set()
+            for w in written:
+                key = _storage(w) if isinstance(w, torch.fx.Node) else None
+                if key is None or key is _UNKNOWN:
+                    keys = None  # writes something unknown: assume anything
+                    break
+                keys.add(key)
+            self.events.append((self.pos[n], n, keys))
+
+    def between(self, x: torch.fx.Node, lo: int, hi: int, skip=()) -> Optional[torch.fx.Node]:
+        """The first in-place op strictly between positions ``lo`` and ``hi``
+        that may write the memory of ``x``'s tensor (``skip``: ops already
+        understood)."""
+        if not self.events or hi - lo < 2:
+            return None
+        key = _storage(x)
+        if key is None:
+            return None
+        for p, m, keys in self.events:
+            if lo < p < hi and m not in skip and (keys is None or key is _UNKNOWN or key in keys):
+                return m
+        return None
+
+    def in_ancestry(self, root: torch.fx.Node, until: int) -> Optional[torch.fx.Node]:
+        """An in-place op that changes a tensor of ``root``'s ancestry between
+        its creation and a read of it, or ``root`` itself before ``until``:
+        then the values that built ``root`` are not what its nodes say."""
+        if not self.events:
+            return None
+        m = self.between(root, self.pos[root], until)
+        seen: set = set()
+        stack = [root]
+        while stack and m is None:
+            c = stack.pop()
+            if c in seen or N.kind(c) == "size":  # metadata reads see no values
+                continue
+            seen.add(c)
+            for n in c.all_input_nodes:
+                m = m or self.between(n, self.pos[n], self.pos[c])
+                stack.append(n)
+        return m
+
+
+def _mutation_reason(what: str, m: torch.fx.Node) -> str:
+    line = source_line(m)
+    at = f" at {line}" if line else ""
+    return f"{what} is mutated in place by {N.describe(m)}{at}; left alone"
+
+
+def _check_mutations(cand: Candidate, plan: Plan, muts: Mutations) -> None:
+    """The op reads its inputs where the ``probs @ v`` product was, and the
+    finder read the nodes between them and the products as values fixed when
+    each was computed. Refuse when an in-place op could make either untrue:
+
+    * a tensor the finder interpreted (a peeled view or scaling of q or k,
+      a mask proved to be a band, a constant scale) is written between its
+      creation and its read;
+    * an input the op reads (q, k, v, a mask tensor, a scale tensor) is
+      written between the pattern's first read of it and the op.
+
+    In-place ops on the scores that the finder recognised are part of the
+    pattern. Writes before the pattern reads a tensor are fine: the op sees
+    the written value, as eager did."""
+    if not muts.events:
+        return
+    op_pos = muts.pos[cand.output]
+    chain = set(cand.replaced)
+    inputs: dict = {}
+    for op, role in ((plan.query, "q"), (plan.key, "k"), (plan.value, "v")):
+        inputs.setdefault(op.node, role)
+    for term in plan.additive:
+        inputs.setdefault(term.node, "the mask")
+        for _, f in term.factors:
+            if isinstance(f, torch.fx.Node):
+                inputs.setdefault(f, "a scale factor")
+    for h in plan.hide:
+        inputs.setdefault(h.node, "the mask")
+    for _, f in plan.q_factors:
+        if isinstance(f, torch.fx.Node):
+            inputs.setdefault(f, "a scale factor")
+    region: set = set()
+    stack = list(chain)
+    while stack:
+        c = stack.pop()
+        if c in region or c in inputs or N.kind(c) == "size":
+            continue
+        region.add(c)
+        for n in c.all_input_nodes:
+            if n in inputs:
+                continue
+            m = muts.between(n, muts.pos[n], muts.pos[c], skip=chain)
+            if m is not None:
+                raise NoMatch(_mutation_reason(f"{n.name}, which the attention is computed from,", m))
+            stack.append(n)
+    for n, role in inputs.items():
+        reads = [muts.pos[c] for c in n.users if c in region]
+        first = min(reads) if reads else muts.pos[n]
+        m = muts.between(n, first, op_pos, skip=chain)
+        if m is not None:
+            raise NoMatch(_mutation_reason(f"{role} ({n.name}), read by the attention,", m))
+
+
+# ---------------------------------------------------------------------------
 # the walk
 
 
-def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator) -> None:
+def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, muts: Mutations) -> None:
     sm = cand.softmax
     if sm.op == "call_module":
         mod = gm.get_submodule(sm.target)
@@ -158,7 +323,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator) ->
     q_op, k_op, pre = _score_operands(qk)
     transforms = pre + transforms
     v_op, out_steps = _value_operand(pv)
-    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
+    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts)
+    _check_mutations(cand, plan, muts)
     cand.plan = plan
 
 
@@ -349,7 +515,7 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
         v = N.number(value)
         if v is None:
             raise NoMatch("masked_fill with a value that is not a compile-time constant")
-        return ("fill", cond, True, v), chain_arg
+        return ("fill", cond, True, _in_dtype(v, sv)), chain_arg
     if base == "where":
         if len(node.args) < 3:
             raise NoMatch("torch.where with one argument")
@@ -360,14 +526,46 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
             v = N.number(b)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return ("fill", cond, False, v), a
+            return ("fill", cond, False, _in_dtype(v, sv)), a
         if b_chain and not a_chain:
             v = N.number(a)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return ("fill", cond, True, v), b
+            return ("fill", cond, True, _in_dtype(v, sv)), b
         raise NoMatch("torch.where mixes the scores with another tensor")
     raise NoMatch(f"{N.describe(node)} between the q·kᵀ product and the softmax is not understood")
+
+
+def _in_dtype(v: float, t: Optional[torch.Tensor]) -> float:
+    """A fill value as the scores hold it (-1e9 is -inf in float16)."""
+    if t is None or not t.dtype.is_floating_point or math.isnan(v):
+        return v
+    return float(torch.tensor(v, dtype=torch.float64).to(t.dtype).item())
+
+
+def op_accepts_mask_fill() -> bool:
+    """Whether ``torch.ops.flashfuse.attention`` takes ``mask_fill`` (the
+    value hidden scores of a bool mask are replaced by, as masked_fill does)."""
+    try:
+        if not hasattr(torch.ops.flashfuse, "attention"):
+            import flashfuse.ops  # noqa: F401  (registers the op)
+        schema = torch.ops.flashfuse.attention.default._schema
+        return any(a.name == "mask_fill" for a in schema.arguments)
+    except Exception:  # noqa: BLE001 - no op, no argument
+        return False
+
+
+def _rows_keep_a_key(band: Band, n, m) -> bool:
+    """Every query row 0..n-1 provably has a key 0..m-1 with
+    ``lo <= j - i <= hi``."""
+    lo, hi = band.lo, band.hi
+    if not N.known_le(1, m):
+        return False
+    if hi is not None and not N.known_le(0, hi):  # row 0 needs j = 0 <= hi
+        return False
+    if lo is not None and not N.known_le(lo + n, m):  # row n-1 needs j = m-1 >= n-1+lo
+        return False
+    return lo is None or hi is None or N.known_le(lo, hi)
 
 
 def _leads_to_product(x: Any, depth: int = 12) -> bool:
@@ -409,7 +607,9 @@ def _check_no_mutation_between(first: torch.fx.Node, last: torch.fx.Node, chain:
         if n is last:
             return
         if inside and n not in chain and N.is_inplace(n):
-            raise NoMatch(f"in-place {N.describe(n)} between the two products")
+            line = source_line(n)
+            at = f" at {line}" if line else ""
+            raise NoMatch(f"in-place {N.describe(n)}{at} between the two products; left alone")
 
 
 # ---------------------------------------------------------------------------
@@ -779,7 +979,7 @@ def _check_head_dim(d, what: str) -> None:
         raise NoMatch(f"{what} head size {c} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
 
 
-def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks) -> Plan:
+def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts=None) -> Plan:
     qv, kv, vv = _operand_val(q_op), _operand_val(k_op), _operand_val(v_op)
     out_t = N.tensor_val(cand.output)
     scores_t = N.tensor_val(cand.scores)
@@ -891,47 +1091,89 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
             raise NoMatch(f"internal: unknown transform {t[0]}")
 
     N_, M_ = scores_t.shape[-2], scores_t.shape[-1]
-    bands: list[Band] = []
-    hide_ops: list[Operand] = []
-    mask_kinds: list[str] = []
+
+    def mask_value(node):
+        # A mask written in place after (part of) it was built is not what
+        # its nodes say: it stays a tensor, read as the op finds it.
+        if muts is not None and muts.in_ancestry(node, muts.pos[cand.output]) is not None:
+            return None
+        return masks(node)
+
+    # A finite fill is masked_fill's value for the rows it hides entirely
+    # (eager averages them; the op returns 0 for a -inf hide or a window), and
+    # such rows pass no gradient to q or k: it becomes a window only when no
+    # row can be hidden entirely, else a bool mask with mask_fill.
+    bands: list[tuple] = []  # (band, finite hidden value, source)
+    hide_ops: list[tuple] = []  # (operand, fill value in the op's units)
     for cond, hide_true, value, factor in hides:
         if not math.isinf(value):
             if factor is None or value * factor > HIDE_THRESHOLD:
                 raise NoMatch(f"masked_fill with {value:g} does not remove positions (only -inf or <= {HIDE_THRESHOLD:g} do)")
+        fill = -math.inf if math.isinf(value) else value * factor
         cv = N.tensor_val(cond)
         if cv is None or cv.dtype != torch.bool:
             raise NoMatch("masked_fill/where condition is not a bool tensor")
         _check_mask_shape(cond, scores_t)
-        band = _visible_band(masks(cond), cond, hide_true, N_, M_)
+        operand = Operand(cond) if hide_true else Operand(cond, [("not",)])
+        band = _visible_band(mask_value(cond), cond, hide_true, N_, M_)
         if band is not None:
-            bands.append(band)
+            bands.append((band, math.isfinite(fill), ("hide", operand, fill)))
             continue
-        hide_ops.append(Operand(cond) if hide_true else Operand(cond, [("not",)]))
-        mask_kinds.append("bool")
+        hide_ops.append((operand, fill))
     kept_terms: list[MaskTerm] = []
     for term in additive:
         tv = N.tensor_val(term.node)
         _check_mask_shape(term.node, scores_t)
-        band = None
+        band, finite = None, False
         if tv.dtype.is_floating_point and not term.negate:
-            band = _additive_band(masks(term.node), term, N_, M_)
+            band, finite = _additive_band(mask_value(term.node), term, N_, M_)
         if band is not None:
-            bands.append(band)
+            bands.append((band, finite, ("add", term)))
             continue
         kept_terms.append(term)
-        mask_kinds.append("additive")
+
+    from .masks import conjoin
+
+    def combined(items):
+        band = items[0][0]
+        for other, _, _ in items[1:]:
+            band = conjoin(band, other)
+            if band is None:
+                raise NoMatch("two window masks that cannot be combined")
+        return band
+
+    if any(finite for _, finite, _ in bands):
+        # Exact as a window only if every row keeps a key and no mask tensor
+        # could hide the rest of a row; else such masks stay tensors.
+        if hide_ops or kept_terms or not _rows_keep_a_key(combined(bands), N_, M_):
+            for _, finite, source in bands:
+                if finite and source[0] == "hide":
+                    hide_ops.append(source[1:])
+                elif finite:
+                    kept_terms.append(source[1])
+            bands = [b for b in bands if not b[1]]
+    mask_fill = None
+    fills = {fill for _, fill in hide_ops}
+    if any(math.isfinite(f) for f in fills):
+        if len(fills) > 1:
+            raise NoMatch("masked_fill with different values (" + ", ".join(f"{f:g}" for f in sorted(fills))
+                          + "): the op replaces hidden scores with one value; left alone")
+        if kept_terms:
+            raise NoMatch("masked_fill with a finite value and an additive mask: the op cannot replace hidden "
+                          "scores and add a mask at once; left alone")
+        if bands:
+            raise NoMatch("masked_fill with a finite value and a causal/window mask: rows it hides entirely "
+                          "would not average the same keys; left alone")
+        if not op_accepts_mask_fill():
+            raise NoMatch("masked_fill with a finite value needs the op's mask_fill argument, which this "
+                          "flashfuse lacks; left alone")
+        mask_fill = float(next(iter(fills)))
+    mask_kinds = ["bool"] * len(hide_ops) + ["additive"] * len(kept_terms)
 
     window_left = window_right = None
     alignment = "top_left"
     if bands:
-        band = bands[0]
-        for other in bands[1:]:
-            from .masks import conjoin
-
-            both = conjoin(band, other)
-            if both is None:
-                raise NoMatch("two window masks that cannot be combined")
-            band = both
+        band = combined(bands)
         window = _band_to_window(band, N_, M_)
         if window is None:
             raise NoMatch("internal: a recognised band has no window form")
@@ -947,10 +1189,11 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
 
     plan = Plan(
         query=q_op, key=k_op, value=v_op, scale=scale, q_factors=q_factors,
-        additive=kept_terms, hide=hide_ops, window_left=window_left,
+        additive=kept_terms, hide=[op for op, _ in hide_ops], window_left=window_left,
         window_right=window_right, alignment=alignment, enable_gqa=enable_gqa,
         dropout_p=dropout_p, out_steps=out_steps, out_dtype=out_t.dtype,
         expand=expands, compute_dtype=compute_dtype, op_dtype=compute_dtype or qv.dtype,
+        mask_fill=mask_fill,
     )
     # Facts for explain.
     facts["scale"] = _fmt_scale(scale, q_factors)
@@ -959,6 +1202,8 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks)
     elif window_left is not None or window_right is not None:
         facts["window"] = f"({_fmt(window_left)}, {_fmt(window_right)}) {alignment}"
     facts["mask"] = "+".join(sorted(set(mask_kinds))) or "none"
+    if mask_fill is not None:
+        facts["mask_fill"] = mask_fill
     facts["dropout"] = dropout_p
     facts.setdefault("gqa", "")
     return plan
@@ -988,35 +1233,38 @@ def _visible_band(v, cond, hide_true: bool, n, m) -> Optional[Band]:
     return visible if _band_to_window(visible, n, m) is not None else None
 
 
-def _additive_band(v, term: MaskTerm, n, m) -> Optional[Band]:
+def _additive_band(v, term: MaskTerm, n, m) -> tuple:
     """An additive mask that is 0 (or any constant) on a band and -inf (or a
-    value that removes positions) elsewhere."""
+    value that removes positions) elsewhere: (visible band, whether the
+    hidden value is finite), or (None, False)."""
     if not isinstance(v, Band) or v.trivial:
-        return None
+        return None, False
     if not _band_dims_full(term.node, n, m):
-        return None
+        return None, False
     factor = 1.0
     for op, f in term.factors:
         if not isinstance(f, float):
-            return None
+            return None, False
         factor = factor * f if op == "mul" else factor / f
     try:
         inside, outside = float(v.inside) * factor, float(v.outside) * factor
     except (TypeError, ValueError):
-        return None
+        return None, False
 
     def hides(x: float, kept: float) -> bool:
         return x == -math.inf or (math.isfinite(x) and x - kept <= HIDE_THRESHOLD)
 
     if math.isfinite(inside) and hides(outside, inside):
-        visible = Band(v.lo, v.hi, True, False, v.ndim)
+        visible, hidden = Band(v.lo, v.hi, True, False, v.ndim), outside
     elif math.isfinite(outside) and hides(inside, outside):
-        visible = Band(v.lo, v.hi, False, True, v.ndim).normalized()
+        visible, hidden = Band(v.lo, v.hi, False, True, v.ndim).normalized(), inside
         if visible.inside is not True:
-            return None
+            return None, False
     else:
-        return None
-    return visible if _band_to_window(visible, n, m) is not None else None
+        return None, False
+    if _band_to_window(visible, n, m) is None:
+        return None, False
+    return visible, math.isfinite(hidden)
 
 
 def _band_dims_full(node, n, m) -> bool:

@@ -57,7 +57,7 @@ class Plan:
 
     The op computes ``softmax(scale * q @ k^T + mask, visibility) @ v`` where
     ``mask`` is the sum of ``additive`` terms with every ``hide`` position
-    removed; ``out_steps`` turn the op's (B, Hq, N, Dv) result into the tensor
+    removed (or, with ``mask_fill``, set to that value); ``out_steps`` turn the op's (B, Hq, N, Dv) result into the tensor
     the original ``output`` node produced, and ``out_dtype`` is that tensor's
     dtype.
     """
@@ -85,6 +85,9 @@ class Plan:
     compute_dtype: Optional[torch.dtype] = None
     # The dtype the op computes in and returns (q's, after compute_dtype).
     op_dtype: Optional[torch.dtype] = None
+    # A finite masked_fill value: the scores ``hide`` marks are replaced by
+    # it (in the op's units), as eager's fill does; None: they are removed.
+    mask_fill: Optional[float] = None
 
     @property
     def is_causal(self) -> bool:

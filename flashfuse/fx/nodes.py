@@ -235,17 +235,74 @@ def real_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
+# operator's in-place functions (``x += y`` and friends) and item assignment.
+_OPERATOR_INPLACE = {
+    getattr(operator, name)
+    for name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                 "ixor", "ilshift", "irshift", "imatmul", "setitem", "delitem")
+}
+_DUNDER_INPLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                   "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                   "__irshift__", "__imatmul__"}
+
+
+def mutated_args(node: torch.fx.Node) -> Optional[list]:
+    """The arguments ``node`` writes to in place, or None when it writes none.
+
+    Broad on purpose (a missed mutation is a wrong result, an extra one only a
+    refused rewrite): in-place methods and functions (a name ending in ``_``:
+    ``mul_``, ``torch.index_put_``, ``Tensor.copy_``), ``operator`` in-place
+    functions and ``setitem``, ``out=`` arguments, ``inplace=True`` flags,
+    ATen overloads whose schema writes an argument, modules with
+    ``inplace=True``.
+    """
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_method", "call_function", "call_module"):
+        return None
+    out: list = []
+    first = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    target = node.target
+    if node.op == "call_method" and isinstance(target, str):
+        if (target.endswith("_") and not target.endswith("__")) or target in _DUNDER_INPLACE:
+            out.append(first)
+    elif node.op == "call_function":
+        schema = getattr(target, "_schema", None)
+        if isinstance(target, torch._ops.OpOverload) and schema is not None:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    out.append(node.args[i] if i < len(node.args) else node.kwargs.get(a.name))
+        else:
+            try:
+                op_inplace = target in _OPERATOR_INPLACE
+            except TypeError:  # unhashable target
+                op_inplace = False
+            name = getattr(target, "__name__", "") or ""
+            # operator.and_/or_/not_ are not in place: for operator's
+            # functions only the set above counts.
+            if getattr(target, "__module__", None) in ("operator", "_operator"):
+                name = ""
+            if op_inplace or (name.endswith("_") and not name.startswith("__")):
+                out.append(first)
+            elif kind(node) == "dropout" and arg(node, 3, "inplace", False) is True:
+                out.append(first)
+    elif getattr(getattr(node.graph, "owning_module", None), "get_submodule", None) is not None:
+        try:
+            mod = node.graph.owning_module.get_submodule(target)
+        except AttributeError:
+            mod = None
+        if getattr(mod, "inplace", False) is True:
+            out.append(first)
+    if node.kwargs.get("inplace", False) is True and first not in out:
+        out.append(first)
+    dest = node.kwargs.get("out")
+    if dest is not None:
+        out.extend(dest if isinstance(dest, (list, tuple)) else [dest])
+    return out or None
+
+
 def is_inplace(node: torch.fx.Node) -> bool:
-    """True for in-place tensor operations (``add_``, ``masked_fill_``, ``+=``)."""
-    k = kind(node)
-    if k is not None and k.endswith("_"):
-        return True
-    if node.op == "call_method" and isinstance(node.target, str):
-        t = node.target
-        return t.endswith("_") and not t.endswith("__")
-    if node.op == "call_function" and k == "dropout":
-        return bool(arg(node, 3, "inplace", False))
-    return False
+    """True for operations that write a tensor in place (``add_``,
+    ``masked_fill_``, ``+=``, ``x[i] = y``, ``out=``): see :func:`mutated_args`."""
+    return mutated_args(node) is not None
 
 
 def number(x: Any) -> Optional[float]:

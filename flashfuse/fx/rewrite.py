@@ -239,6 +239,9 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
         window_right=None if plan.is_causal else plan.window_right,
         alignment=plan.alignment,
     )
+    if plan.mask_fill is not None:
+        # Only with a bool mask (the finder keeps no additive term then).
+        kwargs["mask_fill"] = float(plan.mask_fill)
     problem = _launch_problem(q, k, v, mask, kwargs)
     if problem is not None:
         raise CannotLaunch(problem)

@@ -211,3 +211,316 @@ def test_fully_masked_rows_documented_difference():
     rows[3] = False
     torch.testing.assert_close(out[0][:, rows], ref[0][:, rows])
     torch.testing.assert_close(out[1], ref[1])
+
+
+# ---------------------------------------------------------------------------
+# In-place ops on the pattern's inputs. Inputs arrive as (B, N, H, D) leaves,
+# so every function works on views or copies that may be written in place.
+
+
+def _heads(x):
+    return x.transpose(1, 2)
+
+
+def contiguous_then_mul_(x, k, v):
+    q = _heads(x).contiguous()  # a copy: writing it leaves x alone
+    q.mul_(SCALE)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def contiguous_mul_chained(x, k, v):
+    q = _heads(x).contiguous().mul_(SCALE)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def scaled_then_mul_(x, k, v):
+    q = _heads(x) * SCALE
+    q.mul_(2.0)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def operator_imul(x, k, v):
+    q = _heads(x).contiguous()
+    q *= SCALE
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def tensor_mul_function(x, k, v):
+    q = _heads(x).contiguous()
+    torch.Tensor.mul_(q, SCALE)
+    return F.softmax(q @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def k_add_v_div(x, k, v):
+    k, v = _heads(k).contiguous(), _heads(v).contiguous()
+    k.add_(0.5)
+    v.div_(3.0)
+    return F.softmax(_heads(x) @ k.transpose(-2, -1) * SCALE, dim=-1) @ v
+
+
+def q_copy_(x, k, v):
+    q = _heads(x).contiguous()
+    q.copy_(_heads(x) * 2.0)
+    return F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+
+
+def q_setitem(x, k, v):
+    q = _heads(x).clone()
+    q[:, :, 0] = 0.0
+    return F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+
+
+def q_index_put_(x, k, v):
+    q = _heads(x).contiguous()
+    q.index_put_((torch.tensor([1]),), torch.zeros(()))
+    return F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+
+
+def scale_tensor_mul_(x, k, v):
+    scale = torch.tensor(SCALE)
+    scale.mul_(2.0)
+    return F.softmax(_heads(x) @ _heads(k).transpose(-2, -1) * scale, dim=-1) @ _heads(v)
+
+
+def scores_masked_fill_(x, k, v):
+    # The recognised spelling: the in-place fill is part of the pattern.
+    n = x.size(1)
+    s = _heads(x) @ _heads(k).transpose(-2, -1) * SCALE
+    s.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ _heads(v)
+
+
+def causal_mask_edited_in_place(x, k, v):
+    # Built as a causal mask, then every query is allowed key 0 as well: not
+    # causal any more, so it must stay a tensor.
+    n = x.size(1)
+    keep = torch.ones(n, n, dtype=torch.bool).tril()
+    keep[:, 0] = True
+    keep[1:, 1] = False
+    s = _heads(x) @ _heads(k).transpose(-2, -1) * SCALE
+    return s.masked_fill(~keep, float("-inf")).softmax(-1) @ _heads(v)
+
+
+def q_mutated_after_the_chain(x, k, v):
+    q = _heads(x).clone()
+    out = F.softmax(q @ _heads(k).transpose(-2, -1) * SCALE, dim=-1) @ _heads(v)
+    q.mul_(3.0)  # after the op has read q
+    return out, q
+
+
+MUTATED_BEFORE = [
+    contiguous_then_mul_, contiguous_mul_chained, scaled_then_mul_, operator_imul, tensor_mul_function,
+    k_add_v_div, q_copy_, q_setitem, q_index_put_, scale_tensor_mul_, scores_masked_fill_,
+    causal_mask_edited_in_place, q_mutated_after_the_chain,
+]
+
+
+def _bnhd(n=8, h=4, d=16, seed=0, grad=True):
+    q, k, v = qkv(h=h, n=n, d=d, seed=seed, grad=False)
+    return [t.transpose(1, 2).contiguous().requires_grad_(grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("fn", MUTATED_BEFORE, ids=lambda f: f.__name__)
+def test_mutation_before_the_chain_is_read_after_it(fn):
+    """An in-place op that runs before the pattern reads a tensor is just a
+    new value: the op is fed the written tensor, forward and gradients
+    match eager."""
+    # Eager cannot differentiate through q written after the product read it.
+    grad = fn is not q_mutated_after_the_chain
+    _, backend = compile_and_compare(fn, *_bnhd(n=7, grad=grad), expect=1, grad=grad)
+    if fn is causal_mask_edited_in_place:
+        assert backend.candidates[0].facts.get("causal") is None, backend.candidates[0].facts
+
+
+def product_then_k_mutated(x, k, v):
+    k = _heads(k).contiguous()
+    s = _heads(x) @ k.transpose(-2, -1) * SCALE
+    k.mul_(2.0)  # after the product read k, before the softmax
+    return F.softmax(s, dim=-1) @ _heads(v)
+
+
+def k_mutated_through_a_view(x, k, v):
+    k = _heads(k).clone()
+    kt = k.transpose(-2, -1)
+    k[:, :, :, 0].mul_(0.0)  # writes kt's memory through another view
+    return F.softmax(_heads(x) @ kt * SCALE, dim=-1) @ _heads(v)
+
+
+def scaled_q_then_q_mutated(x, k, v):
+    q = _heads(x).clone()
+    qs = q * SCALE  # peeled: the op would read q itself
+    q.mul_(3.0)
+    return F.softmax(qs @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+def scaled_q_then_view_mutated(x, k, v):
+    q = _heads(x).clone()
+    qs = q * SCALE
+    q[:, :, 1:].zero_()
+    return F.softmax(qs @ _heads(k).transpose(-2, -1), dim=-1) @ _heads(v)
+
+
+MUTATION_TRAPS = [product_then_k_mutated, k_mutated_through_a_view, scaled_q_then_q_mutated,
+                  scaled_q_then_view_mutated]
+
+
+@pytest.mark.parametrize("fn", MUTATION_TRAPS, ids=lambda f: f.__name__)
+def test_subtle_mutations_are_left_alone(fn):
+    """Writes the op cannot reproduce by reading its inputs later are refused,
+    with a reason naming the in-place op. (Forward only: eager cannot
+    differentiate through most of these.)"""
+    _, backend = compile_and_compare(fn, *_bnhd(n=7, grad=False), expect=0)
+    reason = backend.candidates[0].reason
+    assert "in place" in reason or "in-place" in reason, reason
+    assert "left alone" in reason, reason
+
+
+def test_explain_names_the_mutation():
+    from flashfuse.fx import explain
+
+    rows = explain(scaled_q_then_q_mutated, *_bnhd(n=7, grad=False), print_table=False).rows
+    assert len(rows) == 1 and not rows[0].rewritten
+    assert "mutated in place by .mul_()" in rows[0].reason and "q.mul_(3.0)" in rows[0].reason, rows[0].reason
+
+
+# ---------------------------------------------------------------------------
+# Finite fills: rows a finite value hides entirely. Eager averages such a row
+# over all its keys and passes q and k no gradient through the filled
+# entries; the op does that only when given mask_fill (its bool mask's
+# hidden scores replaced by that value). The end-to-end tests below expect a
+# rewrite once the op takes mask_fill, and are left alone (still matching
+# eager) before.
+
+MIN = torch.finfo(torch.float32).min
+
+
+def _left_padded_keep(b=2, n=7, pads=(0, 3)):
+    """Causal and left padding (as Hugging Face builds it for MPT-like
+    models): the first pads[b] rows of batch b see no key."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = torch.stack([(j <= i) & (j >= p) for p in pads])[:, None]
+    assert not keep[1, 0, 0].any()  # a fully hidden row
+    return keep
+
+
+def fill_finfo_min(q, k, v, keep):
+    s = q @ k.transpose(-2, -1) * SCALE
+    return s.masked_fill(~keep, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+def where_finfo_min(q, k, v, keep):
+    s = q @ k.transpose(-2, -1) * SCALE
+    return torch.where(keep, s, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+def fill_minus_1e4(q, k, v, keep):
+    return (q @ k.transpose(-2, -1) * SCALE).masked_fill(~keep, -1e4).softmax(-1) @ v
+
+
+def strict_causal_finfo_min(q, k, v, keep):
+    # j < i: the first row sees nothing; a band, but not a window to convert.
+    n = q.size(-2)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    s = q @ k.transpose(-2, -1) * SCALE
+    return s.masked_fill(j >= i, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+FINITE_FILLS = [fill_finfo_min, where_finfo_min, fill_minus_1e4, strict_causal_finfo_min]
+
+
+@pytest.mark.parametrize("fn", FINITE_FILLS, ids=lambda f: f.__name__)
+def test_finite_fill_fully_hidden_rows(fn):
+    """Forward and gradients match eager on rows the fill hides entirely.
+    Rewritten only when the op takes mask_fill (depends on the op change)."""
+    from flashfuse.fx.find import op_accepts_mask_fill
+
+    q, k, v = qkv(n=7, d=16)
+    keep = _left_padded_keep()
+    _, backend = compile_and_compare(fn, q, k, v, keep, expect=1 if op_accepts_mask_fill() else 0)
+    cand = backend.candidates[0]
+    if cand.rewritten:
+        assert cand.facts.get("causal") is None and cand.facts.get("window") is None, cand.facts
+        assert cand.facts["mask"] == "bool" and math.isfinite(cand.facts["mask_fill"]), cand.facts
+    else:
+        assert "mask_fill" in cand.reason, cand.reason
+
+
+def _captured(fn, *inputs):
+    """The Dynamo graph of ``fn`` and its example inputs, not compiled."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(fn, backend=capture)(*inputs)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+@pytest.mark.parametrize(
+    "fn,fill",
+    [(fill_finfo_min, MIN), (where_finfo_min, MIN), (fill_minus_1e4, -1e4), (strict_causal_finfo_min, MIN)],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_finite_fill_emits_mask_fill(fn, fill, monkeypatch):
+    """The op call the pass emits for a finite fill (as if the op took
+    mask_fill): a bool mask, mask_fill in the op's score units, no
+    is_causal or window; nothing is run."""
+    import sys
+
+    from flashfuse.fx import FlashAttentionPass
+
+    # (flashfuse.fx.find the attribute is the function; the module is here.)
+    monkeypatch.setattr(sys.modules["flashfuse.fx.find"], "op_accepts_mask_fill", lambda: True)
+    gm, example_inputs = _captured(fn, *qkv(n=7, d=16, grad=False), _left_padded_keep())
+    cands = FlashAttentionPass(example_inputs)(gm)
+    assert [c.rewritten for c in cands] == [True], [c.reason for c in cands]
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.flashfuse.attention.default]
+    assert call.kwargs["mask_fill"] == fill
+    assert call.kwargs["is_causal"] is False and call.kwargs["window_right"] is None
+    assert call.kwargs["window_left"] is None
+    mask = call.kwargs["attn_mask"]
+    assert mask is not None and mask.meta["example_value"].dtype == torch.bool
+
+
+def causal_finfo_min(q, k, v):
+    # j <= i: every row keeps its diagonal, so the fill never decides a row.
+    n = q.size(-2)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    s = q @ k.transpose(-2, -1) * SCALE
+    return s.masked_fill(j > i, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+def test_finite_fill_with_rows_kept_becomes_causal():
+    _, backend = compile_and_compare(causal_finfo_min, *qkv(n=7, d=16), expect=1)
+    assert backend.candidates[0].facts.get("causal") == "top-left"
+    assert "mask_fill" not in backend.candidates[0].facts
+
+
+def strict_causal_additive_finfo_min(q, k, v):
+    n = q.size(-2)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    bias = torch.zeros(n, n).masked_fill(j >= i, torch.finfo(torch.float32).min)
+    return (q @ k.transpose(-2, -1) * SCALE + bias).softmax(-1) @ v
+
+
+def test_finite_additive_band_with_an_empty_row_stays_a_mask():
+    """An additive finfo.min band whose first row is empty is not a window:
+    it stays a float mask (eager averages that row). Forward only here: the
+    op's backward for such rows is fixed with the kernels."""
+    _, backend = compile_and_compare(strict_causal_additive_finfo_min, *qkv(n=7, d=16, grad=False), expect=1)
+    facts = backend.candidates[0].facts
+    assert facts.get("causal") is None and facts.get("window") is None and facts["mask"] == "additive", facts
+
+
+def bias_then_finite_fill(q, k, v, keep, bias):
+    s = q @ k.transpose(-2, -1) * SCALE + bias  # e.g. ALiBi, then the padding fill
+    return s.masked_fill(~keep, torch.finfo(s.dtype).min).softmax(-1) @ v
+
+
+def test_finite_fill_with_additive_bias_is_left_alone():
+    q, k, v = qkv(n=7, d=16)
+    bias = torch.randn(1, 4, 7, 7)
+    _, backend = compile_and_compare(bias_then_finite_fill, q, k, v, _left_padded_keep(), bias, expect=0)
+    assert "additive mask" in backend.candidates[0].reason

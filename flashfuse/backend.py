@@ -10,11 +10,14 @@ can prove into ``torch.ops.flashfuse.attention`` (see :mod:`flashfuse.fx`),
 and hands the graph to a compiler: Inductor by default. The rewrite runs
 before AOTAutograd, so training uses the op's own flash backward. Inductor's
 own attention rewrite (its ``fuse_attention`` patterns) is switched off under
-this backend: flashfuse's pass takes its place (see ``_inductor_patches``).
+this backend: flashfuse's pass takes its place (see
+``inductor_attention_patterns_off``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -29,30 +32,96 @@ log = logging.getLogger("flashfuse")
 Compiler = Union[str, Callable[[torch.fx.GraphModule, list], Callable]]
 
 
+def _is_inductor_attention_pattern(entry) -> bool:
+    """Whether a joint-graph pattern entry is one of Inductor's attention
+    rewrites: ``fuse_attention`` registers them through
+    ``register_replacement``, whose check closes over that module's search
+    and check functions."""
+    for cell in getattr(getattr(entry, "extra_check", None), "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if (getattr(value, "__module__", "") or "").endswith("fx_passes.fuse_attention"):
+            return True
+    return False
+
+
 def _inductor_patches(options: Optional[dict]) -> dict:
-    """Inductor config for the graph after the rewrite: the user's options,
-    with Inductor's own attention rewrite (the ``fuse_attention`` patterns)
-    switched off unless the options set the knob themselves.
+    """The user's Inductor options, plus a marker pass whose identity enters
+    Inductor's cache key, so that a graph Inductor compiled and cached
+    elsewhere with its attention patterns is never taken for one compiled
+    here without them (``inductor_attention_patterns_off``)."""
+    patches = dict(options or {})
+    if "joint_custom_pre_pass" in patches:  # the user's own pass takes the slot: no cache then
+        patches.setdefault("fx_graph_cache", False)
+    else:
+        patches["joint_custom_pre_pass"] = _marker_pass()
+    return patches
+
+
+@functools.lru_cache(maxsize=None)
+def _marker_pass():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class AttentionPatternsOff(CustomGraphPass):
+        """Does nothing to the graph; its uuid tells Inductor's caches that
+        this compile ran without Inductor's attention patterns."""
+
+        def __call__(self, graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return "flashfuse.backend: Inductor's fuse_attention patterns off, v1"
+
+    return AttentionPatternsOff()
+
+
+@contextlib.contextmanager
+def inductor_attention_patterns_off():
+    """Run Inductor with its own attention rewrite (the ``fuse_attention``
+    patterns among the joint-graph patterns) left out, every other pattern
+    and pass as usual.
 
     flashfuse's pass replaces that rewrite: what it leaves alone it left
     alone on purpose, and Inductor's patterns then match programs they get
-    wrong (a softmax over the queries) or cannot lower. Inductor has no knob
-    for those patterns alone; they are registered among the joint-graph
-    passes, so those are switched off (post-grad pattern passes still run).
-    Older Inductors without that knob get ``pattern_matcher`` off instead,
-    which also covers the joint graph. Config patches are part of Inductor's
-    cache key, so a cached graph compiled with the patterns is never reused.
+    wrong (a softmax over the queries) or cannot lower. Inductor has no
+    switch for those patterns alone (``pattern_matcher`` and
+    ``use_joint_graph_passes`` turn off far more, e.g. matmul padding), so
+    while this context is active the joint-graph pattern pass applies a copy
+    of its table without them. The table is filtered when the pass runs,
+    after Inductor has registered its patterns for the graph's device.
     """
-    import torch._inductor.config as inductor_config
+    try:
+        from torch._inductor.fx_passes import joint_graph
+    except ImportError:  # pragma: no cover - torch without Inductor
+        yield
+        return
+    table = joint_graph.patterns
+    had_own = "apply" in vars(table)
+    previous = table.apply
 
-    patches = dict(options or {})
-    if hasattr(inductor_config, "use_joint_graph_passes"):
-        knob = "use_joint_graph_passes"
-    else:  # pragma: no cover - torch without the joint-graph knob
-        knob = "pattern_matcher"
-    if "use_joint_graph_passes" not in patches and "pattern_matcher" not in patches:
-        patches[knob] = False
-    return patches
+    def apply(graph):
+        full = table.patterns
+        kept = type(full)(full.default_factory) if hasattr(full, "default_factory") else type(full)()
+        for key, entries in full.items():
+            rest = [e for e in entries if not _is_inductor_attention_pattern(e)]
+            if rest:
+                kept[key] = rest
+        table.patterns = kept
+        try:
+            return previous(graph)
+        finally:
+            table.patterns = full
+
+    table.apply = apply
+    try:
+        yield
+    finally:
+        if had_own:
+            table.apply = previous
+        else:
+            del table.apply
 
 
 def _compiler_fn(compiler: Compiler, options: Optional[dict]) -> Callable:
@@ -65,7 +134,8 @@ def _compiler_fn(compiler: Compiler, options: Optional[dict]) -> Callable:
         def inductor(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(options))
+            with inductor_attention_patterns_off():
+                return compile_fx(gm, example_inputs, config_patches=_inductor_patches(options))
 
         return inductor
     if compiler == "eager":

@@ -218,11 +218,37 @@ def test_inductor_attention_rewrite_is_off(fn, dynamic):
         torch.testing.assert_close(x.grad, xr.grad.float(), atol=1e-5, rtol=1e-4)
 
 
-def test_inductor_patches_keep_user_options():
+def test_only_inductors_attention_patterns_are_left_out():
+    """The joint-graph pattern table loses Inductor's attention rewrites
+    while a flashfuse compile runs, and nothing else; outside it, Inductor
+    is as it was."""
+    from torch._inductor.fx_passes import joint_graph
+
+    from flashfuse.backend import _is_inductor_attention_pattern, inductor_attention_patterns_off
+
+    joint_graph.lazy_init()
+    table = joint_graph.patterns
+    entries = [e for es in table.patterns.values() for e in es]
+    attention = [e for e in entries if _is_inductor_attention_pattern(e)]
+    assert attention and len(attention) < len(entries), "both kinds are registered"
+    seen = []
+    original = type(table).apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(table), "apply", lambda self, graph: seen.append(
+            sum(len(es) for es in self.patterns.values())) or 0)
+        with inductor_attention_patterns_off():
+            table.apply(None)
+        table.apply(None)
+    assert seen == [len(entries) - len(attention), len(entries)]
+    assert type(table).apply is original and "apply" not in vars(table)
+
+
+def test_inductor_options_mark_the_cache_key_and_keep_user_options():
     from flashfuse.backend import _inductor_patches
 
     patches = _inductor_patches({"max_autotune": True})
     assert patches["max_autotune"] is True
-    assert patches.get("use_joint_graph_passes", patches.get("pattern_matcher")) is False
-    # A user who sets the knob explicitly gets what they asked for.
-    assert _inductor_patches({"use_joint_graph_passes": True})["use_joint_graph_passes"] is True
+    assert "fuse_attention" in patches["joint_custom_pre_pass"].uuid()
+    own = object()
+    patches = _inductor_patches({"joint_custom_pre_pass": own})
+    assert patches["joint_custom_pre_pass"] is own and patches["fx_graph_cache"] is False

@@ -6,7 +6,8 @@ tensor for every size at once:
 
 * :class:`Affine` - an integer tensor whose element at index ``(..., i, j)``
   is ``sum(coef[d] * idx[d]) + const`` (what ``arange`` and its views,
-  offsets and broadcasts produce);
+  offsets and broadcasts produce, and gathering such a tensor at such
+  indices, as in ``position_ids[batch_idx, q_idx]``);
 * :class:`Band` - a tensor whose element is ``inside`` when
   ``lo <= j - i <= hi`` over its last two dims and ``outside`` elsewhere
   (``tril``/``triu`` of ones, comparisons of aranges, their negations,
@@ -153,9 +154,10 @@ class MaskEvaluator:
             return Band(None, None, n, n, 0) if n is not None else None
         if x not in self.cache:
             try:
-                self.cache[x] = self._eval(x)
+                v = self._eval(x)
             except _Unknown:
-                self.cache[x] = None
+                v = None
+            self.cache[x] = v if not isinstance(v, Affine) or _affine_fits(v, x) else None
         return self.cache[x]
 
     # -- helpers ---------------------------------------------------------
@@ -449,12 +451,7 @@ class MaskEvaluator:
         if isinstance(v, Affine):
             if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
                 return None
-            # A narrower integer type must hold every value, or they wrap.
-            bounds = _index_range(v, shape(node))
-            info = torch.iinfo(t.dtype)
-            if bounds is None or not (known_le(info.min, bounds.lo) and known_le(bounds.hi, info.max)):
-                return None
-            return v
+            return v  # a narrower integer type that wraps is caught by _affine_fits
         return _in_dtype(v, t.dtype)
 
     def _compare(self, node: torch.fx.Node, k: str) -> Optional[Value]:
@@ -659,6 +656,23 @@ def _in_dtype(v: Band, dtype: torch.dtype) -> Optional[Band]:
         return int(x)
 
     return v.map(to_int)
+
+
+def _affine_fits(v: Affine, node: torch.fx.Node) -> bool:
+    """Affine arithmetic has no overflow; the node's integer type does. Keep
+    the affine form only when every value provably fits. For int64 the
+    coefficients and constant are bounded instead (symbolic sizes have no
+    proven upper bound; with sizes below 2**40 the values stay below 2**61)."""
+    t = tensor_val(node)
+    if t is None or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        return False
+    if t.dtype == torch.int64:
+        c = const_int(v.const)
+        small_coefs = all(abs(k) < 1 << 16 for _, k in v.coef)
+        return small_coefs and (c is None or abs(c) < 1 << 60)
+    bounds = _index_range(v, shape(node))
+    info = torch.iinfo(t.dtype)
+    return bounds is not None and known_le(info.min, bounds.lo) and known_le(bounds.hi, info.max)
 
 
 def _as_affine(v: Optional[Value]) -> Optional[Affine]:

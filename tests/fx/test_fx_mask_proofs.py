@@ -99,6 +99,14 @@ def positions_wrap_in_uint8(q, k, v):
     return s.masked_fill(pos[None, :] > pos[:, None], float("-inf")).softmax(-1) @ v
 
 
+def positions_wrap_in_int32(q, k, v):
+    # int32 arithmetic wraps past 2**31 - 1, where the affine form would not.
+    n = q.size(-2)
+    pos = torch.arange(n, dtype=torch.int32) + (2**31 - 5)
+    s = q @ k.transpose(-2, -1) * SCALE
+    return s.masked_fill(pos[None, :] > pos[:, None], float("-inf")).softmax(-1) @ v
+
+
 def padding_term_used(q, k, v, pad):
     # A padding term from the input: its values are unknown at compile time.
     b, n = q.size(0), q.size(-2)
@@ -154,6 +162,7 @@ def _padding(b, n):
     [
         (negative_index_wraps, None),
         (positions_wrap_in_uint8, None),
+        (positions_wrap_in_int32, None),
         (padding_term_used, _padding),
         (positions_from_input, _packed_positions),
     ],

@@ -6,7 +6,8 @@ tensor for every size at once:
 
 * :class:`Affine` - an integer tensor whose element at index ``(..., i, j)``
   is ``sum(coef[d] * idx[d]) + const`` (what ``arange`` and its views,
-  offsets and broadcasts produce);
+  offsets and broadcasts produce, and gathering such a tensor at such
+  indices, as in ``position_ids[batch_idx, q_idx]``);
 * :class:`Band` - a tensor whose element is ``inside`` when
   ``lo <= j - i <= hi`` over its last two dims and ``outside`` elsewhere
   (``tril``/``triu`` of ones, comparisons of aranges, their negations,
@@ -27,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.fx
@@ -153,9 +154,10 @@ class MaskEvaluator:
             return Band(None, None, n, n, 0) if n is not None else None
         if x not in self.cache:
             try:
-                self.cache[x] = self._eval(x)
+                v = self._eval(x)
             except _Unknown:
-                self.cache[x] = None
+                v = None
+            self.cache[x] = v if not isinstance(v, Affine) or _affine_fits(v, x) else None
         return self.cache[x]
 
     # -- helpers ---------------------------------------------------------
@@ -186,9 +188,7 @@ class MaskEvaluator:
                 c = number(node.args[0]) if node.args and not isinstance(node.args[0], (list, tuple)) else None
             if c is None:
                 return None
-            dtype = tensor_val(node).dtype
-            c = bool(c) if dtype == torch.bool else (int(c) if not dtype.is_floating_point else c)
-            return Band(None, None, c, c, nd)
+            return _in_dtype(Band(None, None, c, c, nd), tensor_val(node).dtype)
         if k == "arange":
             args = [val(a) for a in node.args]
             if "start" in node.kwargs or "end" in node.kwargs or "step" in node.kwargs:
@@ -251,23 +251,35 @@ class MaskEvaluator:
         if k in ("add", "sub", "mul", "neg"):
             return self._arith(node, k)
         if k == "where":
-            cond, a, b = (self(x) for x in node.args[:3])
-            an, bn = number(node.args[1]), number(node.args[2])
+            cond = self(node.args[0])
+            an, bn = self._constant(node.args[1]), self._constant(node.args[2])
             if not isinstance(cond, Band) or an is None or bn is None:
                 return None
             if not self._no_band_broadcast(node):
                 return None
             c = cond.map(lambda v: an if v else bn)
-            return dataclasses.replace(c, ndim=nd) if c else None
+            return _in_dtype(dataclasses.replace(c, ndim=nd), tensor_val(node).dtype) if c else None
         if k in ("masked_fill",):
             base, cond = self(node.args[0]), self(node.args[1])
-            fill = number(arg(node, 2, "value"))
+            fill = self._constant(arg(node, 2, "value"))
             if not (isinstance(base, Band) and base.trivial and isinstance(cond, Band)) or fill is None:
                 return None
             if not self._no_band_broadcast(node):
                 return None
             c = cond.map(lambda v: fill if v else base.inside)
-            return dataclasses.replace(c, ndim=nd) if c else None
+            return _in_dtype(dataclasses.replace(c, ndim=nd), tensor_val(node).dtype) if c else None
+        return None
+
+    def _constant(self, x: Any) -> Any:
+        """The one value of an operand that is the same everywhere: a Python
+        number or a node holding a constant (``torch.tensor(0.0)`` and
+        ``torch.zeros(())`` alike); None otherwise."""
+        n = number(x)
+        if n is not None:
+            return n
+        v = self(x) if isinstance(x, torch.fx.Node) else None
+        if isinstance(v, Band) and v.trivial and not _is_nan(v.inside):
+            return v.inside
         return None
 
     def _no_band_broadcast(self, node: torch.fx.Node) -> bool:
@@ -338,10 +350,11 @@ class MaskEvaluator:
         return _mk_affine({d: int(c)}, int(c), nd)
 
     def _gather(self, node: torch.fx.Node, v: Value, idx: tuple, s_in: tuple) -> Optional[Value]:
-        """Indexing a constant with index tensors gives the constant, when
-        every index provably lies inside the tensor (otherwise eager would
-        raise, and a rewrite must not hide that)."""
-        if not isinstance(v, Band) or not v.trivial:
+        """Indexing with index tensors. Every index must provably lie inside
+        the tensor (otherwise eager raises, and a rewrite must not hide that).
+        A constant gathered anywhere is the constant; an affine tensor
+        gathered at affine indices is affine (:meth:`_gather_affine`)."""
+        if not (isinstance(v, Band) and v.trivial) and not isinstance(v, Affine):
             return None
         d_in = 0
         for item in idx:
@@ -351,13 +364,13 @@ class MaskEvaluator:
                 return None
             if isinstance(item, torch.fx.Node):
                 t = tensor_val(item)
-                if t is None or t.dtype == torch.bool or t.dtype.is_floating_point:
+                # bool and uint8 index tensors select by mask, not by position.
+                if t is None or t.dtype in (torch.bool, torch.uint8) or t.dtype.is_floating_point:
                     return None
                 bounds = _index_range(self(item), shape(item))
                 if bounds is None:
                     return None
-                lo, hi = bounds
-                if not (known_le(0, lo) and known_le(hi + 1, s_in[d_in])):
+                if not (known_le(0, bounds.lo) and known_le(bounds.hi + 1, s_in[d_in])):
                     return None
             elif not isinstance(item, slice):
                 i = val(item)
@@ -366,7 +379,69 @@ class MaskEvaluator:
                 if not (known_le(-s_in[d_in], i) and known_le(i + 1, s_in[d_in])):
                     return None
             d_in += 1
-        return Band(None, None, v.inside, v.inside, self._ndim(node))
+        if isinstance(v, Band):
+            return Band(None, None, v.inside, v.inside, self._ndim(node))
+        return self._gather_affine(node, v, idx, s_in)
+
+    def _gather_affine(self, node: torch.fx.Node, v: Affine, idx: tuple, s_in: tuple) -> Optional[Affine]:
+        """``x[i0, i1, ...]`` of an affine ``x`` at affine index tensors (and
+        plain slices): substituting each index's expression for its input
+        coordinate gives the result's expression. (How transformers reads
+        position ids at ``[batch, q]`` and ``[batch, kv]``.)
+
+        Output layout follows advanced indexing: the broadcast index dims
+        replace the indexed dims when these are adjacent, else they come
+        first. Bounds were checked by :meth:`_gather`; only non-negative
+        indices are accepted there, so no index wraps around."""
+        s_out = shape(node)
+        if s_out is None or any(item is None or not isinstance(item, (torch.fx.Node, slice)) for item in idx):
+            return None
+        adv = [p for p, item in enumerate(idx) if isinstance(item, torch.fx.Node)]
+        n_in, n_out = len(s_in), len(s_out)
+        if any(shape(idx[p]) is None for p in adv):
+            return None
+        nb = max(len(shape(idx[p])) for p in adv)
+        if n_out != n_in - len(adv) + nb or len(idx) != n_in:
+            return None
+        adjacent = adv == list(range(adv[0], adv[-1] + 1))
+        block = adv[0] if adjacent else 0
+        coefs: dict[int, int] = {}
+        const = v.const
+        by_dim = dict((d + n_in, c) for d, c in v.coef)  # input dim (from left) -> coefficient
+        n_slices_seen = 0
+        for d_in, item in enumerate(idx):
+            c = by_dim.get(d_in, 0)
+            if isinstance(item, slice):
+                o = (d_in if d_in < block else d_in - len(adv) + nb) if adjacent else nb + n_slices_seen
+                n_slices_seen += 1
+                if item.step not in (None, 1):
+                    return None
+                start = val(item.start) if item.start is not None else 0
+                if not isinstance(start, (int, torch.SymInt)) or isinstance(start, bool):
+                    return None
+                if const_int(start) is None or const_int(start) < 0:
+                    return None
+                if c:
+                    coefs[o - n_out] = coefs.get(o - n_out, 0) + c
+                    const = const + c * start
+                continue
+            if not c:
+                continue
+            a = _as_affine(self(item))
+            s_idx = shape(item)
+            if a is None or s_idx is None or (a.coef and a.ndim != len(s_idx)):
+                return None
+            for e, ce in a.coef:
+                if not -len(s_idx) <= e < 0:
+                    return None
+                o = block + nb + e
+                if not known_eq(s_idx[e], s_out[o]):
+                    if known_eq(s_idx[e], 1):
+                        continue  # a size-1 index dim holds one value however it broadcasts
+                    return None
+                coefs[o - n_out] = coefs.get(o - n_out, 0) + c * ce
+            const = const + c * a.const
+        return _mk_affine(coefs, const, n_out)
 
     def _cast(self, node: torch.fx.Node) -> Optional[Value]:
         v = self(node.args[0])
@@ -374,13 +449,10 @@ class MaskEvaluator:
         if v is None or t is None:
             return None
         if isinstance(v, Affine):
-            return v if not t.dtype.is_floating_point and t.dtype != torch.bool else None
-        dtype = t.dtype
-        if dtype == torch.bool:
-            return v.map(bool)
-        if dtype.is_floating_point:
-            return v.map(lambda x: float(torch.tensor(float(x), dtype=dtype).item()))
-        return v.map(int)
+            if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
+                return None
+            return v  # a narrower integer type that wraps is caught by _affine_fits
+        return _in_dtype(v, t.dtype)
 
     def _compare(self, node: torch.fx.Node, k: str) -> Optional[Value]:
         a, b = node.args[0], node.args[1]
@@ -566,6 +638,43 @@ class MaskEvaluator:
         return Band(lo, hi, v.inside, v.outside, n_out)
 
 
+def _in_dtype(v: Band, dtype: torch.dtype) -> Optional[Band]:
+    """The band's values as a tensor of ``dtype`` holds them (rounded to a
+    float type, truncated to an integer type), so what is proven about the
+    values is what the tensor holds."""
+    if dtype == torch.bool:
+        return v.map(bool)
+    if dtype.is_floating_point:
+        return v.map(lambda x: float(torch.tensor(float(x), dtype=dtype).item()))
+    if dtype.is_complex:
+        return None
+    info = torch.iinfo(dtype)
+
+    def to_int(x: Any) -> int:
+        if not info.min <= x <= info.max:  # would wrap around
+            raise OverflowError(x)
+        return int(x)
+
+    return v.map(to_int)
+
+
+def _affine_fits(v: Affine, node: torch.fx.Node) -> bool:
+    """Affine arithmetic has no overflow; the node's integer type does. Keep
+    the affine form only when every value provably fits. For int64 the
+    coefficients and constant are bounded instead (symbolic sizes have no
+    proven upper bound; with sizes below 2**40 the values stay below 2**61)."""
+    t = tensor_val(node)
+    if t is None or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        return False
+    if t.dtype == torch.int64:
+        c = const_int(v.const)
+        small_coefs = all(abs(k) < 1 << 16 for _, k in v.coef)
+        return small_coefs and (c is None or abs(c) < 1 << 60)
+    bounds = _index_range(v, shape(node))
+    info = torch.iinfo(t.dtype)
+    return bounds is not None and known_le(info.min, bounds.lo) and known_le(bounds.hi, info.max)
+
+
 def _as_affine(v: Optional[Value]) -> Optional[Affine]:
     """An integer value as an :class:`Affine` (a constant has no coefficients)."""
     if isinstance(v, Affine):
@@ -582,8 +691,15 @@ def _step_along(v: Optional[Value], d: int) -> Optional[int]:
     return None if a is None else dict(a.coef).get(d, 0)
 
 
-def _index_range(v: Optional[Value], s: Optional[tuple]) -> Optional[tuple]:
-    """(min, max) of an integer index tensor's values, from its affine form."""
+class IndexRange(NamedTuple):
+    """Smallest and largest value of an integer tensor (inclusive)."""
+
+    lo: Size
+    hi: Size
+
+
+def _index_range(v: Optional[Value], s: Optional[tuple]) -> Optional[IndexRange]:
+    """The range of an integer tensor's values, from its affine form."""
     a = _as_affine(v)
     if a is None or s is None:
         return None
@@ -596,7 +712,7 @@ def _index_range(v: Optional[Value], s: Optional[tuple]) -> Optional[tuple]:
             hi = hi + span
         else:
             lo = lo + span
-    return lo, hi
+    return IndexRange(lo, hi)
 
 
 def _unit_dim_mapping(s_in: tuple, s_out: tuple) -> Optional[dict]:

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fxutil import Recorder  # noqa: E402
+from fxutil import OP, Recorder  # noqa: E402
 from flashfuse.backend import make_backend  # noqa: E402
 
 VOCAB, SEQ = 100, 10
@@ -107,19 +107,25 @@ def test_hf_model_all_layers_rewritten(name):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-3, rtol=1e-3, msg=pname)
 
 
+def _op_calls(rec):
+    return [n for g in rec.graphs for n in g.graph.nodes if n.op == "call_function" and n.target is OP]
+
+
 @pytest.mark.parametrize(
-    "name,facts",
+    "name,facts,op_args",
     [
-        ("gpt2", {"causal": "top-left"}),
-        ("llama", {"causal": "top-left"}),
-        ("mistral", {"causal": None, "window": "(3, 0) top_left"}),
+        ("gpt2", {"causal": "top-left"}, {"is_causal": True, "window_left": None}),
+        ("llama", {"causal": "top-left"}, {"is_causal": True, "window_left": None}),
+        ("mistral", {"causal": None, "window": "(3, 0) top_left"},
+         {"is_causal": False, "window_left": 3, "window_right": 0}),
     ],
 )
-def test_hf_causal_lm_without_padding_is_proven_causal(name, facts):
+def test_hf_causal_lm_without_padding_is_proven_causal(name, facts, op_args):
     """Training without a cache or padding mask: transformers ANDs the causal
     (or sliding-window) mask with a "same packed sequence" term computed from
-    position ids. The pass proves the whole mask causal or a window, so the
-    op gets no mask tensor."""
+    position ids (older releases compare key and query indices, newer ones
+    the position ids read at them). The pass proves the whole mask causal or
+    a window, so the op gets is_causal / the window and no mask tensor."""
     model, ref_model, n_attn = _training_pair(name)
     ids = torch.randint(0, VOCAB, (2, SEQ))
     rec = Recorder("eager")
@@ -130,6 +136,32 @@ def test_hf_causal_lm_without_padding_is_proven_causal(name, facts):
     for cand in backend.candidates:
         for key, value in {**facts, "mask": "none"}.items():
             assert cand.facts.get(key) == value, (key, cand.facts)
+    calls = _op_calls(rec)
+    assert len(calls) == n_attn
+    for call in calls:
+        assert call.kwargs.get("attn_mask") is None, call.kwargs
+        for key, value in op_args.items():
+            assert call.kwargs.get(key) == value, (key, call.kwargs)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_packed_position_ids_keep_the_mask():
+    """Near miss: position ids passed in (two sequences packed in each row)
+    make transformers' mask block-diagonal, not causal, and their values are
+    unknown at compile time: the mask must stay a tensor."""
+    model, ref_model, n_attn = _training_pair("llama")
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    half = SEQ // 2
+    pos = torch.cat([torch.arange(half), torch.arange(SEQ - half)]).expand(2, -1)
+    rec = Recorder("eager")
+    backend = make_backend(compiler=rec, record=True)
+    out = torch.compile(model, backend=backend)(input_ids=ids, position_ids=pos).logits
+    ref = ref_model(input_ids=ids, position_ids=pos).logits
+    assert rec.ops == n_attn
+    for cand in backend.candidates:
+        assert cand.facts.get("causal") is None and cand.facts.get("window") is None, cand.facts
+        assert cand.facts.get("mask") != "none", cand.facts
+    assert all(call.kwargs.get("attn_mask") is not None for call in _op_calls(rec))
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -15,7 +15,9 @@ and variant:
   one shape, then new batch and length, then new head count and head dim, so
   that automatic dynamic shapes make them symbolic);
 * variants: no mask, causal (built in the graph), a bool padding mask and a
-  float mask (graph inputs), grouped heads (``repeat_interleave``), dropout.
+  float mask (graph inputs), grouped heads (``repeat_interleave``), dropout,
+  and ``fill``: ``masked_fill`` with the dtype's lowest value on a padding
+  mask that hides some query rows entirely (eager averages those rows).
 
 Correctness: the compiled output (and gradients) against a float64 eager
 run of the same program, accepted when the error is within twice eager's own
@@ -54,7 +56,7 @@ HEAD_DIMS = (16, 40, 64, 72, 80, 96, 128, 160, 200, 256)
 DTYPES = ("fp16", "bf16", "fp32")
 MODES = ("infer", "train")
 DYNAMIC = ("static", "true", "auto")
-VARIANTS = ("none", "causal", "bool", "float", "gqa", "dropout")
+VARIANTS = ("none", "causal", "bool", "float", "gqa", "dropout", "fill")
 # Head dims the mask, grouped-head and dropout variants are crossed with
 # (every head dim is crossed with the plain variant).
 VARIANT_HEAD_DIMS = (40, 128, 200)
@@ -101,6 +103,8 @@ def program(variant: str, groups: int):
             s = s.masked_fill(~mask, float("-inf"))
         elif variant == "float":
             s = s + mask
+        elif variant == "fill":
+            s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
         p = torch.softmax(s, dim=-1)
         if variant == "dropout":
             p = F.dropout(p, 0.1, training=True)
@@ -142,6 +146,10 @@ def inputs(shape, dtype, device, variant, grad, seed):
         mask = (torch.arange(n)[None, :] < lengths[:, None]).view(b, 1, 1, n).to(device)
     elif variant == "float":
         mask = rand(b, 1, n, n)
+    elif variant == "fill":  # key padding, and query rows of batch 0 that see nothing
+        keep = torch.rand(b, 1, n, n, generator=g) < 0.7
+        keep[0, :, : n // 3] = False
+        mask = keep.to(device)
     if grad:
         for t in (q, k, v):
             t.requires_grad_(True)
@@ -291,6 +299,8 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: CPU count - 2)")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting cells after this long")
     p.add_argument("--only", default="", help="comma-separated key=value filters, e.g. dtype=fp32,mode=train")
+    p.add_argument("--resume", default=None,
+                   help="an earlier compile_matrix.csv: run only its cells that did not run, keep its other rows")
     p.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -309,6 +319,13 @@ def main() -> int:
     for item in filter(None, args.only.split(",")):
         key, val = item.split("=")
         cells = [c for c in cells if str(c[key]) == val]
+    kept_rows = []
+    if args.resume:
+        key_of = lambda r: tuple(str(r[k]) for k in ("head_dim", "dtype", "mode", "dynamic", "variant"))  # noqa: E731
+        earlier = list(csv.DictReader(open(args.resume)))
+        redo = {key_of(r) for r in earlier if r["status"] == "not run"}
+        kept_rows = [r for r in earlier if r["status"] != "not run"]
+        cells = [c for c in cells if key_of(c) in redo]
     workers = 1 if args.smoke else max(1, args.workers or (os.cpu_count() or 2) - 2)
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="compile_matrix_")
@@ -341,18 +358,20 @@ def main() -> int:
                              status="failed", reason="worker process died"))
     ver = versions(device)
     stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    rows = [dict(r, **ver, date=stamp) for r in rows] + kept_rows  # earlier rows keep their own date
     name = "compile_matrix_smoke.csv" if args.smoke else "compile_matrix.csv"
     with open(os.path.join(args.out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS + ["date"], extrasaction="ignore")
         w.writeheader()
-        for r in sorted(rows, key=lambda r: (r["variant"], r["head_dim"], r["dtype"], r["mode"], r["dynamic"])):
-            w.writerow(dict(r, **ver, date=stamp))
+        for r in sorted(rows, key=lambda r: (r["variant"], int(r["head_dim"]), r["dtype"], r["mode"], r["dynamic"])):
+            w.writerow(r)
     tb = [r for r in rows if r.get("traceback")]
     with open(os.path.join(args.out, name.replace(".csv", "_failures.txt")), "w") as f:
         for r in tb:
             f.write(json.dumps({k: r[k] for k in ("head_dim", "dtype", "mode", "dynamic", "variant")}) + "\n")
             f.write(r["traceback"] + "\n")
-    print(f"{ver['gpu']} | torch {ver['torch']} | triton {ver['triton']} | {len(rows)} cells | {stamp} UTC")
+    print(f"{ver['gpu']} | torch {ver['torch']} | triton {ver['triton']} | {len(rows)} cells "
+          f"({len(rows) - len(kept_rows)} run now) | {stamp} UTC")
     print(summarise(rows))
     bad = sum(r["status"] in ("mismatch", "failed") for r in rows)
     return 1 if bad else 0

@@ -47,6 +47,18 @@ def _is_inductor_attention_pattern(entry) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
+def _dynamo_control_flow() -> tuple:
+    """Exceptions Dynamo raises through a backend to restart or skip its
+    analysis (e.g. when a scalar becomes a tensor): they must reach Dynamo,
+    not the backend's fallback."""
+    try:
+        from torch._dynamo import exc
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return ()
+    return tuple(getattr(exc, name) for name in ("RestartAnalysis", "SkipFrame") if hasattr(exc, name))
+
+
 def _inductor_patches(options: Optional[dict]) -> dict:
     """The user's Inductor options, plus a marker pass whose identity enters
     Inductor's cache key, so that a graph Inductor compiled and cached
@@ -179,6 +191,8 @@ class Backend:
             return self._compile(gm, list(example_inputs))
         try:
             return self._compile(gm, list(example_inputs))
+        except _dynamo_control_flow() as exc:  # Dynamo restarting its analysis: not a failure
+            raise exc
         except Exception as exc:  # noqa: BLE001 - flashfuse must never fail a compile
             # Whatever failed, the graph as Dynamo traced it is what the user
             # would have compiled without flashfuse: compile that instead. If

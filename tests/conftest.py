@@ -14,8 +14,9 @@ try:
     import torch
 
     _has_cuda = torch.cuda.is_available()
+    _has_torch = True
 except ImportError:  # pragma: no cover
-    _has_cuda = False
+    _has_cuda = _has_torch = False
 
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -26,6 +27,11 @@ os.environ.setdefault("FLASHFUSE_AUTOTUNE", "0")
 # configs in the user's cache: the on-disk tuning cache is off unless a test
 # points it at a file of its own.
 os.environ.setdefault("FLASHFUSE_TUNING_CACHE", "0")
+
+# Under pytest-xdist each worker process takes one core (CI has two): one
+# intra-op thread per worker, so the workers do not compete for cores.
+if os.environ.get("PYTEST_XDIST_WORKER") and _has_torch:
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -120,6 +121,14 @@ def inductor_attention_patterns_off():
             rest = [e for e in entries if not _is_inductor_attention_pattern(e)]
             if rest:
                 kept[key] = rest
+        left_out = sum(map(len, full.values())) - sum(map(len, kept.values()))
+        if left_out == 0 and "torch._inductor.fx_passes.fuse_attention" in sys.modules:
+            # The patterns are registered but none was recognised (an Inductor
+            # that registers them differently): skip this table rather than
+            # let them run.
+            log.warning("flashfuse: Inductor's attention patterns not recognised; its joint-graph "
+                        "pattern table is skipped for this compile")
+            return 0
         table.patterns = kept
         try:
             return previous(graph)

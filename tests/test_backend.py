@@ -243,6 +243,22 @@ def test_only_inductors_attention_patterns_are_left_out():
     assert type(table).apply is original and "apply" not in vars(table)
 
 
+def test_unrecognised_attention_patterns_skip_the_table(monkeypatch, caplog):
+    """If an Inductor registers its attention patterns in a way this does
+    not recognise, the joint-graph table is skipped for the compile rather
+    than run with them."""
+    from torch._inductor.fx_passes import joint_graph
+
+    backend_module = sys.modules["flashfuse.backend"]  # the name flashfuse.backend is the backend object
+    joint_graph.lazy_init()
+    monkeypatch.setattr(backend_module, "_is_inductor_attention_pattern", lambda entry: False)
+    applied = []
+    monkeypatch.setattr(type(joint_graph.patterns), "apply", lambda self, graph: applied.append(1) or 0)
+    with caplog.at_level(logging.WARNING, logger="flashfuse"), backend_module.inductor_attention_patterns_off():
+        assert joint_graph.patterns.apply(None) == 0
+    assert not applied and "not recognised" in caplog.text
+
+
 def test_inductor_options_mark_the_cache_key_and_keep_user_options():
     from flashfuse.backend import _inductor_patches
 

@@ -64,7 +64,7 @@ VARIANT_HEAD_DIMS = (40, 128, 200)
 FLOOR = {"fp32": 2e-5, "bf16": 1.6e-2, "fp16": 4e-3}
 FIELDS = ["head_dim", "dtype", "mode", "dynamic", "variant", "status", "rewritten", "candidates",
           "err_out", "eager_err_out", "err_grad", "eager_err_grad", "reason", "seconds",
-          "gpu", "torch", "triton"]
+          "gpu", "torch_version", "triton_version"]
 
 
 def all_cells() -> list[dict]:
@@ -269,7 +269,7 @@ def versions(device: str) -> dict:
     import triton
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__)
+    return dict(gpu=gpu, torch_version=torch.__version__, triton_version=triton.__version__)
 
 
 def summarise(rows: list[dict]) -> str:
@@ -370,7 +370,7 @@ def main() -> int:
         for r in tb:
             f.write(json.dumps({k: r[k] for k in ("head_dim", "dtype", "mode", "dynamic", "variant")}) + "\n")
             f.write(r["traceback"] + "\n")
-    print(f"{ver['gpu']} | torch {ver['torch']} | triton {ver['triton']} | {len(rows)} cells "
+    print(f"{ver['gpu']} | torch {ver['torch_version']} | triton {ver['triton_version']} | {len(rows)} cells "
           f"({len(rows) - len(kept_rows)} run now) | {stamp} UTC")
     print(summarise(rows))
     bad = sum(r["status"] in ("mismatch", "failed") for r in rows)

@@ -203,3 +203,12 @@ def test_kernel_times_forces_one_config_and_restores_the_lists():
     assert [config_tuple(c) for c in forward._FWD_CONFIGS] == [config_tuple(c) for c in before[0]]
     assert backward._CONFIGS == before[1]
     assert backward._DKDV_TILES is before[2] and backward._DQ_TILES is before[3]
+
+
+def test_compile_matrix_smoke(tmp_path):
+    out = run_script("compile_matrix.py", tmp_path, timeout=600)
+    rows = read_csv(tmp_path / "compile_matrix_smoke.csv")
+    assert [r["status"] for r in rows] == ["rewritten", "rewritten"], rows
+    assert VERSION_COLUMNS - {"date"} <= set(rows[0]) and "rewritten" in out
+    for r in rows:
+        assert float(r["err_out"]) <= max(2 * float(r["eager_err_out"]), 2e-5)

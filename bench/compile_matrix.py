@@ -77,8 +77,8 @@ def all_cells() -> list[dict]:
 
 
 def smoke_cells() -> list[dict]:
-    return [dict(head_dim=40, dtype="fp32", mode="train", dynamic="auto", variant="causal"),
-            dict(head_dim=24, dtype="fp32", mode="infer", dynamic="true", variant="bool")]
+    return [dict(head_dim=40, dtype="fp32", mode="train", dynamic="auto", variant="causal", smoke=True),
+            dict(head_dim=24, dtype="fp32", mode="infer", dynamic="true", variant="bool", smoke=True)]
 
 
 # --------------------------------------------------------------------------
@@ -313,9 +313,6 @@ def main() -> int:
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     cells = smoke_cells() if args.smoke else all_cells()
-    if args.smoke:
-        for c in cells:
-            c["smoke"] = True
     for item in filter(None, args.only.split(",")):
         key, val = item.split("=")
         cells = [c for c in cells if str(c[key]) == val]

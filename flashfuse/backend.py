@@ -196,13 +196,13 @@ class Backend:
             log.info("flashfuse: %d of %d attention candidates rewritten", n, len(cands))
         if self.record:
             self.candidates.extend(cands)
-        if n == 0:
-            return self._compile(gm, list(example_inputs))
         try:
             return self._compile(gm, list(example_inputs))
-        except _dynamo_control_flow() as exc:  # Dynamo restarting its analysis: not a failure
-            raise exc
+        except _dynamo_control_flow():  # Dynamo restarting its analysis: not a failure
+            raise
         except Exception as exc:  # noqa: BLE001 - flashfuse must never fail a compile
+            if n == 0:  # nothing was rewritten: the failure is not flashfuse's
+                raise
             # Whatever failed, the graph as Dynamo traced it is what the user
             # would have compiled without flashfuse: compile that instead. If
             # the failure was not flashfuse's, it happens again and is raised.

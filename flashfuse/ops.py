@@ -218,22 +218,12 @@ def _attention_composite(
     mask_fill: float | None = None,
 ) -> Tensor:
     check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
-    mask_fill = check_mask_fill(attn_mask, mask_fill)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    elif not math.isfinite(scale):
-        raise ValueError(f"flashfuse.attention: scale must be a finite number, got {scale}")
-    if is_causal:
-        window_right = 0 if window_right is None else min(window_right, 0)
-    seed = None
-    if 0.0 < dropout_p < 1.0:
-        # Drawn from PyTorch's generator so torch.manual_seed reproduces a run;
-        # a device tensor so CUDA graphs and Inductor's RNG handling see it.
-        seed = torch.randint(2**62, (), dtype=torch.int64, device=query.device)
-    args = (
-        query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),
-        window_left, window_right, alignment == "bottom_right", mask_fill,
-    )
+    # The seed is drawn from PyTorch's generator so torch.manual_seed
+    # reproduces a run; a device tensor so CUDA graphs and Inductor's RNG
+    # handling see it.
+    args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                         alignment, mask_fill,
+                         new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device))
     if _plain_eager_call(query, key, value, attn_mask):
         out = _EagerAttention.apply(*args)
     else:
@@ -242,6 +232,41 @@ def _attention_composite(
         # Everything dropped: zeros that still carry (zero) gradients.
         out = out * 0.0
     return out
+
+
+def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                  alignment, mask_fill, new_seed) -> tuple:
+    """The arguments of ``_attention_forward`` for a public call whose
+    inputs are checked: the default scale, ``is_causal`` as the window's
+    right bound, the fill normalised, and a seed from ``new_seed()`` when
+    dropout draws."""
+    mask_fill = check_mask_fill(attn_mask, mask_fill)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    elif not math.isfinite(scale):
+        raise ValueError(f"flashfuse.attention: scale must be a finite number, got {scale}")
+    if is_causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
+    seed = new_seed() if 0.0 < dropout_p < 1.0 else None
+    return (
+        query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),
+        window_left, window_right, alignment == "bottom_right", mask_fill,
+    )
+
+
+def kernel_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
+                   mask_fill=None, backward=False) -> str | None:
+    """Why the CUDA kernels could not run ``attention`` with these
+    arguments (the public op's, on fake or real tensors), or None when they
+    can or the tensors are not on CUDA. ``backward`` asks for the gradient
+    kernels too. Nothing runs: see ``kernels.launch_problem``. The graph
+    pass asks this before it emits an op call."""
+    if _kernels is None or query.device.type != "cuda":
+        return None
+    args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                         alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64))
+    return _kernels.launch_problem(*args, backward=backward)
 
 
 def _plain_eager_call(*tensors: Tensor | None) -> bool:

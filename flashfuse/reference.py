@@ -237,6 +237,11 @@ def reference_lse(
     finite value hides entirely, see ``lse_marker``.)
     """
     scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
+    return _row_lse(scores)
+
+
+def _row_lse(scores: Tensor) -> Tensor:
+    """logsumexp over the last dimension, +inf where no score is finite."""
     lse = torch.logsumexp(scores, dim=-1)
     return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
 
@@ -257,8 +262,7 @@ def reference_stored_lse(
     the l keys holding their largest score (see ``lse_marker``), so that a
     backward can be tested on its own."""
     scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
-    lse = reference_lse(q, k, attn_mask, scale=scale, window_left=window_left, window_right=window_right,
-                        bottom_right=bottom_right, mask_fill=mask_fill).float()
+    lse = _row_lse(scores).float()
     row_max = scores.amax(dim=-1)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         uniform = row_max <= _AVERAGE_AT[torch.float32]

@@ -282,18 +282,14 @@ def _launch_problem(q, k, v, mask, kwargs) -> Optional[str]:
     limit: e.g. fp32 at the largest head dims needs more shared memory than
     every candidate tile fits in."""
     qv, kv, vv = N.tensor_val(q), N.tensor_val(k), N.tensor_val(v)
-    if qv is None or kv is None or vv is None or qv.device.type != "cuda":
+    if qv is None or kv is None or vv is None:
         return None
     mv = N.tensor_val(mask) if mask is not None else None
-    from .. import kernels
+    from .. import ops
 
-    window_right = 0 if kwargs["is_causal"] else kwargs["window_right"]
-    options = {"mask_fill": kwargs["mask_fill"]} if kwargs.get("mask_fill") is not None else {}
-    return kernels.launch_problem(
-        qv, kv, vv, mv, dropout_p=kwargs["dropout_p"], window_left=kwargs["window_left"],
-        window_right=window_right, bottom_right=kwargs["alignment"] == "bottom_right",
-        backward=any(t.requires_grad for t in (qv, kv, vv)) or (mv is not None and mv.requires_grad),
-        **options)
+    backward = any(t.requires_grad for t in (qv, kv, vv)) or (mv is not None and mv.requires_grad)
+    options = {name: value for name, value in kwargs.items() if name != "attn_mask"}
+    return ops.kernel_problem(qv, kv, vv, mv, **options, backward=backward)
 
 
 def _view_ok(user: torch.fx.Node, src: torch.fx.Node) -> bool:

@@ -50,7 +50,7 @@ from .common import (
 )
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, max_shared_mem, next_pow2, static_int,
+    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, device_shared_mem, next_pow2, static_int,
 )
 from .mask_ranges import COL_GROUP as _COL_GROUP
 from .mask_ranges import ROW_GROUP as _ROW_GROUP
@@ -585,8 +585,8 @@ def _bwd_dq(
 # --------------------------------------------------------------------------
 
 
-def _max_shared_mem(device: torch.device) -> int:
-    return max_shared_mem(device.index if device.index is not None else torch.cuda.current_device())
+# The prune reads the device's shared memory through this name (tests replace it).
+_max_shared_mem = device_shared_mem
 
 
 def _cfg(bm, bn, w, s):

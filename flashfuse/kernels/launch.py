@@ -89,9 +89,7 @@ class ConfigLauncher:
         launch grid for a config's meta-parameters (a dict)."""
         key = (key, tune)  # a tuned choice and an untuned one are kept apart
         if _DRY_RUN.get():  # a probe (``flashfuse.kernels.launch_problem``): choose, launch nothing
-            cands = list(candidates())
-            if self.chosen.get(key) is None and not (tune and TUNING_CACHE.lookup(self.name, key, cands)):
-                self._first_fitting(key, cands, args, kwargs)
+            self._traced_config(key, candidates, args, kwargs, tune)
             return
         if _traced(args):
             self._record(key, candidates, grid, args, kwargs, tune)
@@ -118,14 +116,21 @@ class ConfigLauncher:
         """
         from torch.library import wrap_triton
 
-        cands = list(candidates())
-        cfg = self.chosen.get(key)
-        if cfg is None and tune:
-            cfg = TUNING_CACHE.lookup(self.name, key, cands)
-        if cfg is None:
-            cfg = self._first_fitting(key, cands, args, kwargs)
+        cfg = self._traced_config(key, candidates, args, kwargs, tune)
         wrap_triton(self.kernel)[grid(cfg.kwargs)](
             *args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def _traced_config(self, key, candidates, args, kwargs, tune):
+        """The config of a launch that cannot run (traced, or a dry run):
+        this process's choice for the key, else the tuning cache's, else the
+        first candidate that fits the GPU."""
+        cfg = self.chosen.get(key)
+        if cfg is not None:
+            return cfg
+        cands = list(candidates())
+        if tune:
+            cfg = TUNING_CACHE.lookup(self.name, key, cands)
+        return cfg if cfg is not None else self._first_fitting(key, cands, args, kwargs)
 
     def _first_fitting(self, key, cands, args, kwargs):
         """The first candidate whose compiled kernel fits the GPU, for a
@@ -141,10 +146,11 @@ class ConfigLauncher:
         if not hasattr(self.kernel, "warmup"):  # not a JITFunction: nothing to compile
             self.fitting[key] = cands[0]
             return cands[0]
-        standins = [compile_standin(a) for a in args]
+        # Triton takes a dtype for a tensor (assuming an aligned address).
+        standins = [a.dtype if isinstance(a, torch.Tensor) else hint(a) for a in args]
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         cuda = device.type == "cuda"
-        limit = max_shared_mem(device.index if device.index is not None or not cuda else torch.cuda.current_device())
+        limit = device_shared_mem(device)
         needs = []
         for cfg in cands:
             try:
@@ -152,7 +158,7 @@ class ConfigLauncher:
                     compiled = self.kernel.warmup(*standins, grid=(1,), **kwargs, **cfg.kwargs,
                                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             except OutOfResources as exc:
-                needs.append(f"{config_tuple_or_kwargs(cfg)}: {exc}")
+                needs.append(f"{_describe_config(cfg)}: {exc}")
                 continue
             except Exception as exc:  # noqa: BLE001 - no GPU toolchain to ask (a tracing harness)
                 _log.debug("flashfuse: cannot compile %s ahead of its launch (%s); taking it untested", self.name, exc)
@@ -162,7 +168,7 @@ class ConfigLauncher:
             if shared <= limit:
                 self.fitting[key] = cfg
                 return cfg
-            needs.append(f"{config_tuple_or_kwargs(cfg)}: {shared} bytes of shared memory")
+            needs.append(f"{_describe_config(cfg)}: {shared} bytes of shared memory")
         raise NoKernelConfig(
             f"flashfuse: no {self.name} config fits this GPU ({limit} bytes of shared memory per block); "
             f"tried {len(cands)}: " + "; ".join(needs))
@@ -286,31 +292,11 @@ def dry_run():
         _DRY_RUN.reset(token)
 
 
-class NoKernelConfig(OutOfResources):
-    """No candidate config of a kernel fits the GPU for a launch that is
-    being traced. The backend catches it (like any failure of a rewritten
-    graph's compile) and compiles the graph without the rewrite."""
-
-    def __init__(self, message: str):
-        Exception.__init__(self, message)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __reduce__(self):
-        return (NoKernelConfig, (self.message,))
-
-
-def compile_standin(arg):
-    """What ``JITFunction.warmup`` takes in place of a traced launch's
-    argument: a tensor's dtype (Triton then assumes a 16-byte aligned
-    address), a symbolic size's example value, anything else as it is."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype
-    if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return hint(arg)
-    return arg
+class NoKernelConfig(RuntimeError):
+    """No candidate config of a kernel fits the GPU for a launch that cannot
+    run (traced, or a dry run). The graph pass's probe turns it into a
+    reason to leave the attention alone; in a compile the backend falls back
+    to the traced graph."""
 
 
 def hint(x):
@@ -335,12 +321,9 @@ def static_int(x) -> int:
     return int(x)
 
 
-def config_tuple_or_kwargs(cfg) -> str:
-    """A config as the kernels' candidate lists name it, for messages."""
-    try:
-        return str(config_tuple(cfg))
-    except (KeyError, AttributeError):
-        return str(getattr(cfg, "kwargs", cfg))
+def _describe_config(cfg) -> str:
+    """A config in an error message: meta-parameters, warps, stages."""
+    return f"{cfg.kwargs}, {cfg.num_warps} warps, {cfg.num_stages} stages"
 
 
 class TuningCache:
@@ -568,6 +551,15 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1), on the host; see ``cdiv``."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def device_shared_mem(device: torch.device) -> int:
+    """``max_shared_mem`` of a tensor's device (the current CUDA device when
+    the device has no index; index 0 for a device that is not CUDA, as a
+    test's stand-in tensors are)."""
+    if device.index is not None:
+        return max_shared_mem(device.index)
+    return max_shared_mem(torch.cuda.current_device() if device.type == "cuda" else 0)
 
 
 @functools.lru_cache(maxsize=None)

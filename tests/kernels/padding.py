@@ -1,4 +1,5 @@
-"""Inputs that expose reads past a tensor's edges, shared by the kernel tests."""
+"""Inputs and allocations that expose reads past a tensor's edges and
+unwritten outputs, shared by the kernel tests."""
 
 from __future__ import annotations
 
@@ -14,3 +15,21 @@ def in_nan_padding(t: torch.Tensor) -> torch.Tensor:
     view = buf[:, :, :L, :D]
     view.copy_(t)
     return view
+
+
+def poison_empty(monkeypatch) -> None:
+    """Make every floating tensor allocated with ``torch.empty`` /
+    ``torch.empty_like`` NaN until the test ends, so an element an
+    implementation forgets to write shows up as NaN in the comparison."""
+    real_empty_like, real_empty = torch.empty_like, torch.empty
+
+    def empty_like(*args, **kwargs):
+        t = real_empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    monkeypatch.setattr(torch, "empty", empty)

@@ -25,7 +25,7 @@ from flashfuse.kernels.backward import attention_backward
 from flashfuse.kernels.launch import config_tuple
 
 from .masks import hiding_mask
-from .padding import in_nan_padding
+from .padding import in_nan_padding, poison_empty
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,18 +39,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def poison_allocations(monkeypatch):
     """Fill every floating tensor the launcher allocates with NaN, so an
     element a kernel forgets to write shows up as NaN in the comparison."""
-    real_empty_like, real_empty = torch.empty_like, torch.empty
-
-    def empty_like(*args, **kwargs):
-        t = real_empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty_like", empty_like)
-    monkeypatch.setattr(torch, "empty", empty)
+    poison_empty(monkeypatch)
 
 
 @pytest.fixture(params=["two_pass", "one_pass"])

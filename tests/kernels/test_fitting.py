@@ -27,3 +27,25 @@ def test_fp32_backward_keeps_a_single_stage_fallback_at_large_head_dims(kind, la
     args = {"Q": torch.empty(1, dtype=torch.float32), "BLOCK_D": 256, "BLOCK_DV": 256}
     kept = [config_tuple(c) for c in backward._prune(kind)(backward._CONFIGS[kind], args)]
     assert last in kept, kept
+
+
+def test_kernel_problem_asks_the_launchers_with_the_ops_own_arguments(monkeypatch):
+    """The pass's probe normalises the public op's arguments as the op does
+    (default scale, is_causal as window_right = 0, alignment, a seed only
+    when dropout draws) before asking the launchers; off CUDA it asks
+    nothing."""
+    import flashfuse.kernels
+    from flashfuse import ops
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+    monkeypatch.setattr(flashfuse.kernels, "launch_problem", lambda *a, **kw: seen.append((a, kw)) or "why")
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 33, 64, device="cuda", dtype=torch.bfloat16)
+        assert ops.kernel_problem(q, q, q, None, 0.1, True, alignment="bottom_right", backward=True) == "why"
+        assert ops.kernel_problem(q, q, q) == "why"
+    (a, kw), (a0, _) = seen
+    assert a[4] is not None and a[4].dtype == torch.int64 and a[5:11] == (0.1, 0.125, None, 0, True, None)
+    assert kw == {"backward": True}
+    assert a0[4] is None and a0[5:11] == (0.0, 0.125, None, None, False, None)
+    assert ops.kernel_problem(torch.empty(1, 1, 4, 16), torch.empty(1, 1, 4, 16), torch.empty(1, 1, 4, 16)) is None

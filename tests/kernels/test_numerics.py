@@ -26,6 +26,8 @@ import torch
 import flashfuse
 from flashfuse.reference import reference_attention
 
+from .padding import poison_empty
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Tolerances against the float64 reference: (forward, gradients).
 TOL = {
@@ -322,18 +324,7 @@ def poisoned_small_tiles(monkeypatch):
     torch.empty / empty_like (an element left unwritten shows), and tiles of
     the blockwise path small enough that rows span several key tiles and
     query chunks."""
-    real_empty_like, real_empty = torch.empty_like, torch.empty
-
-    def empty_like(*args, **kwargs):
-        t = real_empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty_like", empty_like)
-    monkeypatch.setattr(torch, "empty", empty)
+    poison_empty(monkeypatch)
     monkeypatch.setattr(flashfuse.reference, "KEY_BLOCK", 8)
     monkeypatch.setattr(flashfuse.reference, "TILE_ELEMENTS", 1)
 

@@ -49,3 +49,37 @@ def test_kernel_problem_asks_the_launchers_with_the_ops_own_arguments(monkeypatc
     assert kw == {"backward": True}
     assert a0[4] is None and a0[5:11] == (0.0, 0.125, None, None, False, None)
     assert ops.kernel_problem(torch.empty(1, 1, 4, 16), torch.empty(1, 1, 4, 16), torch.empty(1, 1, 4, 16)) is None
+
+
+def test_kernel_problem_runs_the_launchers_on_fake_cuda_tensors():
+    """The probe end to end on fake CUDA tensors, in a fresh process with
+    the tracing harness's stand-in Hopper driver (tests/trace_cuda_graph.py):
+    forward and backward launchers, masks and dropout, nothing launched.
+    The stand-in cannot compile, so each launcher takes its first candidate
+    and the answer is None; a broken probe raises instead."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import trace_cuda_graph
+trace_cuda_graph._pretend_hopper()
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from flashfuse import ops
+with FakeTensorMode(allow_non_fake_inputs=True):
+    q = torch.randn(2, 4, 80, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    masks = [None, torch.randn(2, 1, 80, 80, device="cuda", dtype=torch.bfloat16),
+             torch.ones(2, 1, 1, 80, device="cuda", dtype=torch.bool)]
+    print([ops.kernel_problem(q, q, q, m, 0.1 if m is None else 0.0, m is None, backward=True,
+                              mask_fill=-1e4 if m is not None and m.dtype == torch.bool else None)
+           for m in masks])
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(tests),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code, tests], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[None, None, None]"

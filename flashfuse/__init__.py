@@ -7,7 +7,11 @@ Public API:
   attention into the op, compile the rest with Inductor;
 * :func:`make_backend` - the same with another post-rewrite compiler
   (``"aot_eager"``, ``"eager"``) or Inductor options;
-* :func:`explain` - which attentions a model has, which were rewritten, and why not.
+* :func:`explain` - which attentions a model has, which were rewritten, and why not;
+* :func:`attention_with_lse` - :func:`attention` that also returns each row's
+  log-sum-exp (differentiable);
+* :func:`attention_with_kvcache` - new queries against a contiguous (per-row
+  lengths) or paged key/value cache, on the split-KV decoding kernels.
 
 The Hugging Face hook (``attn_implementation="ffuse"``) lives in
 ``flashfuse.hf`` and is imported on demand, so that importing flashfuse never
@@ -16,7 +20,8 @@ imports transformers.
 
 from .backend import backend, make_backend
 from .fx.explain import explain
+from .kvcache import attention_with_kvcache, attention_with_lse
 from .ops import attention
 
-__all__ = ["attention", "backend", "explain", "make_backend"]
+__all__ = ["attention", "attention_with_kvcache", "attention_with_lse", "backend", "explain", "make_backend"]
 __version__ = "0.1.0"

@@ -628,6 +628,7 @@ def blockwise_backward(
     bottom_right: bool,
     mask_grad: bool,
     mask_fill: Optional[float] = None,
+    grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Attention backward in tiles, recomputing probabilities from ``lse``.
 
@@ -640,6 +641,8 @@ def blockwise_backward(
         mask_grad: also return the gradient of a floating ``attn_mask``.
         mask_fill: as in the forward; the pairs it fills pass no gradient to
             q and k (as with ``masked_fill``).
+        grad_lse: None, or the (B, Hq, N) gradient of ``lse``; since
+            d lse / d s = P, it enters as ``delta - grad_lse``.
 
     Returns:
         ``(dq, dk, dv, dmask)``: ``empty_like`` q, k, v filled with their
@@ -655,6 +658,8 @@ def blockwise_backward(
     # delta_i = sum_j P_ij dP_ij = dO_i . O_i (with dropout, O already holds
     # the kept, rescaled probabilities, so the identity still holds).
     delta = (grad_out32 * out.to(t.acc_dtype)).sum(dim=-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(t.acc_dtype)
     grad_out_g = grad_out32.reshape(B, Hkv, G, N, Dv)
     lse32 = lse.to(t.acc_dtype)
     # Rows that average l keys: p = 1 / l at each of them (see lse_marker).

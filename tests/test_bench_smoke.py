@@ -212,3 +212,7 @@ def test_compile_matrix_smoke(tmp_path):
     assert VERSION_COLUMNS - {"date"} <= set(rows[0]) and "rewritten" in out
     for r in rows:
         assert float(r["err_out"]) <= max(2 * float(r["eager_err_out"]), 2e-5)
+
+
+def test_bench_decode_smoke(tmp_path):
+    run_script("bench_decode.py", tmp_path)

@@ -12,11 +12,20 @@ import os
 BUILT_FOR_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def attention_forward(*args, **kwargs):
-    """See :func:`flashfuse.kernels.forward.attention_forward`."""
+def attention_forward(q, k, v, attn_mask, seed, **kwargs):
+    """See :func:`flashfuse.kernels.forward.attention_forward`. Few queries
+    against many keys take the split-KV decoding kernels instead
+    (:func:`flashfuse.kernels.decode.decode_suits`); their ``out`` and
+    ``lse`` have the same layout and meaning."""
+    from .decode import decode_forward, decode_suits
+
+    if decode_suits(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
+                    kwargs["bottom_right"], kwargs.get("mask_fill")):
+        return decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
+                              window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"])
     from .forward import attention_forward as launch
 
-    return launch(*args, **kwargs)
+    return launch(q, k, v, attn_mask, seed, **kwargs)
 
 
 def attention_backward(*args, **kwargs):

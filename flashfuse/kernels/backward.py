@@ -768,6 +768,7 @@ def attention_backward(
     bottom_right: bool,
     mask_grad: bool,
     mask_fill: float | None = None,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and a float mask.
 
@@ -792,6 +793,9 @@ def attention_backward(
         mask_grad: also return the gradient of the float ``attn_mask``.
         mask_fill: as in the forward (bool masks): the score of the pairs
             the mask hides, which pass no gradient to q and k; None: -inf.
+        grad_lse: None, or the (B, Hq, N) gradient of ``lse`` (a caller
+            that returns lse as a result): d lse / d s = P, so it enters as
+            ``delta - grad_lse``.
 
     Returns:
         (dq, dk, dv, dmask): ``empty_like`` of q, k, v; dmask is None unless
@@ -931,6 +935,9 @@ def attention_backward(
                 (device, BLOCK_DV, marks), lambda: [_preprocess_config(BLOCK_DV)],
                 lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), *pre_args, MARKS=marks, BLOCK_DV=BLOCK_DV,
             )
+        if grad_lse is not None:
+            # dS = P * (dP - delta) + P * grad_lse: the lse term folds into delta.
+            delta = (delta - grad_lse.to(torch.float32)).contiguous()
 
         # When the mask broadcasts over the batch, the dS buffer is filled a
         # batch chunk at a time and summed in a fixed order, which bounds its

@@ -636,10 +636,32 @@ def _check_no_mutation_between(first: torch.fx.Node, last: torch.fx.Node, chain:
             continue
         if n is last:
             return
-        if inside and n not in chain and N.is_inplace(n):
+        if inside and n not in chain and N.is_inplace(n) and not _writes_private_tensor(n):
             line = source_line(n)
             at = f" at {line}" if line else ""
             raise NoMatch(f"in-place {N.describe(n)}{at} between the two products; left alone")
+
+
+def _writes_private_tensor(m: torch.fx.Node) -> bool:
+    """An in-place op (e.g. ``nn.ReLU(inplace=True)`` in Swin-v2's bias MLP)
+    that writes only tensors nothing else reads: each written node has the op
+    as its only user and shares its memory with no earlier node (not a view,
+    input or alias). Then only the op's own result sees the write."""
+    written = N.mutated_args(m)
+    if not written:
+        return False
+    for w in written:
+        if not isinstance(w, torch.fx.Node) or len(w.users) != 1:
+            return False
+        key = _storage(w)
+        if key is None or key is _UNKNOWN:
+            return False
+        for other in m.graph.nodes:
+            if other is m:
+                break
+            if other is not w and _storage(other) == key:
+                return False
+    return True
 
 
 # ---------------------------------------------------------------------------

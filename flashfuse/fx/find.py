@@ -30,6 +30,7 @@ import torch
 import torch.fx
 
 from . import nodes as N
+from . import views as V
 from .masks import Band, MaskEvaluator
 from .match import Candidate, MaskTerm, Operand, Plan, source_line
 
@@ -247,11 +248,13 @@ def _check_mutations(cand: Candidate, plan: Plan, muts: Mutations) -> None:
     for term in plan.additive:
         inputs.setdefault(term.node, "the mask")
         for _, f in term.factors:
+            f = f.node if isinstance(f, Operand) else f
             if isinstance(f, torch.fx.Node):
                 inputs.setdefault(f, "a scale factor")
     for h in plan.hide:
         inputs.setdefault(h.node, "the mask")
     for _, f in plan.q_factors:
+        f = f.node if isinstance(f, Operand) else f
         if isinstance(f, torch.fx.Node):
             inputs.setdefault(f, "a scale factor")
     region: set = set()
@@ -313,17 +316,28 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
         raise NoMatch(f"device {dev.type} is not supported by the op")
     _check_no_mutation_between(qk, pv, set(cand.replaced))
 
-    # Every transform keeps the product's shape: a mask that broadcasts the
-    # scores to a larger tensor is not an attention mask.
-    scores_shape = N.shape(qk)
-    for n in scores_chain + [sm] + probs_chain:
-        if not _same_shape(N.shape(n), scores_shape):
-            raise NoMatch(f"{N.describe(n)} changes the shape of the scores")
+    layout = None
+    if any(N.kind(n) in V.VIEW_KINDS for n in scores_chain + probs_chain):
+        # Views that split/merge the batch dims: see _BatchLayout.
+        layout = _BatchLayout(cand, gm, qk, pv, scores_chain, probs_chain)
+    else:
+        # Every transform keeps the product's shape: a mask that broadcasts the
+        # scores to a larger tensor is not an attention mask.
+        scores_shape = N.shape(qk)
+        for n in scores_chain + [sm] + probs_chain:
+            if not _same_shape(N.shape(n), scores_shape):
+                raise NoMatch(f"{N.describe(n)} changes the shape of the scores")
 
-    q_op, k_op, pre = _score_operands(qk)
+    q_op, k_op, pre = _score_operands(qk, pad=layout is None)
     transforms = pre + transforms
-    v_op, out_steps = _value_operand(pv)
-    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts)
+    if N.kind(qk) == "baddbmm" and any(t[0] == "add" for t in pre):
+        # A bias-first product (Bloom/Falcon ALiBi): named in explain.
+        cand.facts["alibi"] = next(t[1] for t in pre if t[0] == "add")
+    if layout is None:
+        v_op, out_steps = _value_operand(pv)
+    else:
+        q_op, k_op, v_op, out_steps = layout.operands(q_op, k_op)
+    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts, layout)
     _check_mutations(cand, plan, muts)
     cand.plan = plan
 
@@ -353,6 +367,13 @@ def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
                 raise NoMatch(f"{N.describe(u)} turns the probabilities into a non-float tensor")
             if k in ("to", "type") and u.args[0] is not cur:
                 raise NoMatch(f"{N.describe(u)} reads the probabilities in an unexpected position")
+            chain.append(u)
+            cur = u
+            continue
+        if k in V.VIEW_KINDS and u.args and u.args[0] is cur:
+            why = V.why_not_batch_view(u)
+            if why is not None:
+                raise NoMatch(f"the probabilities go into {why}; left alone")
             chain.append(u)
             cur = u
             continue
@@ -464,6 +485,11 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
         if sv is None or not sv.dtype.is_floating_point:
             raise NoMatch(f"{N.describe(node)} casts the scores to a non-float dtype")
         return None, node.args[0]
+    if k in V.VIEW_KINDS and known_chain is None:
+        why = V.why_not_batch_view(node)
+        if why is not None:
+            raise NoMatch(f"{why} between the q·kᵀ product and the softmax; left alone")
+        return None, node.args[0]
     if base == "mul":
         a, b = node.args[0], node.args[1]
         for chain_arg, other in ((a, b), (b, a)):
@@ -472,14 +498,18 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
             ct = N.tensor_val(chain_arg)
             if isinstance(chain_arg, torch.fx.Node) and ct is not None and ct.dim() > 0 and N.is_scalar_like(other):
                 return ("scale", "mul", _factor(other)), chain_arg
-        raise NoMatch("the scores are multiplied by a tensor")
+            if isinstance(chain_arg, torch.fx.Node) and _per_head_factor(other, ct):
+                return ("scale", "mul", other), chain_arg
+        raise NoMatch("the scores are multiplied by a tensor that varies over the query or key dim")
     if base == "div":
         if N.arg(node, 2, "rounding_mode") is not None:
             raise NoMatch("the scores are divided with a rounding mode")
         a, b = node.args[0], node.args[1]
         if (known_chain is None or a is known_chain) and N.is_scalar_like(b) and isinstance(a, torch.fx.Node):
             return ("scale", "div", _factor(b)), a
-        raise NoMatch("the scores are divided by a tensor, or divide something")
+        if (known_chain is None or a is known_chain) and isinstance(a, torch.fx.Node) and _per_head_factor(b, N.tensor_val(a)):
+            return ("scale", "div", b), a
+        raise NoMatch("the scores are divided by a tensor that varies over the query or key dim, or divide something")
     if base in ("add", "sub"):
         a, b = node.args[0], node.args[1]
         alpha = N.number(node.kwargs.get("alpha", 1))
@@ -606,10 +636,32 @@ def _check_no_mutation_between(first: torch.fx.Node, last: torch.fx.Node, chain:
             continue
         if n is last:
             return
-        if inside and n not in chain and N.is_inplace(n):
+        if inside and n not in chain and N.is_inplace(n) and not _writes_private_tensor(n):
             line = source_line(n)
             at = f" at {line}" if line else ""
             raise NoMatch(f"in-place {N.describe(n)}{at} between the two products; left alone")
+
+
+def _writes_private_tensor(m: torch.fx.Node) -> bool:
+    """An in-place op (e.g. ``nn.ReLU(inplace=True)`` in Swin-v2's bias MLP)
+    that writes only tensors nothing else reads: each written node has the op
+    as its only user and shares its memory with no earlier node (not a view,
+    input or alias). Then only the op's own result sees the write."""
+    written = N.mutated_args(m)
+    if not written:
+        return False
+    for w in written:
+        if not isinstance(w, torch.fx.Node) or len(w.users) != 1:
+            return False
+        key = _storage(w)
+        if key is None or key is _UNKNOWN:
+            return False
+        for other in m.graph.nodes:
+            if other is m:
+                break
+            if other is not w and _storage(other) == key:
+                return False
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -700,19 +752,27 @@ def _swaps_last_two(x: torch.fx.Node) -> bool:
     return False
 
 
-def _score_operands(qk: torch.fx.Node) -> tuple:
+def _score_operands(qk: torch.fx.Node, pad: bool = True) -> tuple:
     """q (..., N, D) and k (..., M, D) operands of the score product, with the
     batch dims of the scores in order, and any transforms the product itself
-    applies (baddbmm's alpha and bias)."""
+    applies (baddbmm's alpha and bias). ``pad``: right-align them to two
+    batch dims (else they keep the product's batch dims)."""
     k = N.kind(qk)
     pre: list[tuple] = []
+    pad_batch = _pad_batch if pad else (lambda op, ndim, nb: op)
     if k in ("matmul", "bmm", "baddbmm"):
         if k == "baddbmm":
-            bias, a, b = qk.args[0], qk.args[1], qk.args[2]
+            # Bias-first spellings pass the operands by keyword
+            # (``alibi.baddbmm(batch1=q, batch2=kt, beta=b, alpha=s)``).
+            bias = N.arg(qk, 0, "input")
+            a, b = N.arg(qk, 1, "batch1"), N.arg(qk, 2, "batch2")
             beta = N.number(qk.kwargs.get("beta", qk.args[3] if len(qk.args) > 3 else 1))
-            alpha = N.number(qk.kwargs.get("alpha", qk.args[4] if len(qk.args) > 4 else 1))
+            alpha_arg = qk.kwargs.get("alpha", qk.args[4] if len(qk.args) > 4 else 1)
+            alpha = N.number(alpha_arg)
+            if alpha is None and isinstance(N.val(alpha_arg), torch.SymFloat):
+                alpha = alpha_arg  # a symbolic scale: folded into q like any other
             if beta is None or alpha is None:
-                raise NoMatch("baddbmm with non-constant beta/alpha")
+                raise NoMatch("baddbmm with a beta or alpha that is not a constant or a symbolic number")
             pre.append(("scale", "mul", alpha))
             if beta != 0:
                 if not isinstance(bias, torch.fx.Node):
@@ -738,8 +798,8 @@ def _score_operands(qk: torch.fx.Node) -> tuple:
         nb = max(av.dim(), bv.dim()) - 2
         if nb > 2:
             raise NoMatch("scores with more than two batch dims")
-        q_op = _pad_batch(q_op, av.dim(), nb)
-        k_op = _pad_batch(k_op, bv.dim(), nb)
+        q_op = pad_batch(q_op, av.dim(), nb)
+        k_op = pad_batch(k_op, bv.dim(), nb)
         return q_op, k_op, pre
     if k == "einsum":
         eq, ops = _einsum_operands(qk)
@@ -760,8 +820,8 @@ def _score_operands(qk: torch.fx.Node) -> tuple:
             raise NoMatch("scores with more than two batch dims")
         q_op = _einsum_to(ops[0], ta, list(batch) + [n_l, d_l])
         k_op = _einsum_to(ops[1], tb, list(batch) + [m_l, d_l])
-        q_op = _pad_batch(q_op, len(batch) + 2, len(batch))
-        k_op = _pad_batch(k_op, len(batch) + 2, len(batch))
+        q_op = pad_batch(q_op, len(batch) + 2, len(batch))
+        k_op = pad_batch(k_op, len(batch) + 2, len(batch))
         return q_op, k_op, pre
     raise NoMatch(f"{N.describe(qk)} is not a score product")
 
@@ -868,6 +928,12 @@ def apply_steps(value: torch.Tensor, steps) -> torch.Tensor:
             value = value.to(step[1])
         elif name == "not":
             value = value.logical_not()
+        elif name == "flatten":
+            value = value.flatten(step[1], step[2])
+        elif name == "unflatten":
+            value = value.unflatten(step[1], tuple(N.val(x) for x in step[2]))
+        elif name == "expand":
+            value = value.expand(*(N.val(x) for x in step[1]))
         else:
             raise ValueError(f"unknown view step {name}")
     return value
@@ -979,10 +1045,13 @@ def _check_head_dim(d, what: str) -> None:
         raise NoMatch(f"{what} head size {c} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
 
 
-def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts=None) -> Plan:
+def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts=None, layout=None) -> Plan:
     qv, kv, vv = _operand_val(q_op), _operand_val(k_op), _operand_val(v_op)
     out_t = N.tensor_val(cand.output)
-    scores_t = N.tensor_val(cand.scores)
+    # The scores as the op sees them, and the steps that bring a mask (or
+    # per-head scale) from the layout where it was applied into them.
+    scores_t = N.tensor_val(cand.scores) if layout is None else layout.scores
+    steps_of = (lambda node: []) if layout is None else layout.steps_for
     for t, name in ((qv, "q"), (kv, "k"), (vv, "v")):
         if t.dim() != 4:
             raise NoMatch(f"{name} is not 4-D after normalisation")
@@ -1113,8 +1182,8 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         cv = N.tensor_val(cond)
         if cv is None or cv.dtype != torch.bool:
             raise NoMatch("masked_fill/where condition is not a bool tensor")
-        _check_mask_shape(cond, scores_t)
-        operand = Operand(cond) if hide_true else Operand(cond, [("not",)])
+        _check_mask_shape(cond, scores_t, steps_of(cond))
+        operand = Operand(cond, steps_of(cond) + ([] if hide_true else [("not",)]))
         band = _visible_band(mask_value(cond), cond, hide_true, N_, M_)
         if band is not None:
             bands.append((band, math.isfinite(fill), ("hide", operand, fill)))
@@ -1123,7 +1192,8 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     kept_terms: list[MaskTerm] = []
     for term in additive:
         tv = N.tensor_val(term.node)
-        _check_mask_shape(term.node, scores_t)
+        _check_mask_shape(term.node, scores_t, steps_of(term.node))
+        term.steps = steps_of(term.node)
         band, finite = None, False
         if tv.dtype.is_floating_point and not term.negate:
             band, finite = _additive_band(mask_value(term.node), term, N_, M_)
@@ -1187,6 +1257,18 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         for dt in dtypes:
             compute_dtype = torch.promote_types(compute_dtype, dt)
 
+    # Per-head scales (tensors of shape (..., H, 1, 1)) in the op's layout.
+    def factor_operand(f):
+        if isinstance(f, torch.fx.Node) and N.tensor_val(f) is not None and N.tensor_val(f).dim() > 0:
+            _check_mask_shape(f, scores_t, steps_of(f))
+            facts["per_head_scale"] = f.name
+            return Operand(f, steps_of(f)) if steps_of(f) else f
+        return f
+
+    q_factors = [(op, factor_operand(f)) for op, f in q_factors]
+    for term in kept_terms:
+        term.factors = [(op, factor_operand(f)) for op, f in term.factors]
+
     plan = Plan(
         query=q_op, key=k_op, value=v_op, scale=scale, q_factors=q_factors,
         additive=kept_terms, hide=[op for op, _ in hide_ops], window_left=window_left,
@@ -1202,6 +1284,11 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     elif window_left is not None or window_right is not None:
         facts["window"] = f"({_fmt(window_left)}, {_fmt(window_right)}) {alignment}"
     facts["mask"] = "+".join(sorted(set(mask_kinds))) or "none"
+    if "alibi" in facts and any(t.node is facts["alibi"] for t in kept_terms):
+        facts["mask"] += " (alibi bias)"
+    facts.pop("alibi", None)
+    if "per_head_scale" in facts:
+        facts["scale"] += " (per-head scale)"
     if mask_fill is not None:
         facts["mask_fill"] = mask_fill
     facts["dropout"] = dropout_p
@@ -1209,10 +1296,12 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     return plan
 
 
-def _check_mask_shape(node: torch.fx.Node, scores_t: torch.Tensor) -> None:
+def _check_mask_shape(node: torch.fx.Node, scores_t: torch.Tensor, steps=()) -> None:
     t = N.tensor_val(node)
     if t is None:
         raise NoMatch("a mask has no recorded example value")
+    if steps:
+        t = _operand_val(Operand(node, list(steps)))
     if t.dim() > scores_t.dim():
         raise NoMatch("a mask has more dims than the scores")
     for ms, ss in zip(reversed(t.shape), reversed(scores_t.shape)):
@@ -1304,6 +1393,114 @@ def _fmt(x) -> str:
 def _fmt_scale(scale: float, q_factors) -> str:
     parts = [f"{scale:.6g}"] if (scale != 1.0 or not q_factors) else []
     for op, f in q_factors:
+        if isinstance(f, Operand):
+            f = f.node
         name = f.name if isinstance(f, torch.fx.Node) else repr(f)
         parts.append(("*" if op == "mul" else "/") + name)
     return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# per-head scales and batch views
+
+
+def _per_head_factor(other: Any, scores: Optional[torch.Tensor]) -> bool:
+    """A tensor factor that is constant over the query and key dims (shape
+    (..., H, 1, 1), e.g. Swin-v2's ``logit_scale.exp()``): it scales each
+    batch/head's scores, so it folds into q exactly (gradients flow to it
+    through the product with q)."""
+    t = N.tensor_val(other)
+    if not isinstance(other, torch.fx.Node) or t is None or scores is None or t.dim() == 0:
+        return False
+    if not t.dtype.is_floating_point or t.dtype != scores.dtype or t.dim() > scores.dim():
+        return False
+    last = list(t.shape[-2:])
+    return all(N.known_eq(x, 1) for x in last)
+
+
+class _BatchLayout:
+    """The op's (B, H) when views between the products split or merge the
+    batch dims (see :mod:`flashfuse.fx.views`): the canonical layout is a
+    two-batch-dim layout of the pattern, preferring the softmax's; every
+    other tensor is flattened and unflattened into it."""
+
+    def __init__(self, cand: Candidate, gm, qk, pv, scores_chain, probs_chain):
+        self.gm, self.pv = gm, pv
+        chain = [qk, *scores_chain, cand.softmax, *probs_chain, pv]
+        self.chain = set(chain)
+        qs, ps = N.shape(qk), N.shape(pv)
+        self.qk_layout = tuple(qs[:-2])
+        total = V._prod(qs[:-2])
+        for n in chain[1:-1]:
+            s = N.shape(n)
+            if s is None or len(s) < 2 or not (N.known_eq(s[-2], qs[-2]) and N.known_eq(s[-1], qs[-1])):
+                raise NoMatch(f"{N.describe(n)} changes the (query, key) dims of the scores")
+            if not N.known_eq(V._prod(s[:-2]), total):
+                raise NoMatch(f"{N.describe(n)} changes the number of score matrices")
+        if not N.known_eq(V._prod(ps[:-2]), total):
+            raise NoMatch("the value product has another batch total than the scores")
+        self.hints = [a for n in chain if N.kind(n) in V.VIEW_KINDS
+                      for a in torch.fx.node.map_aggregate(n.args[1:], lambda x: x) if isinstance(a, torch.fx.Node)]
+        layouts = [tuple(N.shape(n)[:-2]) for n in [cand.softmax, *scores_chain[::-1], *probs_chain, qk, pv]]
+        two = [lay for lay in layouts if len(lay) == 2]
+        if not two:
+            raise NoMatch("no layout of the scores between the views has exactly two batch dims")
+        self.canon = two[0]
+        tail = V.size_arg(gm, self.canon[1], pv, self.hints)
+        if tail is None:
+            raise NoMatch("the head count of the views is not a size the graph holds")
+        self.tail = [tail]
+        self.scores = N.tensor_val(qk).flatten(0, len(qs) - 3).unflatten(0, (-1, N.val(tail))) \
+            if len(qs) > 3 else N.tensor_val(qk).unflatten(0, (-1, N.val(tail)))
+        # Where each mask or scale tensor meets the scores: (layout, rank);
+        # a bias-first product's bias meets them in the product's layout.
+        self.where: dict = {}
+        if N.kind(qk) == "baddbmm" and isinstance(N.arg(qk, 0, "input"), torch.fx.Node):
+            self.where[N.arg(qk, 0, "input")] = (self.qk_layout, len(qs))
+        for n in scores_chain:
+            if N.kind(n) in V.VIEW_KINDS:
+                continue
+            s = N.shape(n)
+            for a in n.all_input_nodes:
+                if a in self.chain or N.tensor_val(a) is None:
+                    continue
+                here = (tuple(s[:-2]), len(s))
+                if a in self.where and not V.same_layout(self.where[a][0], here[0]):
+                    raise NoMatch(f"{a.name} meets the scores in two layouts")
+                self.where[a] = here
+
+    def _args(self, layout) -> list:
+        return [V.size_arg(self.gm, x, self.pv, self.hints) for x in layout]
+
+    def steps_for(self, node) -> list:
+        if node not in self.where:
+            return []
+        layout, nd = self.where[node]
+        steps = V.mask_steps(N.tensor_val(node), layout, self.canon, nd, self._args(layout), self.tail)
+        if steps is None:
+            raise NoMatch(f"{node.name} broadcasts over part of a view's batch dims whose sizes the graph does not hold")
+        return steps
+
+    def _operand(self, op: Operand, layout, what: str) -> Operand:
+        t = _operand_val(op)
+        if V.same_layout(layout, self.canon):
+            return _pad_batch(op, t.dim(), len(layout))
+        if t.dim() != len(layout) + 2 or not V.same_layout(tuple(t.shape[:-2]), layout):
+            raise NoMatch(f"{what} broadcasts over the batch dims of a view; left alone")
+        return op.then(*V.to_canonical(t.dim(), layout, self.tail))
+
+    def operands(self, q_op: Operand, k_op: Operand) -> tuple:
+        pv = self.pv
+        if N.kind(pv) not in ("matmul", "bmm"):
+            raise NoMatch("the value product after a view is not a matmul or bmm")
+        qk_layout = self.qk_layout
+        out_layout = tuple(N.shape(pv)[:-2])
+        q_op = self._operand(q_op, qk_layout, "q")
+        k_op = self._operand(k_op, qk_layout, "k")
+        v_op = self._operand(Operand(pv.args[1]), out_layout, "v")
+        if V.same_layout(out_layout, self.canon):
+            return q_op, k_op, v_op, []
+        args = self._args(out_layout)[1:]
+        if any(a is None for a in args):
+            raise NoMatch("the value product's batch sizes are not sizes the graph holds")
+        return q_op, k_op, v_op, V.from_canonical(out_layout, args)

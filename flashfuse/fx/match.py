@@ -25,8 +25,9 @@ import torch.fx
 Step = tuple
 
 # A scale factor applied to the scores: a Python number, or a graph node that
-# evaluates to a SymInt/SymFloat or a 0-d tensor (folded into q at run time).
-Factor = Union[float, torch.fx.Node]
+# evaluates to a SymInt/SymFloat or a 0-d tensor, or a per-head tensor (an
+# Operand when it needs views to reach the op's layout): folded into q at run time.
+Factor = Union[float, torch.fx.Node, "Operand"]
 
 
 @dataclasses.dataclass
@@ -49,6 +50,9 @@ class MaskTerm:
     node: torch.fx.Node
     factors: list[tuple[str, Factor]] = dataclasses.field(default_factory=list)
     negate: bool = False
+    # View steps that bring ``node`` into the op's (B, H, N, M) layout (when
+    # views between the products split or merge the batch dims).
+    steps: list[Step] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

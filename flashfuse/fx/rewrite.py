@@ -183,9 +183,28 @@ def _materialize(em: _Emitter, op: Operand, replaced: dict) -> torch.fx.Node:
             node = em.call("method", "to", node, step[1])
         elif name == "not":
             node = em.call("function", torch.logical_not, node)
+        elif name in ("flatten", "unflatten", "expand"):
+            node = _layout_step(em, node, step, replaced)
         else:
             raise ValueError(f"unknown operand step {name}")
     return node
+
+
+def _layout_step(em: _Emitter, node: torch.fx.Node, step: tuple, replaced: dict) -> torch.fx.Node:
+    """flatten/unflatten/expand steps (batch views); sizes may be nodes."""
+    name = step[0]
+    if name == "flatten":
+        return em.call("method", "flatten", node, step[1], step[2])
+    if name == "unflatten":
+        return em.call("method", "unflatten", node, step[1], tuple(_resolve(x, replaced) for x in step[2]))
+    return em.call("method", "expand", node, *(_resolve(x, replaced) for x in step[1]))
+
+
+def _factor(em: _Emitter, f: Any, replaced: dict) -> Any:
+    """A scale factor as a graph argument (a per-head tensor may need views)."""
+    if isinstance(f, Operand):
+        return _materialize(em, f, replaced)
+    return _resolve(f, replaced)
 
 
 def _emit(gm: torch.fx.GraphModule, cand: Candidate, replaced: dict) -> torch.fx.Node:
@@ -226,7 +245,7 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
         v = em.call("method", "to", v, plan.compute_dtype)
     # Non-constant scale factors (SymFloats, 0-d tensors) are folded into q.
     for op, f in plan.q_factors:
-        q = em.call("function", operator.mul if op == "mul" else operator.truediv, q, _resolve(f, replaced))
+        q = em.call("function", operator.mul if op == "mul" else operator.truediv, q, _factor(em, f, replaced))
 
     mask = _build_mask(em, cand, plan, replaced)
     kwargs = dict(
@@ -251,6 +270,8 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
             out = em.call("method", "squeeze", out, step[1])
         elif step[0] == "permute":
             out = em.call("method", "permute", out, *step[1])
+        elif step[0] in ("flatten", "unflatten"):
+            out = _layout_step(em, out, step, replaced)
     if plan.op_dtype != plan.out_dtype:
         out = em.call("method", "to", out, plan.out_dtype)
 
@@ -313,14 +334,14 @@ def _build_mask(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> Op
     total = None
     scores_dtype = N.tensor_val(cand.scores).dtype
     for term in plan.additive:
-        node = _resolve(term.node, replaced)
+        node = _materialize(em, Operand(term.node, list(getattr(term, "steps", []))), replaced)
         tv = N.tensor_val(node)
         if tv is not None and not tv.dtype.is_floating_point:
             node = em.call("method", "to", node, scores_dtype)
         if term.negate:
             node = em.call("function", operator.neg, node)
         for op, f in term.factors:
-            node = em.call("function", operator.mul if op == "mul" else operator.truediv, node, _resolve(f, replaced))
+            node = em.call("function", operator.mul if op == "mul" else operator.truediv, node, _factor(em, f, replaced))
         total = node if total is None else em.call("function", operator.add, total, node)
     hidden = None
     for h in plan.hide:

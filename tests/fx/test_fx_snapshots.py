@@ -17,6 +17,7 @@ from fxutil import Recorder, qkv
 from flashfuse.backend import make_backend
 from flashfuse.fx.nodes import describe
 from test_fx_spellings import NanoGPTAttention, RepeatKV, einsum_bnhd
+from test_fx_spellings_views import alibi_baddbmm, per_head_logit_scale
 
 
 def render(gm: torch.fx.GraphModule) -> str:
@@ -129,3 +130,34 @@ return (%0)""")
 %2 = operator.mul(%1, -10000)
 %3 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=%2, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
 return (%3)""")
+
+    def test_alibi_baddbmm_batch_views(self):
+        self.assertExpectedInline(rewritten(alibi_baddbmm, *qkv(d=16, grad=False)), """\
+%0 = .reshape()(L_q_, 8, -1, 16)
+%1 = .reshape()(L_k_, 8, -1, 16)
+%2 = .reshape()(L_v_, 8, -1, 16)
+%3 = torch.linspace(0.1, 0.5, 4)
+%4 = .repeat()(%3, 2)
+%5 = operator.getitem(%4, (slice(None, None, None), None, None))
+%6 = torch.arange(8, dtype=torch.float32)
+%7 = operator.getitem(%6, (None, None, slice(None, None, None)))
+%8 = operator.mul(%5, %7)
+%9 = .unflatten()(%0, 0, (-1, 4))
+%10 = .unflatten()(%1, 0, (-1, 4))
+%11 = .unflatten()(%2, 0, (-1, 4))
+%12 = .unflatten()(%8, 0, (-1, 4))
+%13 = operator.add(%12, G_BIAS4_)
+%14 = flashfuse.attention(%9, %10, %11, attn_mask=%13, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
+%15 = .flatten()(%14, 0, 1)
+return (%15)""")
+
+    def test_per_head_logit_scale(self):
+        ls = torch.rand(4, 1, 1) + 0.5
+        self.assertExpectedInline(rewritten(per_head_logit_scale, *qkv(d=16, grad=False), ls), """\
+%0 = torch.nn.functional.normalize(L_q_, dim=-1)
+%1 = torch.nn.functional.normalize(L_k_, dim=-1)
+%2 = torch.clamp(L_logit_scale_, max=4.60517)
+%3 = .exp()(%2)
+%4 = operator.mul(%0, %3)
+%5 = flashfuse.attention(%4, %1, L_v_, attn_mask=G_BIAS4_, dropout_p=0, is_causal=False, scale=1, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
+return (%5)""")

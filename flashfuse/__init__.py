@@ -3,6 +3,8 @@
 Public API:
 
 * :func:`attention` - exact flash attention, the ``torch.ops.flashfuse.attention`` op;
+* :func:`block_mask` - a mask's tables built once (:class:`BlockMask`), for
+  every attention call that uses the mask;
 * :data:`backend` - ``torch.compile(model, backend=flashfuse.backend)``: rewrite
   attention into the op, compile the rest with Inductor;
 * :func:`make_backend` - the same with another post-rewrite compiler
@@ -15,8 +17,9 @@ imports transformers.
 """
 
 from .backend import backend, make_backend
+from .block_mask import BlockMask, block_mask
 from .fx.explain import explain
 from .ops import attention
 
-__all__ = ["attention", "backend", "explain", "make_backend"]
+__all__ = ["BlockMask", "attention", "backend", "block_mask", "explain", "make_backend"]
 __version__ = "0.1.0"

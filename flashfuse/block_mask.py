@@ -91,13 +91,11 @@ def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int
     """The tables, exactly as the attention launchers would build them for
     this mask, band and fill (same band clamping, same fill rule)."""
     key_shape, query_shape = table_shapes(mask, q_len, kv_len, mask_fill, queries)
-    empty = mask.new_empty((0,), dtype=torch.int32)
     if len(key_shape) == 1 or q_len == 0 or kv_len == 0 or not _kernels_available(mask):
-        # No tables (CPU's blockwise path reads none): empty ones of the
-        # promised shapes. Zero-filled is never read (an empty N or M).
-        keys = empty if len(key_shape) == 1 else mask.new_zeros(key_shape, dtype=torch.int32)
-        qs = empty if len(query_shape) == 1 else mask.new_zeros(query_shape, dtype=torch.int32)
-        return keys, qs
+        # No tables to build (CPU's blockwise path reads none, nothing reads
+        # them for an empty N or M): zeros of the promised shapes, two
+        # tensors (an op's outputs may not alias each other).
+        return mask.new_zeros(key_shape, dtype=torch.int32), mask.new_zeros(query_shape, dtype=torch.int32)
     from .kernels.forward import _clamp_window
     from .kernels.launch import bool_mask_as_bytes
     from .kernels.mask_ranges import mask_key_table, mask_query_table
@@ -113,7 +111,7 @@ def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int
                 has_window_right=window_right is not None,
                 fills=mask.dtype == torch.bool and mask_fill is not None)
     keys = mask_key_table(arg, N, M, **band)
-    qs = mask_query_table(arg, keys, N, M, **band) if queries else empty
+    qs = mask_query_table(arg, keys, N, M, **band) if queries else mask.new_empty((0,), dtype=torch.int32)
 
     def full(t, shape):
         # A dimension the mask broadcasts through stride 0 gets one entry

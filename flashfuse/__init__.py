@@ -3,6 +3,8 @@
 Public API:
 
 * :func:`attention` - exact flash attention, the ``torch.ops.flashfuse.attention`` op;
+* :func:`block_mask` - a mask's tables built once (:class:`BlockMask`), for
+  every attention call that uses the mask;
 * :data:`backend` - ``torch.compile(model, backend=flashfuse.backend)``: rewrite
   attention into the op, compile the rest with Inductor;
 * :func:`make_backend` - the same with another post-rewrite compiler
@@ -19,9 +21,11 @@ imports transformers.
 """
 
 from .backend import backend, make_backend
+from .block_mask import BlockMask, block_mask
 from .fx.explain import explain
 from .kvcache import attention_with_kvcache, attention_with_lse
 from .ops import attention
 
-__all__ = ["attention", "attention_with_kvcache", "attention_with_lse", "backend", "explain", "make_backend"]
+__all__ = ["BlockMask", "attention", "attention_with_kvcache", "attention_with_lse", "backend", "block_mask",
+           "explain", "make_backend"]
 __version__ = "0.1.0"

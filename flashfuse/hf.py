@@ -43,6 +43,8 @@ This module imports ``transformers``; ``import flashfuse`` alone never does.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -317,6 +319,12 @@ def flashfuse_attention_forward(
     training = getattr(module, "training", True)
     dropout_p = float(dropout) if training else 0.0
 
+    tables = {}
+    if attention_mask is not None and position_bias is None:
+        # transformers hands every layer the same mask object: its tables
+        # are built by the first layer and read by the others.
+        tables = _shared_tables(attention_mask, query, key, value)
+
     out = _attention_op(
         query,
         key,
@@ -328,10 +336,67 @@ def flashfuse_attention_forward(
         query.shape[1] != key.shape[1],
         window_left=window_left,
         alignment="bottom_right",
+        **tables,
     )
     # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
     # contiguous() is then free and gives callers the layout they expect.
     return out.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------
+# One block mask per mask
+# --------------------------------------------------------------------------
+
+# Recent masks and their tables: (weak reference to the mask, what the
+# tables were built from, (key table, query table)). A few entries: models
+# alternating sliding and full layers pass two masks per forward.
+_TABLE_CACHE: list = []
+_TABLE_CACHE_SIZE = 4
+# The table op, a module attribute so tests can count its calls.
+_block_mask_op = None
+
+
+def _table_key(mask: Tensor, query: Tensor, key: Tensor, queries: bool) -> tuple:
+    """Everything the tables depend on that the mask object alone does not
+    fix: its contents (version counter: any in-place write, through any view,
+    bumps it), memory, layout, and the lengths; the band is always the
+    hook's (no causal diagonal or window with a mask, bottom-right)."""
+    return (mask._version, mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, mask.device,
+            query.shape[2], key.shape[2], queries, torch.is_inference_mode_enabled())
+
+
+def _shared_tables(mask: Tensor, query: Tensor, key: Tensor, value: Tensor) -> dict:
+    """The op's ``mask_key_table`` / ``mask_query_table`` for this mask,
+    built once and reused while the same mask object, unchanged, comes back
+    (the other layers of the forward); {} (the op builds its own) when that
+    cannot be told safely: under tracing (the graph pass shares tables
+    there), or for tensor subclasses."""
+    global _block_mask_op
+    if type(mask) is not Tensor or is_tracing(mask) or torch.compiler.is_compiling() or mask.device.type != "cuda" \
+            and not _ops._use_triton(query):
+        return {}
+    queries = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, mask))
+    want = _table_key(mask, query, key, queries)
+    alive = []
+    found = None
+    for ref, k, tables in _TABLE_CACHE:
+        held = ref()
+        if held is None:
+            continue  # the mask is gone: so are its tables
+        if held is mask and k == want:
+            found = tables
+        alive.append((ref, k, tables))
+    _TABLE_CACHE[:] = alive
+    if found is None:
+        if _block_mask_op is None:
+            from . import block_mask as _bm  # noqa: F401  (registers the op)
+
+            _block_mask_op = torch.ops.flashfuse.block_mask
+        found = _block_mask_op(mask, query.shape[2], key.shape[2], bottom_right=True, queries=queries)
+        # A stale entry for this object (changed since) is replaced.
+        _TABLE_CACHE[:] = [e for e in _TABLE_CACHE if e[0]() is not mask][-(_TABLE_CACHE_SIZE - 1):]
+        _TABLE_CACHE.append((weakref.ref(mask), want, found))
+    return {"mask_key_table": found[0], "mask_query_table": found[1]}
 
 
 # --------------------------------------------------------------------------

@@ -49,7 +49,7 @@ _ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
     "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
     "*, int? window_left=None, int? window_right=None, str alignment=\"top_left\", "
-    "float? mask_fill=None) -> Tensor"
+    "float? mask_fill=None, Tensor? mask_key_table=None, Tensor? mask_query_table=None) -> Tensor"
 )
 
 _lib = torch.library.Library("flashfuse", "FRAGMENT")
@@ -216,14 +216,18 @@ def _attention_composite(
     window_right: int | None = None,
     alignment: str = "top_left",
     mask_fill: float | None = None,
+    mask_key_table: Tensor | None = None,
+    mask_query_table: Tensor | None = None,
 ) -> Tensor:
     check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
+    tables = _check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
     # The seed is drawn from PyTorch's generator so torch.manual_seed
     # reproduces a run; a device tensor so CUDA graphs and Inductor's RNG
     # handling see it.
     args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                          alignment, mask_fill,
-                         new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device))
+                         new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
+                         tables=tables)
     if _plain_eager_call(query, key, value, attn_mask):
         out = _EagerAttention.apply(*args)
     else:
@@ -235,7 +239,7 @@ def _attention_composite(
 
 
 def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                  alignment, mask_fill, new_seed) -> tuple:
+                  alignment, mask_fill, new_seed, tables=(None, None)) -> tuple:
     """The arguments of ``_attention_forward`` for a public call whose
     inputs are checked: the default scale, ``is_causal`` as the window's
     right bound, the fill normalised, and a seed from ``new_seed()`` when
@@ -250,7 +254,7 @@ def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, win
     seed = new_seed() if 0.0 < dropout_p < 1.0 else None
     return (
         query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),
-        window_left, window_right, alignment == "bottom_right", mask_fill,
+        window_left, window_right, alignment == "bottom_right", mask_fill, *tables,
     )
 
 
@@ -281,6 +285,15 @@ def _plain_eager_call(*tensors: Tensor | None) -> bool:
         and torch._C._functorch.peek_interpreter_stack() is None
         and torch._C._get_tracing_state() is None
     )
+
+
+def _check_tables(query, key, attn_mask, key_table, query_table):
+    """The block mask's tables (see ``block_mask.check_tables``)."""
+    if key_table is None and query_table is None:
+        return None, None
+    from .block_mask import check_tables
+
+    return check_tables(query, key, attn_mask, key_table, query_table)
 
 
 _lib.impl("attention", _attention_composite, "CompositeImplicitAutograd")
@@ -315,12 +328,13 @@ def _empty_out(q: Tensor, v: Tensor) -> Tensor:
 _FORWARD_ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? seed, "
     "float dropout_p, float scale, SymInt? window_left, SymInt? window_right, bool bottom_right, "
-    "float? mask_fill=None"
+    "float? mask_fill=None, Tensor? mask_key_table=None, Tensor? mask_query_table=None"
 )
 _BACKWARD_ARGS = (
     "Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
     "Tensor? seed, Tensor out, Tensor lse, float dropout_p, float scale, SymInt? window_left, "
-    "SymInt? window_right, bool bottom_right, bool mask_grad, float? mask_fill=None"
+    "SymInt? window_right, bool bottom_right, bool mask_grad, float? mask_fill=None, "
+    "Tensor? mask_key_table=None, Tensor? mask_query_table=None"
 )
 _lib.define(f"_attention_forward_cpu({_FORWARD_ARGS}) -> (Tensor, Tensor)")
 _lib.define(f"_attention_backward_cpu({_BACKWARD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -338,6 +352,8 @@ def _attention_forward(
     window_right: int | None,
     bottom_right: bool,
     mask_fill: float | None = None,
+    mask_key_table: Tensor | None = None,
+    mask_query_table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Flash-attention forward. Returns ``out`` (B, Hq, N, Dv) and the per-row
     log-sum-exp ``lse`` (B, Hq, N) float32, natural log, +inf for rows that see
@@ -349,16 +365,19 @@ def _attention_forward(
         out = _empty_out(q, v).zero_()
         lse = torch.full((B, Hq, N), math.inf, dtype=torch.float32, device=q.device)
         return out, lse
+    # A block mask's tables (the forward reads the key table; the query
+    # table is an input only so that autograd saves it for the backward).
+    tables = {"key_table": mask_key_table} if mask_key_table is not None and _use_triton(q) else {}
     impl = _kernels.attention_forward if _use_triton(q) else reference.blockwise_forward
     return impl(
         q, k, v, attn_mask, seed,
         dropout_p=dropout_p, scale=scale, window_left=window_left,
-        window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
+        window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill, **tables,
     )
 
 
 def _attention_forward_fake(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
-                            mask_fill=None):
+                            mask_fill=None, mask_key_table=None, mask_query_table=None):
     B, Hq, N, _ = q.shape
     return _empty_out(q, v), q.new_empty((B, Hq, N), dtype=torch.float32)
 
@@ -379,6 +398,8 @@ def _attention_backward(
     bottom_right: bool,
     mask_grad: bool,
     mask_fill: float | None = None,
+    mask_key_table: Tensor | None = None,
+    mask_query_table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Flash-attention backward: ``dq``, ``dk``, ``dv`` (``empty_like`` their
     inputs) and ``dmask`` (the mask's shape and dtype when ``mask_grad``, else
@@ -388,11 +409,15 @@ def _attention_backward(
     if N == 0 or M == 0:
         dmask = _empty_dmask(attn_mask, q, mask_grad).zero_()
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+    tables = {}
+    if _use_triton(q):
+        tables = {"key_table": mask_key_table, "query_table": mask_query_table}
     impl = _kernels.attention_backward if _use_triton(q) else reference.blockwise_backward
     dq, dk, dv, dmask = impl(
         grad_out, q, k, v, attn_mask, seed, out, lse,
         dropout_p=dropout_p, scale=scale, window_left=window_left,
         window_right=window_right, bottom_right=bottom_right, mask_grad=mask_grad, mask_fill=mask_fill,
+        **tables,
     )
     if dmask is None:
         dmask = _empty_dmask(attn_mask, q, False)
@@ -406,7 +431,8 @@ def _empty_dmask(attn_mask: Tensor | None, q: Tensor, mask_grad: bool) -> Tensor
 
 
 def _attention_backward_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left,
-                             window_right, bottom_right, mask_grad, mask_fill=None):
+                             window_right, bottom_right, mask_grad, mask_fill=None, mask_key_table=None,
+                             mask_query_table=None):
     return (
         torch.empty_like(q),
         torch.empty_like(k),
@@ -426,10 +452,12 @@ torch.library.register_fake("flashfuse::_attention_backward_cpu", _attention_bac
 def _attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
     dropout_p: float, scale: float, window_left: Optional[int], window_right: Optional[int],
-    bottom_right: bool, mask_fill: Optional[float] = None,
+    bottom_right: bool, mask_fill: Optional[float] = None, mask_key_table: Optional[Tensor] = None,
+    mask_query_table: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``_attention_forward`` as an op: see the module docstring."""
-    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill)
+    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
+            mask_key_table, mask_query_table)
     if q.device.type == "cuda":
         return _attention_forward(*args)
     return torch.ops.flashfuse._attention_forward_cpu(*args)
@@ -440,10 +468,11 @@ def _attention_backward_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
     out: Tensor, lse: Tensor, dropout_p: float, scale: float, window_left: Optional[int],
     window_right: Optional[int], bottom_right: bool, mask_grad: bool, mask_fill: Optional[float] = None,
+    mask_key_table: Optional[Tensor] = None, mask_query_table: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_attention_backward`` as an op: see the module docstring."""
     args = (grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-            bottom_right, mask_grad, mask_fill)
+            bottom_right, mask_grad, mask_fill, mask_key_table, mask_query_table)
     if q.device.type == "cuda":
         return _attention_backward(*args)
     return torch.ops.flashfuse._attention_backward_cpu(*args)
@@ -455,8 +484,11 @@ _attention_backward_op.register_fake(_attention_backward_fake)
 
 
 def _save(ctx, inputs, out, lse):
-    q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill = inputs
-    ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
+    (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
+     key_table, query_table) = inputs
+    # A block mask's tables are kept for the backward, which then does not
+    # scan the mask again.
+    ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse, key_table, query_table)
     ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
     ctx.mask_fill = mask_fill
 
@@ -464,11 +496,11 @@ def _save(ctx, inputs, out, lse):
 def _gradients(ctx, grad_out, backward_impl):
     """The input gradients of a forward saved by ``_save``, computed by
     ``backward_impl`` (the private op, or its implementation)."""
-    q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
+    q, k, v, attn_mask, seed, out, lse, key_table, query_table = ctx.saved_tensors
     mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dmask = backward_impl(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad,
-                                      ctx.mask_fill)
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None
+                                      ctx.mask_fill, key_table, query_table)
+    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 9
 
 
 def _setup_context(ctx, inputs, output):
@@ -532,6 +564,9 @@ def attention(
             means the pair takes part. Floating: added to the scaled scores
             (a learned bias gets its gradient, summed over broadcast
             dimensions). Broadcast dimensions are never expanded in memory.
+            Or a ``flashfuse.block_mask(mask, ...)`` built once for all the
+            calls that use the mask: they then read its tables instead of
+            scanning the mask, and take the band and fill it was built with.
         dropout_p: probability of dropping an attention weight, applied
             whenever it is > 0 (pass 0.0 in evaluation). The mask is drawn
             from PyTorch's generator (``torch.manual_seed`` reproduces it) and
@@ -566,6 +601,13 @@ def attention(
         ``finfo.min``, or ``mask_fill``) averages them, as eager softmax
         does, with eager's gradients.
     """
+    from .block_mask import BlockMask
+
+    if isinstance(attn_mask, BlockMask):
+        # The mask, its band and its tables, built once by flashfuse.block_mask.
+        kw = attn_mask.attention_args(query, key, is_causal, window_left, window_right, alignment, mask_fill)
+        return torch.ops.flashfuse.attention(query, key, value, kw.pop("attn_mask"), dropout_p, kw.pop("is_causal"),
+                                             scale, enable_gqa, **kw)
     return torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         window_left=window_left, window_right=window_right, alignment=alignment, mask_fill=mask_fill,

@@ -20,6 +20,7 @@ import torch.fx
 from . import nodes as N
 from .find import find
 from .match import Candidate, Operand, Plan
+from .shared_masks import SharedMasks
 
 log = logging.getLogger("flashfuse")
 
@@ -57,13 +58,14 @@ class FlashAttentionPass:
             log.warning("flashfuse: attention search failed, graph left as it is: %r", e, exc_info=True)
             return []
         replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        shared = SharedMasks(gm)  # one mask and one block mask per distinct mask
         changed = False
         for cand in candidates:
             if not cand.ok:
                 log.debug("flashfuse: left %s: %s", cand.softmax.name, cand.reason)
                 continue
             try:
-                new = _emit(gm, cand, replaced)
+                new = _emit(gm, cand, replaced, shared)
             except CannotLaunch as e:
                 cand.plan, cand.reason = None, f"the kernels cannot run this shape on this GPU: {e}"
                 log.warning("flashfuse: left %s unrewritten: %s", cand.softmax.name, cand.reason)
@@ -207,19 +209,25 @@ def _factor(em: _Emitter, f: Any, replaced: dict) -> Any:
     return _resolve(f, replaced)
 
 
-def _emit(gm: torch.fx.GraphModule, cand: Candidate, replaced: dict) -> torch.fx.Node:
+def _emit(gm: torch.fx.GraphModule, cand: Candidate, replaced: dict, shared: Optional[SharedMasks] = None
+          ) -> torch.fx.Node:
     plan: Plan = cand.plan
     em = _Emitter(gm, cand.output, cand.softmax)
+    shared = shared if shared is not None else SharedMasks(gm)
+    shared.begin()
     try:
-        return _emit_plan(em, cand, plan, replaced)
+        out = _emit_plan(em, cand, plan, replaced, shared)
     except Exception:
+        shared.rollback()  # before the erasure: forget the nodes it removes
         for node in reversed(em.created):
             if not node.users:
                 gm.graph.erase_node(node)
         raise
+    shared.commit()
+    return out
 
 
-def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> torch.fx.Node:
+def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict, shared: SharedMasks) -> torch.fx.Node:
     q = _materialize(em, plan.query, replaced)
     k = _materialize(em, plan.key, replaced)
     v = _materialize(em, plan.value, replaced)
@@ -247,7 +255,14 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
     for op, f in plan.q_factors:
         q = em.call("function", operator.mul if op == "mul" else operator.truediv, q, _factor(em, f, replaced))
 
-    mask = _build_mask(em, cand, plan, replaced)
+    # The same mask as an earlier attention's (same recipe): its node, so
+    # that both read one block mask.
+    recipe = shared.recipe(plan) if not replaced_inputs(plan, replaced) else None
+    mask = shared.mask(recipe, em.anchor)
+    if mask is None:
+        mask = _build_mask(em, cand, plan, replaced)
+        if mask is not None:
+            shared.remember_mask(recipe, mask)
     kwargs = dict(
         attn_mask=mask,
         dropout_p=float(plan.dropout_p),
@@ -264,6 +279,12 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> tor
     problem = _launch_problem(q, k, v, mask, kwargs)
     if problem is not None:
         raise CannotLaunch(problem)
+    if mask is not None:
+        # The mask's tables, built once per distinct mask (block_mask node)
+        # and read by every attention using it, forward and backward.
+        tables = shared.block_mask(em, mask, recipe, q, k, kwargs, backward=_needs_backward(q, k, v, mask))
+        if tables is not None:
+            kwargs["mask_key_table"], kwargs["mask_query_table"] = tables
     out = em.call("function", _attention_op(), q, k, v, **kwargs)
     for step in plan.out_steps:
         if step[0] == "squeeze":
@@ -308,9 +329,21 @@ def _launch_problem(q, k, v, mask, kwargs) -> Optional[str]:
     mv = N.tensor_val(mask) if mask is not None else None
     from .. import ops
 
-    backward = any(t.requires_grad for t in (qv, kv, vv)) or (mv is not None and mv.requires_grad)
+    backward = _needs_backward(q, k, v, mask)
     options = {name: value for name, value in kwargs.items() if name != "attn_mask"}
     return ops.kernel_problem(qv, kv, vv, mv, **options, backward=backward)
+
+
+def _needs_backward(q, k, v, mask) -> bool:
+    """Some operand of the call requires grad (by its example value)."""
+    vals = [N.tensor_val(x) for x in (q, k, v, mask) if x is not None]
+    return any(t is not None and t.requires_grad for t in vals)
+
+
+def replaced_inputs(plan: Plan, replaced: dict) -> bool:
+    """A mask term reads the result of an attention already rewritten: its
+    recipe names a node that no longer computes it, so it is not shared."""
+    return any(t.node in replaced for t in plan.additive) or any(h.node in replaced for h in plan.hide)
 
 
 def _view_ok(user: torch.fx.Node, src: torch.fx.Node) -> bool:

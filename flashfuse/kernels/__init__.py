@@ -36,7 +36,8 @@ def attention_backward(*args, **kwargs):
 
 
 def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,
-                   bottom_right: bool, mask_fill, *, backward: bool) -> str | None:
+                   bottom_right: bool, mask_fill, mask_key_table=None, mask_query_table=None, *,
+                   backward: bool) -> str | None:
     """Why the CUDA kernels cannot run attention on tensors like these, or
     None when they can.
 
@@ -47,7 +48,8 @@ def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, win
     same sizes (symbolic ones at their example values, without guards) with
     nothing launched, each finding the config it would take
     (``launch.dry_run``); the answer is the first launcher that finds none
-    fitting the GPU.
+    fitting the GPU. A block mask's tables change no config (the dry run
+    builds its own).
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode

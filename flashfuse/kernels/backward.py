@@ -769,6 +769,8 @@ def attention_backward(
     mask_grad: bool,
     mask_fill: float | None = None,
     grad_lse: torch.Tensor | None = None,
+    key_table: torch.Tensor | None = None,
+    query_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and a float mask.
 
@@ -796,6 +798,9 @@ def attention_backward(
         grad_lse: None, or the (B, Hq, N) gradient of ``lse`` (a caller
             that returns lse as a result): d lse / d s = P, so it enters as
             ``delta - grad_lse``.
+        key_table, query_table: the mask's tables from a block mask (built
+            for this mask, band and fill; saved by the forward); None: built
+            here.
 
     Returns:
         (dq, dk, dv, dmask): ``empty_like`` of q, k, v; dmask is None unless
@@ -883,9 +888,13 @@ def attention_backward(
         # The key table serves dQ, and the query table's pass for float masks
         # and fills (rows that average); one pass with a plain bool mask needs
         # only the latter.
-        need_keys = not one_pass or mask_kind == _FLOAT_MASK or fill != 0
-        key_ranges = mask_key_table(mask_arg, N, M, **band) if need_keys else lse
-        query_ranges = mask_query_table(mask_arg, key_ranges, N, M, **band)
+        need_keys = key_table is not None or not one_pass or mask_kind == _FLOAT_MASK or fill != 0
+        if key_table is not None:
+            key_ranges = key_table
+        else:
+            key_ranges = mask_key_table(mask_arg, N, M, **band) if need_keys else lse
+        query_ranges = query_table if query_table is not None else mask_query_table(mask_arg, key_ranges, N, M,
+                                                                                     **band)
         kr_strides = table_strides(key_ranges) if need_keys else (0, 0)
         qr_strides = table_strides(query_ranges)
     else:

@@ -521,6 +521,7 @@ def attention_forward(
     window_right: int | None,
     bottom_right: bool,
     mask_fill: float | None = None,
+    key_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward on the Triton kernel.
 
@@ -540,6 +541,8 @@ def attention_forward(
         bottom_right: diagonal offset ``M - N`` instead of 0.
         mask_fill: with a bool mask, the score of the pairs it hides (as
             ``masked_fill``); None: they take no part.
+        key_table: the mask's key table from a block mask (built for this
+            mask, band and fill); None: built here.
 
     Returns:
         ``(out, lse)``: out (B, Hq, N, Dv) in q's dtype, laid out as
@@ -590,7 +593,8 @@ def attention_forward(
                 has_window_right=window_right is not None)
     skip_hidden = mask_kind != _MASK_NONE and SKIP_HIDDEN_BLOCKS and (fill == 0 or fill_hides(mask_fill))
     if skip_hidden:
-        key_table = mask_key_table(mask, N, M, **band, fills=fill != 0)
+        if key_table is None:
+            key_table = mask_key_table(mask, N, M, **band, fills=fill != 0)
         range_strides = table_strides(key_table)
     else:
         key_table, range_strides = lse, (0, 0)  # never read

@@ -46,6 +46,8 @@ def render(gm: torch.fx.GraphModule) -> str:
         target = describe(node)
         if "flashfuse.attention" in target:
             target = "flashfuse.attention"
+        if "flashfuse.block_mask" in target:
+            target = "flashfuse.block_mask"
         lines.append(f"{names[node]} = {target}({', '.join(args)})")
     return "\n".join(lines)
 
@@ -128,8 +130,11 @@ return (%0)""")
 %0 = operator.getitem(L_pad_, (slice(None, None, None), None, None, slice(None, None, None)))
 %1 = operator.sub(1, %0)
 %2 = operator.mul(%1, -10000)
-%3 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=%2, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
-return (%3)""")
+%3 = flashfuse.block_mask(%2, 8, 8, window_left=None, window_right=None, bottom_right=False, mask_fill=None, queries=False)
+%4 = operator.getitem(%3, 0)
+%5 = operator.getitem(%3, 1)
+%6 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=%2, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%4, mask_query_table=%5)
+return (%6)""")
 
     def test_alibi_baddbmm_batch_views(self):
         self.assertExpectedInline(rewritten(alibi_baddbmm, *qkv(d=16, grad=False)), """\
@@ -147,9 +152,12 @@ return (%3)""")
 %11 = .unflatten()(%2, 0, (-1, 4))
 %12 = .unflatten()(%8, 0, (-1, 4))
 %13 = operator.add(%12, G_BIAS4_)
-%14 = flashfuse.attention(%9, %10, %11, attn_mask=%13, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
-%15 = .flatten()(%14, 0, 1)
-return (%15)""")
+%14 = flashfuse.block_mask(%13, 8, 8, window_left=None, window_right=None, bottom_right=False, mask_fill=None, queries=False)
+%15 = operator.getitem(%14, 0)
+%16 = operator.getitem(%14, 1)
+%17 = flashfuse.attention(%9, %10, %11, attn_mask=%13, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%15, mask_query_table=%16)
+%18 = .flatten()(%17, 0, 1)
+return (%18)""")
 
     def test_per_head_logit_scale(self):
         ls = torch.rand(4, 1, 1) + 0.5
@@ -159,5 +167,45 @@ return (%15)""")
 %2 = torch.clamp(L_logit_scale_, max=4.60517)
 %3 = .exp()(%2)
 %4 = operator.mul(%0, %3)
-%5 = flashfuse.attention(%4, %1, L_v_, attn_mask=G_BIAS4_, dropout_p=0, is_causal=False, scale=1, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
-return (%5)""")
+%5 = flashfuse.block_mask(G_BIAS4_, 8, 8, window_left=None, window_right=None, bottom_right=False, mask_fill=None, queries=False)
+%6 = operator.getitem(%5, 0)
+%7 = operator.getitem(%5, 1)
+%8 = flashfuse.attention(%4, %1, L_v_, attn_mask=G_BIAS4_, dropout_p=0, is_causal=False, scale=1, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%6, mask_query_table=%7)
+return (%8)""")
+
+    def test_one_block_mask_for_layers_sharing_a_mask(self):
+        # Three layers, each slicing the same additive mask as Hugging Face's
+        # eager attention does, and two layers hiding the same bool padding:
+        # one mask and one block_mask node per distinct mask, read by every
+        # layer that uses it.
+        def fn(q, k, v, mask, pad):
+            x = q
+            for _ in range(3):
+                s = x @ k.transpose(-2, -1) * 0.25
+                s = s + mask[:, :, :, : k.shape[-2]]
+                x = s.softmax(-1) @ v
+            for _ in range(2):
+                s = (x @ k.transpose(-2, -1) * 0.25).masked_fill(~pad[:, None, None, :], float("-inf"))
+                x = s.softmax(-1) @ v
+            return x
+
+        q, k, v = qkv(d=16, grad=False)
+        mask = torch.zeros(2, 1, 8, 8)
+        pad = torch.ones(2, 8, dtype=torch.bool)
+        self.assertExpectedInline(rewritten(fn, q, k, v, mask, pad), """\
+%0 = operator.getitem(L_mask_, (slice(None, None, None), slice(None, None, None), slice(None, None, None), slice(None, 8, None)))
+%1 = flashfuse.block_mask(%0, 8, 8, window_left=None, window_right=None, bottom_right=False, mask_fill=None, queries=False)
+%2 = operator.getitem(%1, 0)
+%3 = operator.getitem(%1, 1)
+%4 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=%0, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%2, mask_query_table=%3)
+%5 = flashfuse.attention(%4, L_k_, L_v_, attn_mask=%0, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%2, mask_query_table=%3)
+%6 = flashfuse.attention(%5, L_k_, L_v_, attn_mask=%0, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%2, mask_query_table=%3)
+%7 = operator.getitem(L_pad_, (slice(None, None, None), None, None, slice(None, None, None)))
+%8 = operator.invert(%7)
+%9 = torch.logical_not(%8)
+%10 = flashfuse.block_mask(%9, 8, 8, window_left=None, window_right=None, bottom_right=False, mask_fill=None, queries=False)
+%11 = operator.getitem(%10, 0)
+%12 = operator.getitem(%10, 1)
+%13 = flashfuse.attention(%6, L_k_, L_v_, attn_mask=%9, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%11, mask_query_table=%12)
+%14 = flashfuse.attention(%13, L_k_, L_v_, attn_mask=%9, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%11, mask_query_table=%12)
+return (%14)""")

@@ -1,0 +1,116 @@
+"""Device time per attention layer at GPT-2's shape (B = 8, 12 heads,
+N = 1024, D = 64, bf16), forward+backward, with and without dropout: the
+causal mask given as a (B, 1, N, N) bfloat16 tensor (what Hugging Face
+models pass) with the tables built in every call, the same mask through one
+``flashfuse.block_mask`` built once per step and shared by ``--layers``
+layers (its table passes counted once per step, i.e. divided by the layers),
+and ``is_causal``; SDPA's default backend for reference. Kernel durations from
+the CUDA profiler (every kernel launch of a step summed, so host time never
+counts). Also a BERT-style (B = 16, N = 512) key-padding mask.
+
+    python bench/block_mask_times.py
+    python bench/block_mask_times.py --layers 12 --reps 20
+"""
+
+from __future__ import annotations
+
+import common
+import torch
+import torch.nn.functional as F
+from kernel_times import profile_kernels
+
+# name: (B, H, N, D, dropout_p, mask kind)
+CASES = {
+    "gpt2 drop": (8, 12, 1024, 64, 0.1, "causal"),
+    "gpt2 nodrop": (8, 12, 1024, 64, 0.0, "causal"),
+    "bert padding drop": (16, 12, 512, 64, 0.1, "padding"),
+    "bert padding nodrop": (16, 12, 512, 64, 0.0, "padding"),
+}
+TABLE_KERNELS = ("_mask_key_table", "_mask_query_table")
+
+
+def make_mask(B, N, kind, device):
+    lowest = torch.finfo(torch.bfloat16).min
+    if kind == "causal":
+        later = torch.ones(N, N, dtype=torch.bool, device=device).triu(1)
+        return torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device).masked_fill(later, lowest)
+    lengths = torch.randint(N // 2, N + 1, (B, 1, 1, 1), device=device)
+    hidden = torch.arange(N, device=device) >= lengths
+    return torch.zeros(B, 1, 1, N, dtype=torch.bfloat16, device=device).masked_fill(hidden, lowest)
+
+
+def per_step(times: dict, reps: int) -> tuple[float, float]:
+    """(all kernels, table kernels) µs per step: every launch summed."""
+    total = sum(sum(t) for t in times.values()) / reps
+    tables = sum(sum(t) for name, t in times.items() if name in TABLE_KERNELS) / reps
+    return total, tables
+
+
+def main():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
+    p.add_argument("--layers", type=int, default=12, help="layers sharing one block mask (GPT-2, BERT: 12)")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    common.quiet_warnings()
+    device = common.pick_device(args)
+    if device.type != "cuda":
+        print("block_mask_times.py times GPU kernels; nothing to do without CUDA")
+        return
+    import flashfuse
+
+    res = common.Results(args.out, "block_mask_times.csv", common.env_info(device))
+    summary = []
+    for name, (B, H, N, D, p_drop, kind) in CASES.items():
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        g = torch.randn_like(q)
+        mask = make_mask(B, N, kind, device)
+        causal = kind == "causal"
+
+        def step(fn):
+            def run():
+                torch.autograd.grad(fn(), (q, k, v), g)
+            return run
+
+        rows = {}
+        variants = {
+            "mask tensor": lambda: flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=p_drop),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask,
+                                                           is_causal=causal, dropout_p=p_drop),
+        }
+        if causal:
+            variants["is_causal"] = lambda: flashfuse.attention(q, k, v, is_causal=True, dropout_p=p_drop)
+        for variant, fn in variants.items():
+            total, tables = per_step(profile_kernels(step(fn), args.reps), args.reps)
+            rows[variant] = total
+            res.add(case=name, variant=variant, layers=1, us_per_layer=total, table_us=tables)
+        # One block mask per step, shared by the layers: build it in the
+        # step, run the layers on it, count the step's kernels per layer.
+        def shared_step():
+            bm = flashfuse.block_mask(mask, N, N)
+            x = q
+            for _ in range(args.layers):
+                x = flashfuse.attention(x, k, v, attn_mask=bm, dropout_p=p_drop)
+            torch.autograd.grad(x, (q, k, v), g)
+
+        total, tables = per_step(profile_kernels(shared_step, args.reps), args.reps)
+        per_layer = total / args.layers
+        rows["block mask"] = per_layer
+        res.add(case=name, variant="block mask", layers=args.layers, us_per_layer=per_layer,
+                table_us=tables / args.layers)
+        ref = rows.get("is_causal", rows["sdpa"])
+        summary.append([name, f"{rows['mask tensor']:.0f}", f"{rows['block mask']:.0f}",
+                        f"{rows['is_causal']:.0f}" if "is_causal" in rows else "-", f"{rows['sdpa']:.0f}",
+                        f"{rows['block mask'] / ref:.2f}x", f"{tables / args.layers:.1f}"])
+        print(" | ".join(summary[-1]), flush=True)
+    common.tables_header()
+    common.print_table(summary, ["case", "mask tensor µs", f"block mask µs (per layer of {args.layers})",
+                                 "is_causal µs", "SDPA µs", "block mask / is_causal (SDPA for padding)",
+                                 "tables µs per layer"],
+                       title="attention kernels per layer, forward+backward (device time per step)")
+    print(f"\n{len(res.rows)} rows -> {res.path}")
+
+
+if __name__ == "__main__":
+    main()

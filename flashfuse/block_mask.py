@@ -1,0 +1,311 @@
+"""Block masks: the mask tables built once and shared by every attention that
+uses the mask (every layer of a model, and each layer's backward).
+
+``flashfuse::attention`` with a mask tensor reads two small tables that say,
+per block of the score matrix, which blocks the mask hides and where it is
+neutral (``kernels/mask_ranges.py``). Without a block mask each call builds
+them again: one pass over the mask in every layer's forward and two in its
+backward. A block mask builds them once:
+
+* ``flashfuse::block_mask(mask, q_len, kv_len, *, window_left, window_right,
+  bottom_right, mask_fill, queries) -> (key_table, query_table)``, an op with
+  a fake implementation, so a graph traced by ``torch.compile`` holds one
+  node per mask (the graph pass emits one per distinct mask and band);
+* ``attention(..., mask_key_table=, mask_query_table=)`` takes the tables
+  instead of building them, and autograd saves them for the backward;
+* :func:`block_mask` / :class:`BlockMask`, the same for users calling
+  :func:`flashfuse.attention` directly.
+
+Why the tables can be shared by every kernel config: they are kept at a
+fixed granularity that does not depend on the kernels' tiles, one entry per
+``ROW_GROUP`` (16) query rows and per ``COL_GROUP`` (32) keys, divisors of
+every tile the forward, dQ and dK/dV kernels may be tuned to; a kernel reads
+the entries its tile covers and takes their union. So a table's shape depends
+only on the mask's shape, N and M, and is known without the data (the fake
+implementation), whatever config the autotuner picks later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import ops as _ops
+
+__all__ = ["BlockMask", "block_mask", "check_tables", "table_shapes"]
+
+# Fixed table granularity (see the module docstring); equal to
+# kernels.mask_ranges.ROW_GROUP / COL_GROUP, which import Triton.
+ROW_GROUP, COL_GROUP = 16, 32
+KEY_ENTRY, QUERY_ENTRY = 5, 4
+# Fills at or below this may be skipped like hidden pairs
+# (``mask_ranges.fill_hides``); higher fills make the kernels build no tables.
+_FILL_HIDES_AT = -65504.0
+
+_OP_DOC = "block_mask"
+
+
+def _mask_batch_heads(mask: Tensor) -> tuple[int, int]:
+    """The tables' (batch, heads): the mask's own, 1 where it has none."""
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    return shape[0], shape[1]
+
+
+def _uses_tables(mask: Tensor, mask_fill: Optional[float]) -> bool:
+    """Whether the kernels read tables for this mask and fill: always,
+    except a bool mask whose fill is too high to skip filled pairs."""
+    return not (mask.dtype == torch.bool and mask_fill is not None and mask_fill > _FILL_HIDES_AT)
+
+
+def table_shapes(mask: Tensor, q_len, kv_len, mask_fill: Optional[float], queries: bool):
+    """Shapes of ``(key_table, query_table)`` for a mask: (Bm, Hm,
+    cdiv(N, 16), 5) and (Bm, Hm, cdiv(M, 32), 4), where Bm and Hm are the
+    mask's batch and head sizes (1 where it broadcasts); (0,) for a table not
+    built (a fill too high to skip, or no query table asked for)."""
+    if not _uses_tables(mask, mask_fill):
+        return (0,), (0,)
+    Bm, Hm = _mask_batch_heads(mask)
+    keys = (Bm, Hm, -(-q_len // ROW_GROUP), KEY_ENTRY)
+    return keys, ((Bm, Hm, -(-kv_len // COL_GROUP), QUERY_ENTRY) if queries else (0,))
+
+
+def _kernels_available(mask: Tensor) -> bool:
+    """The table kernels can run: CUDA, or CPU under Triton's interpreter
+    (as ``ops._use_triton`` decides for the attention)."""
+    k = _ops._kernels
+    if k is None:
+        return False
+    if mask.device.type == "cuda":
+        return True
+    return k.BUILT_FOR_INTERPRETER and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int] = None,
+                window_right: Optional[int] = None, bottom_right: bool = False,
+                mask_fill: Optional[float] = None, queries: bool = True) -> tuple[Tensor, Tensor]:
+    """The tables, exactly as the attention launchers would build them for
+    this mask, band and fill (same band clamping, same fill rule)."""
+    key_shape, query_shape = table_shapes(mask, q_len, kv_len, mask_fill, queries)
+    if len(key_shape) == 1 or q_len == 0 or kv_len == 0 or not _kernels_available(mask):
+        # No tables to build (CPU's blockwise path reads none, nothing reads
+        # them for an empty N or M): zeros of the promised shapes, two
+        # tensors (an op's outputs may not alias each other).
+        return mask.new_zeros(key_shape, dtype=torch.int32), mask.new_zeros(query_shape, dtype=torch.int32)
+    from .kernels.forward import _clamp_window
+    from .kernels.launch import bool_mask_as_bytes
+    from .kernels.mask_ranges import mask_key_table, mask_query_table
+
+    N, M = q_len, kv_len
+    Bm, Hm = _mask_batch_heads(mask)
+    arg = mask.expand(Bm, Hm, N, M)
+    if arg.dtype == torch.bool:
+        arg = bool_mask_as_bytes(arg)
+    limit = N + M
+    band = dict(diag_off=(M - N) if bottom_right else 0, window_left=_clamp_window(window_left, limit),
+                window_right=_clamp_window(window_right, limit), has_window_left=window_left is not None,
+                has_window_right=window_right is not None,
+                fills=mask.dtype == torch.bool and mask_fill is not None)
+    keys = mask_key_table(arg, N, M, **band)
+    qs = mask_query_table(arg, keys, N, M, **band) if queries else mask.new_empty((0,), dtype=torch.int32)
+
+    def full(t, shape):
+        # A dimension the mask broadcasts through stride 0 gets one entry
+        # from mask_ranges; the promised shape follows the mask's sizes.
+        return t if tuple(t.shape) == tuple(shape) else t.expand(shape).contiguous()
+
+    return full(keys, key_shape), (full(qs, query_shape) if queries else qs)
+
+
+def _block_mask_fake(mask, q_len, kv_len, window_left=None, window_right=None, bottom_right=False,
+                     mask_fill=None, queries=True):
+    key_shape, query_shape = table_shapes(mask, q_len, kv_len, mask_fill, queries)
+    return mask.new_empty(key_shape, dtype=torch.int32), mask.new_empty(query_shape, dtype=torch.int32)
+
+
+# CPU: an opaque op (as ops' CPU attention ops), so that AOTAutograd never
+# traces into an interpreted launch.
+_ops._lib.define(
+    "_block_mask_cpu(Tensor mask, SymInt q_len, SymInt kv_len, SymInt? window_left=None, "
+    "SymInt? window_right=None, bool bottom_right=False, float? mask_fill=None, bool queries=True) "
+    "-> (Tensor, Tensor)"
+)
+_ops._lib.impl("_block_mask_cpu", _block_mask, "CPU")
+torch.library.register_fake("flashfuse::_block_mask_cpu", _block_mask_fake, lib=_ops._lib)
+
+
+@torch.library.triton_op("flashfuse::block_mask", mutates_args=())
+def _block_mask_op(
+    mask: Tensor, q_len: int, kv_len: int, *, window_left: Optional[int] = None,
+    window_right: Optional[int] = None, bottom_right: bool = False, mask_fill: Optional[float] = None,
+    queries: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """The mask tables of ``mask`` for attention of ``q_len`` queries over
+    ``kv_len`` keys with this band and fill: see :func:`block_mask`. The
+    arguments are the private attention ops' (``window_right=0`` is causal;
+    ``mask_fill`` normalised, None for -inf)."""
+    args = (mask, q_len, kv_len, window_left, window_right, bottom_right, mask_fill, queries)
+    if mask.device.type == "cuda":
+        return _block_mask(*args)
+    return torch.ops.flashfuse._block_mask_cpu(*args)
+
+
+_block_mask_op.register_fake(_block_mask_fake)
+
+
+def check_tables(query: Tensor, key: Tensor, attn_mask: Optional[Tensor], key_table: Optional[Tensor],
+                 query_table: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Check the tables passed to ``flashfuse::attention`` (``ValueError``
+    for a mismatch the shapes show) and return them, None for an empty one
+    (a table not built). Whether they were built for this mask and band
+    cannot be checked without the data: :class:`BlockMask` and the graph
+    pass guarantee it."""
+    tables = []
+    B, Hq, N = query.shape[0], query.shape[1], query.shape[2]
+    M = key.shape[2]
+    for name, t, groups, entry in (("mask_key_table", key_table, -(-N // ROW_GROUP), KEY_ENTRY),
+                                   ("mask_query_table", query_table, -(-M // COL_GROUP), QUERY_ENTRY)):
+        if t is None or t.numel() == 0 and t.dim() == 1:
+            tables.append(None)
+            continue
+        if attn_mask is None:
+            raise ValueError(f"flashfuse.attention: {name} was given without the attn_mask it was built from")
+        if t.dtype != torch.int32 or t.device != query.device:
+            raise ValueError(f"flashfuse.attention: {name} must be int32 on {query.device}, got {t.dtype} on "
+                             f"{t.device}; build it with flashfuse.block_mask")
+        if t.dim() != 4 or t.shape[0] not in (1, B) or t.shape[1] not in (1, Hq) or t.shape[2] != groups \
+                or t.shape[3] != entry:
+            raise ValueError(
+                f"flashfuse.attention: {name} of shape {tuple(t.shape)} does not fit (batch, heads, "
+                f"query_len, key_len) = {(B, Hq, N, M)}: it was built for another problem; "
+                "build the block mask with this query and key length"
+            )
+        tables.append(t)
+    if tables[1] is not None and tables[0] is None:
+        raise ValueError("flashfuse.attention: mask_query_table needs the mask_key_table built with it")
+    return tables[0], tables[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """A mask with its tables, built once by :func:`block_mask` and passed
+    as ``attn_mask`` to every :func:`flashfuse.attention` call that uses it.
+
+    Attributes:
+        mask: the mask tensor, bool (True takes part) or floating (added to
+            the scores), broadcastable to (B, H, q_len, kv_len).
+        key_table: int32 (Bm, Hm, ceil(q_len / 16), 5), Bm / Hm the mask's
+            batch / head sizes (1 where it broadcasts): per 16 query rows,
+            the keys that take part and the keys the mask leaves neutral.
+        query_table: int32 (Bm, Hm, ceil(kv_len / 32), 4): the same per 32
+            keys over query rows (for the backward); shape (0,) when built
+            with ``backward=False`` (the backward then builds it itself).
+        q_len, kv_len: the query and key lengths it was built for.
+        window_left, window_right, alignment, mask_fill: the band and fill
+            it was built for (``is_causal`` is ``window_right=0``).
+    """
+
+    mask: Tensor
+    key_table: Tensor
+    query_table: Tensor
+    q_len: int
+    kv_len: int
+    window_left: Optional[int]
+    window_right: Optional[int]
+    alignment: str
+    mask_fill: Optional[float]
+
+    def attention_args(self, query: Tensor, key: Tensor, is_causal: bool, window_left, window_right,
+                       alignment: str, mask_fill) -> dict:
+        """The op's mask, band and table arguments for a call that passes
+        this block mask with these band arguments; ``ValueError`` when they
+        contradict the band it was built for, or the lengths differ."""
+        if query.shape[2] != self.q_len or key.shape[2] != self.kv_len:
+            raise ValueError(
+                f"flashfuse.attention: the block mask was built for q_len={self.q_len}, kv_len={self.kv_len}, "
+                f"but query has {query.shape[2]} rows and key {key.shape[2]}; build one for these lengths"
+            )
+        given_right = (0 if window_right is None else min(window_right, 0)) if is_causal else window_right
+        for name, given, own, default in (("is_causal / window_right", given_right, self.window_right, None),
+                                          ("window_left", window_left, self.window_left, None),
+                                          ("alignment", alignment, self.alignment, "top_left"),
+                                          ("mask_fill", mask_fill, self.mask_fill, None)):
+            if given != default and given != own:
+                raise ValueError(
+                    f"flashfuse.attention: {name}={given!r} contradicts the block mask, built with {own!r}; "
+                    "the band belongs to the block mask: pass it to flashfuse.block_mask"
+                )
+        return dict(attn_mask=self.mask, is_causal=False, window_left=self.window_left,
+                    window_right=self.window_right, alignment=self.alignment, mask_fill=self.mask_fill,
+                    mask_key_table=self.key_table, mask_query_table=self.query_table)
+
+
+def block_mask(
+    mask: Tensor,
+    q_len: Optional[int] = None,
+    kv_len: Optional[int] = None,
+    *,
+    is_causal: bool = False,
+    window_left: Optional[int] = None,
+    window_right: Optional[int] = None,
+    alignment: str = "top_left",
+    mask_fill: Optional[float] = None,
+    backward: bool = True,
+) -> BlockMask:
+    """Build a mask's tables once, for every attention call that uses it.
+
+    Pass the result as ``attn_mask`` to :func:`flashfuse.attention` (in every
+    layer): the calls read the tables instead of scanning the mask again, and
+    their backward reuses them. The results are bit-identical to passing the
+    mask itself.
+
+    Args:
+        mask: bool (True takes part) or floating (added to the scaled
+            scores), broadcastable to (B, H, q_len, kv_len), e.g. a padding
+            mask (B, 1, 1, kv_len) or a causal one (1, 1, q_len, kv_len).
+            Dimensions it broadcasts over are computed once.
+        q_len, kv_len: query and key lengths (N, M); default the mask's last
+            two sizes (give them when it broadcasts over one).
+        is_causal, window_left, window_right, alignment, mask_fill: the band
+            and fill of the attention calls, as :func:`flashfuse.attention`
+            takes them; the calls then take them from the block mask.
+        backward: also build the query table the backward reads (False for
+            inference: one pass over the mask instead of two).
+
+    Returns:
+        a :class:`BlockMask`. Its tables hold int32 (Bm, Hm, ceil(N / 16), 5)
+        and (Bm, Hm, ceil(M / 32), 4) entries, Bm / Hm the mask's batch and
+        head sizes (1 where it broadcasts): a few bytes per 16 x 32 block.
+        Reuse it only while the mask is unchanged: the tables describe the
+        values the mask had when it was built.
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"flashfuse.block_mask: mask must be a Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise ValueError(f"flashfuse.block_mask: mask dtype {mask.dtype} is not supported; use bool or floating")
+    if mask.dim() < 2 or mask.dim() > 4:
+        raise ValueError(f"flashfuse.block_mask: mask must have 2 to 4 dimensions, got shape {tuple(mask.shape)}")
+    N = mask.shape[-2] if q_len is None else int(q_len)
+    M = mask.shape[-1] if kv_len is None else int(kv_len)
+    if mask.shape[-2] not in (1, N) or mask.shape[-1] not in (1, M):
+        raise ValueError(f"flashfuse.block_mask: mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"(q_len, kv_len) = {(N, M)}")
+    if alignment not in _ops.ALIGNMENTS:
+        raise ValueError(f"flashfuse.block_mask: alignment must be one of {_ops.ALIGNMENTS}, got {alignment!r}")
+    for name, w in (("window_left", window_left), ("window_right", window_right)):
+        if w is not None and w < 0:
+            raise ValueError(f"flashfuse.block_mask: {name} must be None or >= 0, got {w}")
+    fill = _ops.check_mask_fill(mask, mask_fill)
+    if fill is not None and math.isinf(fill):
+        fill = None
+    if is_causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
+    keys, queries = torch.ops.flashfuse.block_mask(
+        mask, N, M, window_left=window_left, window_right=window_right, bottom_right=alignment == "bottom_right",
+        mask_fill=fill, queries=backward,
+    )
+    return BlockMask(mask, keys, queries, N, M, window_left, window_right, alignment, fill)

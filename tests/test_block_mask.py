@@ -1,0 +1,266 @@
+"""Block masks (flashfuse.block_mask, flashfuse::block_mask): tables built
+once per mask, against the brute-force rule, and attention reading them
+giving the same bits as attention building its own (kernels in Triton's
+interpreter on CPU)."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+
+import flashfuse
+from flashfuse.block_mask import BlockMask
+
+from kernels.masks import hiding_mask
+from kernels.test_mask_ranges import _expected
+
+BANDS = {
+    "none": {},
+    "causal": {"is_causal": True},
+    "causal-bottom-right": {"is_causal": True, "alignment": "bottom_right"},
+    "window": {"window_left": 9, "window_right": 3},
+    "window-bottom-right": {"window_left": 5, "window_right": 0, "alignment": "bottom_right"},
+}
+
+
+def _ref_band(band):
+    """The band as ``_expected`` (reference.visibility_mask) takes it."""
+    right = 0 if band.get("is_causal") else band.get("window_right")
+    return {"window_left": band.get("window_left"), "window_right": right,
+            "bottom_right": band.get("alignment") == "bottom_right"}
+
+
+def _block_structured(shape, gen, kind, blk=8, values="zeros"):
+    """A mask of ``kind`` hiding random blk x blk blocks (and a few single
+    pairs) of a (B, H, rows, M) shape."""
+    B, H, rows, M = shape
+    blocks = torch.rand(B, H, -(-rows // blk), -(-M // blk), generator=gen) < 0.4
+    hidden = blocks.repeat_interleave(blk, 2)[:, :, :rows].repeat_interleave(blk, 3)[..., :M]
+    hidden = hidden | (torch.rand(hidden.shape, generator=gen) < 0.05)
+    return hiding_mask(hidden, kind, gen, values)
+
+
+@pytest.mark.parametrize("band", list(BANDS), ids=list(BANDS))
+@pytest.mark.parametrize("shape, kind", [((2, 1, 37, 70), "bool"), ((1, 3, 37, 70), "float32-min"),
+                                         ((2, 1, 1, 70), "bfloat16-min"), ((37, 70), "float16-min"),
+                                         ((2, 2, 37, 70), "float32-inf")],
+                         ids=["batch-bool", "heads-f32", "padding-bf16", "2d-f16", "full-inf"])
+def test_block_mask_matches_brute_force(shape, kind, band):
+    N, M = 37, 70
+    gen = torch.Generator().manual_seed(hash((shape, kind)) % 2**31)
+    mask = _block_structured((1,) * (4 - len(shape)) + shape, gen, kind).reshape(shape)
+    bm = flashfuse.block_mask(mask, N, M, **BANDS[band])
+    full = mask.reshape((1,) * (4 - len(shape)) + shape)
+    full = full.expand(full.shape[0], full.shape[1], N, M)
+    want_keys, want_queries = _expected(full, N, M, _ref_band(BANDS[band]))
+    # The mask's own batch and heads, 1 where it broadcasts.
+    assert bm.key_table.shape == want_keys.shape and bm.query_table.shape == want_queries.shape
+    assert torch.equal(bm.key_table, want_keys)
+    assert torch.equal(bm.query_table, want_queries)
+
+
+def test_block_mask_with_a_fill_matches_brute_force():
+    N, M = 37, 40
+    gen = torch.Generator().manual_seed(3)
+    mask = _block_structured((2, 1, N, M), gen, "bool")
+    mask[:, :, 7] = False  # a row it hides entirely: averages with a fill
+    bm = flashfuse.block_mask(mask, mask_fill=-1e30, is_causal=True)
+    want_keys, want_queries = _expected(mask, N, M, _ref_band({"is_causal": True}), fills=True)
+    assert torch.equal(bm.key_table, want_keys) and torch.equal(bm.query_table, want_queries)
+    # A fill too high to skip filled pairs: the kernels read no tables.
+    assert flashfuse.block_mask(mask, mask_fill=0.0).key_table.numel() == 0
+
+
+def test_stride_zero_dimensions_get_the_shape_of_the_mask():
+    # An expanded (stride-0) batch is computed once but the table follows
+    # the mask's sizes, which is what the fake implementation promises.
+    gen = torch.Generator().manual_seed(0)
+    mask = _block_structured((1, 1, 20, 40), gen, "bool").expand(3, 1, 20, 40)
+    bm = flashfuse.block_mask(mask)
+    assert bm.key_table.shape == (3, 1, 2, 5) and bm.query_table.shape == (3, 1, 2, 4)
+    want_keys, want_queries = _expected(mask.contiguous(), 20, 40, _ref_band({}))
+    assert torch.equal(bm.key_table, want_keys) and torch.equal(bm.query_table, want_queries)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fk, fq = torch.ops.flashfuse.block_mask(torch.empty(3, 1, 20, 40, dtype=torch.bool), 20, 40)
+    assert fk.shape == bm.key_table.shape and fq.shape == bm.query_table.shape
+
+
+def _qkv(B, H, N, M, D, gen, dtype=torch.float32):
+    mk = lambda *s: torch.randn(*s, generator=gen).to(dtype).requires_grad_()  # noqa: E731
+    return mk(B, H, N, D), mk(B, H, M, D), mk(B, H, M, D)
+
+
+def _run(q, k, v, mask, dropout_p=0.0, **kw):
+    torch.manual_seed(5)  # the same dropout draw for both calls
+    out = flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
+    inputs = [t for t in (q, k, v, mask if isinstance(mask, torch.Tensor) else mask.mask) if t.requires_grad]
+    grads = torch.autograd.grad(out, inputs, torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    return out, grads
+
+
+@pytest.mark.parametrize("case", ["float-bias-causal", "bool-window-dropout", "bool-fill", "padding-bottom-right"])
+def test_shared_block_mask_gives_the_same_bits(case):
+    # Forward and every gradient (the float mask's included), with the
+    # tables from a block mask and with the op building its own.
+    gen = torch.Generator().manual_seed(11)
+    B, H, N, M, D = 2, 2, 20, 36, 16
+    q, k, v = _qkv(B, H, N, M, D, gen)
+    kw, dropout_p = {}, 0.0
+    if case == "float-bias-causal":
+        mask = _block_structured((B, 1, N, M), gen, "float32-min", values="bias").requires_grad_()
+        kw = {"is_causal": True}
+    elif case == "bool-window-dropout":
+        mask = _block_structured((1, H, N, M), gen, "bool")
+        kw, dropout_p = {"window_left": 7, "window_right": 4}, 0.25
+    elif case == "bool-fill":
+        mask = _block_structured((B, 1, N, M), gen, "bool")
+        kw = {"mask_fill": torch.finfo(torch.float32).min}
+    else:
+        mask = _block_structured((B, 1, 1, M), gen, "bfloat16-min").float()
+        kw = {"is_causal": True, "alignment": "bottom_right"}
+    want_out, want_grads = _run(q, k, v, mask, dropout_p, **kw)
+    bm = flashfuse.block_mask(mask, N, M, **kw)
+    got_out, got_grads = _run(q, k, v, bm, dropout_p)
+    assert torch.equal(got_out, want_out)
+    assert len(got_grads) == len(want_grads)
+    for got, want in zip(got_grads, want_grads):
+        assert torch.equal(got, want)
+
+
+def test_one_block_mask_serves_several_layers_and_the_backward():
+    gen = torch.Generator().manual_seed(2)
+    B, H, N, D = 1, 1, 20, 16
+    mask = _block_structured((B, 1, N, N), gen, "float32-min")
+    bm = flashfuse.block_mask(mask, is_causal=True)
+    x0, k, v = _qkv(B, H, N, N, D, gen)
+
+    def layers(m, **kw):
+        x = x0
+        for _ in range(3):
+            x = flashfuse.attention(x, k, v, attn_mask=m, **kw)
+        return x, torch.autograd.grad(x.sum(), (x0, k, v))
+
+    want_out, want_grads = layers(mask, is_causal=True)
+    got_out, got_grads = layers(bm)
+    assert torch.equal(got_out, want_out) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+
+
+def test_block_mask_under_compile_matches_eager():
+    # The op and its fake trace: a compiled function building one block
+    # mask for two layers gives eager's bits (aot_eager keeps the ops).
+    gen = torch.Generator().manual_seed(4)
+    B, H, N, D = 1, 1, 16, 16
+    mask = _block_structured((B, 1, N, N), gen, "bool")
+    q, k, v = _qkv(B, H, N, N, D, gen)
+
+    def fn(q, k, v, mask):
+        bm = flashfuse.block_mask(mask, is_causal=True)
+        return flashfuse.attention(flashfuse.attention(q, k, v, attn_mask=bm), k, v, attn_mask=bm)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, mask)
+    want = fn(q, k, v, mask)
+    assert torch.equal(got, want)
+    g_got = torch.autograd.grad(got.sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(g_got, g_want))
+    torch._dynamo.reset()
+
+
+def test_bad_tables_and_contradicting_bands_raise():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(1, 2, 20, 40, 16, gen)
+    mask = _block_structured((1, 1, 20, 40), gen, "bool")
+    bm = flashfuse.block_mask(mask, is_causal=True)
+    with pytest.raises(ValueError, match="contradicts the block mask"):
+        flashfuse.attention(q, k, v, attn_mask=bm, window_left=3)
+    other = flashfuse.block_mask(torch.ones(1, 1, 40, 40, dtype=torch.bool))
+    with pytest.raises(ValueError, match="built for q_len=40"):
+        flashfuse.attention(q, k, v, attn_mask=other)
+    with pytest.raises(ValueError, match="does not fit"):
+        torch.ops.flashfuse.attention(q, k, v, mask, mask_key_table=other.key_table)
+    with pytest.raises(ValueError, match="without the attn_mask"):
+        torch.ops.flashfuse.attention(q, k, v, None, mask_key_table=bm.key_table)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        flashfuse.block_mask(mask, 21, 40)
+    assert isinstance(bm, BlockMask) and bm.window_right == 0 and bm.q_len == 20 and bm.kv_len == 40
+
+
+# --------------------------------------------------------------------------
+# The Hugging Face hook: one block mask per mask object and forward
+# --------------------------------------------------------------------------
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.fixture
+def table_builds(monkeypatch):
+    ffhf = pytest.importorskip("flashfuse.hf")
+    import flashfuse.block_mask  # noqa: F401
+
+    calls = []
+    real = torch.ops.flashfuse.block_mask
+
+    def spy(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ffhf, "_block_mask_op", spy)
+    monkeypatch.setattr(ffhf, "_TABLE_CACHE", [])
+    return ffhf, calls
+
+
+def test_hf_hook_builds_the_tables_once_per_mask(table_builds):
+    ffhf, calls = table_builds
+    gen = torch.Generator().manual_seed(6)
+    B, H, N, D = 2, 2, 20, 16
+    mask = _block_structured((B, 1, N, N), gen, "bool")
+    x, k, v = _qkv(B, H, N, N, D, gen)
+    layer = _Layer().train(False)
+    outs = []
+    for _ in range(3):  # three layers, one mask object
+        outs.append(ffhf.flashfuse_attention_forward(layer, x, k, v, mask)[0])
+    assert len(calls) == 1
+    want = flashfuse.attention(x, k, v, attn_mask=mask).transpose(1, 2)
+    assert all(torch.equal(o, want) for o in outs)
+
+
+def test_hf_hook_never_reuses_tables_of_a_changed_or_other_mask(table_builds):
+    ffhf, calls = table_builds
+    gen = torch.Generator().manual_seed(7)
+    B, H, N, D = 1, 2, 20, 16
+    x, k, v = _qkv(B, H, N, N, D, gen)
+    layer = _Layer().train(False)
+    mask = torch.ones(B, 1, N, N, dtype=torch.bool)
+    ffhf.flashfuse_attention_forward(layer, x, k, v, mask)
+    mask[..., 16:] = False  # written in place: the old tables would skip nothing
+    got = ffhf.flashfuse_attention_forward(layer, x, k, v, mask)[0]
+    assert len(calls) == 2
+    assert torch.equal(got, flashfuse.attention(x, k, v, attn_mask=mask).transpose(1, 2))
+    # A new mask object (perhaps at the old one's address) is never taken
+    # for the old one.
+    del mask
+    gc.collect()
+    other = _block_structured((B, 1, N, N), gen, "bool")
+    got = ffhf.flashfuse_attention_forward(layer, x, k, v, other)[0]
+    assert len(calls) == 3 and calls[-1] is other
+    assert torch.equal(got, flashfuse.attention(x, k, v, attn_mask=other).transpose(1, 2))
+    assert not math.isnan(got.sum().item())
+
+
+@pytest.mark.gpu
+def test_shared_block_mask_gives_the_same_bits_on_the_gpu():
+    gen = torch.Generator().manual_seed(0)
+    B, H, N, D = 2, 4, 1000, 64
+    q, k, v = (t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in _qkv(B, H, N, N, D, gen))
+    later = torch.ones(N, N, dtype=torch.bool).triu(1)
+    mask = torch.zeros(B, 1, N, N).masked_fill(later, torch.finfo(torch.bfloat16).min).to(torch.bfloat16).cuda()
+    for dropout_p in (0.0, 0.1):
+        want_out, want_grads = _run(q, k, v, mask, dropout_p)
+        got_out, got_grads = _run(q, k, v, flashfuse.block_mask(mask), dropout_p)
+        assert torch.equal(got_out, want_out) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))

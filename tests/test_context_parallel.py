@@ -111,6 +111,52 @@ def _check(results, cases, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_single_process(world, tmp_path, blockwise_cpu):
-    cases = CASES if world == 2 else [c for c in CASES if c[0] in ("causal", "causal_gqa", "bottom_right")]
+    cases = CASES if world == 2 else [c for c in CASES if c[0] in ("causal_gqa", "bottom_right")]
     results = run_ranks(_ring_cases, world, tmp_path, cases)
     _check(results, cases, world)
+
+
+def _interpreter_and_context_manager(rank, world):
+    """A small causal GQA case through the Triton kernels (interpreter), and
+    ``context_parallel`` redirecting F.scaled_dot_product_attention."""
+    import torch.nn.functional as F
+
+    import flashfuse
+    from flashfuse import ops
+    from flashfuse.parallel import shard, unshard
+
+    assert ops._use_triton(torch.empty(1))  # the kernels, not the blockwise path
+    case = ("interp", 1, 2, 1, 32, 32, 16, True, "top_left", torch.float32)
+    q, k, v, do = _inputs(case, seed=3)
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    out = flashfuse.ring_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+    out.backward(shard(do))
+    ring = [unshard(t) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
+
+    # The context manager: buffers sharded in place on entry, gathered on exit.
+    qb, kb, vb = (t.clone() for t in (q, k, v))
+    with flashfuse.context_parallel(buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]):
+        local_len = qb.shape[2]
+        cm_out = unshard(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True))
+        try:
+            F.scaled_dot_product_attention(qb, kb, vb, attn_mask=torch.ones(1, dtype=torch.bool))
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+    restored = torch.equal(qb, q) and F.scaled_dot_product_attention is not None
+    return dict(ring=ring, cm_out=cm_out, local_len=local_len, refused=refused, restored=restored)
+
+
+def test_ring_attention_interpreter_and_context_manager(tmp_path):
+    results = run_ranks(_interpreter_and_context_manager, 2, tmp_path, interpret=True)
+    case = ("interp", 1, 2, 1, 32, 32, 16, True, "top_left", torch.float32)
+    q, k, v, do = _inputs(case, seed=3)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference64(q64, k64, v64, True, "top_left")
+    ref.backward(do.double())
+    for r in results:
+        for what, g, e in zip(("out", "dq", "dk", "dv"), r["ring"], (ref, q64.grad, k64.grad, v64.grad)):
+            torch.testing.assert_close(g.double(), e.detach(), atol=2e-5, rtol=2e-5, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(r["cm_out"].double(), ref.detach(), atol=2e-5, rtol=2e-5)
+        assert r["local_len"] == 16 and r["restored"]
+        assert "no mask" in (r["refused"] or "")

@@ -233,8 +233,9 @@ class _RingAttention(torch.autograd.Function):
                 dk[:, :, ksl] += bdk
                 dv[:, :, ksl] += bdv
             # Every rank sends its accumulators on (after the last step they
-            # reach the rank the block came from).
-            dk, dv = _Ring.wait(ring.start((dk, dv)))
+            # reach the rank the block came from); a world of one keeps them.
+            if world > 1:
+                dk, dv = _Ring.wait(ring.start((dk, dv)))
             if pending_kv is not None:
                 kv = tuple(_Ring.wait(pending_kv))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

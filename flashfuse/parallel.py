@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from typing import Optional, Sequence
 
 import torch
@@ -182,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group, world, rank)
         n, m = q.shape[2], k.shape[2]
         q_segs = _segments(world, rank, n, load_balanced)
-        B, H, _, Dv = q.shape[0], q.shape[1], None, v.shape[-1]
+        B, H, Dv = q.shape[0], q.shape[1], v.shape[-1]
         acc = q.new_zeros((B, H, n, Dv), dtype=_acc_dtype(q))
         lse = q.new_full((B, H, n), -math.inf, dtype=acc.dtype)
         kv = (k, v)
@@ -256,11 +255,9 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, is_
     places the causal diagonal at ``M - N`` when the global lengths differ.
     Masks, windows and dropout are not supported (``ValueError``).
     """
-    from .ops import ALIGNMENTS, check_inputs
+    from .ops import check_inputs
 
     check_inputs(query, key, value, None, 0.0, enable_gqa, None, None, alignment)
-    if alignment not in ALIGNMENTS:  # pragma: no cover - check_inputs raised already
-        raise ValueError(alignment)
     world, rank = _world_rank(group)
     if load_balanced is None:
         load_balanced = is_causal
@@ -293,9 +290,6 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group=None, is_
 # --------------------------------------------------------------------------
 # Context manager
 # --------------------------------------------------------------------------
-
-_active = threading.local()
-
 
 @contextlib.contextmanager
 def context_parallel(group=None, *, buffers: Sequence[Tensor] = (), buffer_seq_dims: Sequence[int] = (),
@@ -330,14 +324,12 @@ def context_parallel(group=None, *, buffers: Sequence[Tensor] = (), buffer_seq_d
             raise ValueError("flashfuse.context_parallel: attention under context parallelism takes no mask, "
                              "window or dropout; pass is_causal for causal attention")
         return ring_attention(query, key, value, group=group, is_causal=is_causal, scale=scale,
-                              enable_gqa=enable_gqa or query.shape[1] != key.shape[1],
+                              enable_gqa=enable_gqa,
                               load_balanced=load_balanced, alignment=kwargs.get("alignment", "top_left"))
 
     saved = (F.scaled_dot_product_attention, ops.attention)
     import flashfuse
 
-    previous = getattr(_active, "config", None)
-    _active.config = (group, load_balanced)
     F.scaled_dot_product_attention = redirect
     ops.attention = flashfuse.attention = redirect
     try:
@@ -345,7 +337,6 @@ def context_parallel(group=None, *, buffers: Sequence[Tensor] = (), buffer_seq_d
     finally:
         F.scaled_dot_product_attention, ops.attention = saved
         flashfuse.attention = saved[1]
-        _active.config = previous
         no_restore = {id(t) for t in no_restore_buffers}
         for buf, d in zip(buffers, buffer_seq_dims):
             if id(buf) not in no_restore:

@@ -14,6 +14,8 @@ Public API:
   log-sum-exp (differentiable);
 * :func:`attention_with_kvcache` - new queries against a contiguous (per-row
   lengths) or paged key/value cache, on the split-KV decoding kernels.
+* :func:`ring_attention` / :func:`context_parallel` - attention over a sequence
+  sharded across a ``torch.distributed`` process group (``flashfuse.parallel``).
 
 The Hugging Face hook (``attn_implementation="ffuse"``) lives in
 ``flashfuse.hf`` and is imported on demand, so that importing flashfuse never
@@ -25,7 +27,8 @@ from .block_mask import BlockMask, block_mask
 from .fx.explain import explain
 from .kvcache import attention_with_kvcache, attention_with_lse
 from .ops import attention
+from .parallel import context_parallel, ring_attention
 
 __all__ = ["BlockMask", "attention", "attention_with_kvcache", "attention_with_lse", "backend", "block_mask",
-           "explain", "make_backend"]
+           "context_parallel", "explain", "make_backend", "ring_attention"]
 __version__ = "0.1.0"

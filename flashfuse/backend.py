@@ -20,17 +20,23 @@ import contextlib
 import functools
 import logging
 import sys
+import threading
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx
 
+from . import ddp as _ddp
 from .fx.match import Candidate
 from .fx.rewrite import FlashAttentionPass, copy_graph_module
 
 log = logging.getLogger("flashfuse")
 
 Compiler = Union[str, Callable[[torch.fx.GraphModule, list], Callable]]
+
+# Set while Dynamo's DDP optimiser compiles the pieces of a graph that the
+# backend rewrote whole (flashfuse/ddp.py): the pieces are compiled as given.
+_split_pieces = threading.local()
 
 
 def _is_inductor_attention_pattern(entry) -> bool:
@@ -189,6 +195,28 @@ class Backend:
         self.candidates: list[Candidate] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if getattr(_split_pieces, "active", False):  # a piece of a graph rewritten whole
+            return self._compile(gm, list(example_inputs))
+        return self._rewrite_then(lambda graph: self._compile(graph, list(example_inputs)), gm, example_inputs)
+
+    def compile_before_split(self, split_and_compile: Callable, gm: torch.fx.GraphModule,
+                             example_inputs: Sequence[Any]) -> Callable:
+        """Rewrite the whole of ``gm``, then ``split_and_compile(graph)``
+        (Dynamo's DDP optimiser cutting it at bucket boundaries and calling
+        this backend on each piece, which compiles the pieces unchanged): a
+        boundary then cannot fall inside an attention (flashfuse/ddp.py)."""
+
+        def split(graph):
+            _split_pieces.active = True
+            try:
+                return split_and_compile(graph)
+            finally:
+                _split_pieces.active = False
+
+        return self._rewrite_then(split, gm, example_inputs)
+
+    def _rewrite_then(self, compile_graph: Callable, gm: torch.fx.GraphModule,
+                      example_inputs: Sequence[Any]) -> Callable:
         original = copy_graph_module(gm)
         cands = FlashAttentionPass(example_inputs)(gm)
         n = sum(c.rewritten for c in cands)
@@ -197,7 +225,7 @@ class Backend:
         if self.record:
             self.candidates.extend(cands)
         try:
-            return self._compile(gm, list(example_inputs))
+            return compile_graph(gm)
         except _dynamo_control_flow():  # Dynamo restarting its analysis: not a failure
             raise
         except Exception as exc:  # noqa: BLE001 - flashfuse must never fail a compile
@@ -212,7 +240,7 @@ class Backend:
             for cand in cands:
                 if cand.rewritten:
                     cand.rewritten, cand.plan, cand.reason = False, None, reason
-            return self._compile(original, list(example_inputs))
+            return compile_graph(original)
 
     def __repr__(self) -> str:
         name = self.compiler if isinstance(self.compiler, str) else getattr(self.compiler, "__name__", "custom")
@@ -259,3 +287,5 @@ def _register() -> None:
 
 
 _register()
+# Attention kept whole when Dynamo's DDP optimiser splits graphs (flashfuse/ddp.py).
+_ddp.install()

@@ -216,3 +216,12 @@ def test_compile_matrix_smoke(tmp_path):
 
 def test_bench_decode_smoke(tmp_path):
     run_script("bench_decode.py", tmp_path)
+
+
+def test_bench_context_parallel_smoke(tmp_path):
+    """World size 1 on gloo (no torchrun): the ring runs, PyTorch's context
+    parallelism is skipped on the CPU with its reason."""
+    run_script("bench_context_parallel.py", tmp_path)
+    rows = read_csv(tmp_path / "context_parallel_1gpu.csv")
+    assert {r["status"] for r in rows if r["provider"] == "flashfuse_ring"} == {"ok"}
+    assert all(r["status"].startswith("skipped") for r in rows if r["provider"] == "torch_cp_sdpa")

@@ -175,6 +175,9 @@ def _decode_split(
         bnd = Bounds + (b64 * CHUNKS + tl.arange(0, CHUNKS)) * 2
         lo = tl.maximum(lo, tl.min(tl.load(bnd), 0))
         hi = tl.minimum(hi, tl.max(tl.load(bnd + 1), 0))
+        # A row showing nothing has first = 2**31 - 1: back into [0, L], so
+        # that the empty span's keys stay in range.
+        lo = tl.minimum(lo, L)
     hi = tl.maximum(hi, lo)
     # This split's share, whole key blocks from the tile's first block.
     lo_blk = (lo // BLOCK_N) * BLOCK_N

@@ -282,3 +282,26 @@ def test_op_with_bool_mask_takes_decode_path_and_its_gradients(monkeypatch):
     torch.testing.assert_close(out.double(), want_out, atol=2e-6, rtol=2e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,M,filled", [(1, 4096, 3072), (8, 32768, 20000), (2, 1000, 0)])
+def test_gpu_static_cache_mask(B, M, filled):
+    """A static cache's bool mask (B, 1, 1, M), first ``filled`` slots (row 0
+    of the batch sees one slot fewer), through the op as the Hugging Face
+    hook calls it, against SDPA with the same mask."""
+    torch.manual_seed(9)
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, 8, M, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, 8, M, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((B, 1, 1, 1), filled, device="cuda")
+    lens[0] = max(filled - 1, 0)
+    mask = torch.arange(M, device="cuda") < lens
+    k[..., filled:, :] = float("nan")  # unfilled slots are never read
+    out = flashfuse.attention(q, k, v, mask, enable_gqa=True, alignment="bottom_right")
+    if filled == 0:
+        assert (out == 0).all()
+        return
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().nan_to_num(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

@@ -298,10 +298,11 @@ def test_gpu_static_cache_mask(B, M, filled):
     lens[0] = max(filled - 1, 0)
     mask = torch.arange(M, device="cuda") < lens
     k[..., filled:, :] = float("nan")  # unfilled slots are never read
+    v[..., filled:, :] = float("nan")
     out = flashfuse.attention(q, k, v, mask, enable_gqa=True, alignment="bottom_right")
     if filled == 0:
         assert (out == 0).all()
         return
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float().nan_to_num(), v.float(), attn_mask=mask, enable_gqa=True)
+        q.float(), k.float().nan_to_num(), v.float().nan_to_num(), attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

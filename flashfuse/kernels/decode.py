@@ -31,6 +31,14 @@ out-of-bounds read (the host checks them first where it can).
 Visibility is the forward's rule with the row's own length ``L``: key j is
 visible to query i when ``i + off - window_left <= j <= i + off +
 window_right`` with ``off = L - N`` (bottom-right) or 0 (top-left).
+A bool mask (broadcastable to (B, Hq, N, M), any strides, as a Hugging
+Face static cache or padded batch hands it over) narrows that further: a
+pair takes part when the band and the mask both let it. Before the split
+kernel, ``_mask_bounds`` finds on the device, per batch row, the first and
+last key any mask row shows, so the splits share only that span (a static
+cache's unfilled tail costs no split time), and within it a key that no row
+of a tile sees is never loaded. Float masks and ``mask_fill`` stay on the
+forward kernel (rows a finite value hides entirely need its lse marker).
 ``out`` and ``lse`` have the forward kernel's layout and meaning, so the
 existing backward kernels differentiate a decode forward unchanged.
 """

@@ -96,7 +96,7 @@ def test_dispatch_rule(monkeypatch):
     k = torch.empty(1, 8, 4096, 128)
     assert decode_suits(q, k, None, 0.0, None, 0, True, None)
     assert not decode_suits(q, k, None, 0.0, None, 0, False, None)  # top-left causal
-    assert not decode_suits(q, k, torch.ones(1, dtype=torch.bool), 0.0, None, None, True, None)
+    assert not decode_suits(q, k, torch.ones(1), 0.0, None, None, True, None)  # float masks: see below
     assert not decode_suits(q, k, None, 0.1, None, None, True, None)
     assert not decode_suits(q, k[:, :, :64], None, 0.0, None, 0, True, None)  # few keys
     assert not decode_suits(torch.empty(1, 32, 64, 128), k, None, 0.0, None, 0, True, None)

@@ -230,7 +230,6 @@ def test_mask_bounds_kernel():
     m = torch.rand(B, 1, N, M, generator=gen) < 0.05
     m[1] = False
     m[2, 0, 1, 60] = True
-    q = torch.randn(B, Hq, N, 16, device=DEVICE)
     mask = decode.bool_mask_as_bytes(m.to(DEVICE).expand(B, Hq, N, M))
     chunks = decode._INTERPRET_BOUNDS_CHUNKS
     bounds = torch.empty((B, chunks, 2), dtype=torch.int32, device=DEVICE)
@@ -243,7 +242,6 @@ def test_mask_bounds_kernel():
             assert (lo, hi) == (int(seen.min()), int(seen.max()) + 1)
         else:
             assert hi == 0 and lo > M
-    del q
 
 
 def test_dispatch_rule_with_masks(monkeypatch):

@@ -10,6 +10,10 @@ cache once at the device copy bandwidth measured here (a large
 device-to-device copy). Two more rows per length at batch 8, one query:
 ``flashfuse.attention_with_kvcache`` with per-row ``cache_seqlens`` (all
 full, so the same work) and with a paged cache (pages of 256 keys, shuffled).
+One more per length and batch, one query: a static cache as Hugging Face's
+``cache_implementation="static"`` hands it over, a bool mask (B, 1, 1, M)
+showing the first 3/4 of the slots and no causal band, flashfuse against
+SDPA with the same mask (the read floor counts the filled slots only).
 Times are ``triton.testing.do_bench`` medians of eager calls (host launch
 cost included) and, on CUDA, ``do_bench_cudagraph`` medians (as a decoding
 loop under CUDA graphs runs). Writes bench/results/decode.csv and
@@ -132,6 +136,16 @@ def main():
                     q, k, v, is_causal=True, alignment="bottom_right", enable_gqa=True), M, B, N, cache_bytes)
                 record(case, "sdpa", lambda: F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, enable_gqa=True), M, B, N, cache_bytes)
+                if N == 1:
+                    filled = 3 * M // 4
+                    smask = (torch.arange(M, device=device) < filled).view(1, 1, 1, M).expand(B, 1, 1, M)
+                    smask = smask.contiguous()  # per batch row, as transformers builds it
+                    static = dict(case, cache="static 3/4")
+                    record(static, "flashfuse", lambda: flashfuse.attention(
+                        q, k, v, smask, alignment="bottom_right", enable_gqa=True), M, B, N, cache_bytes * 3 // 4)
+                    record(static, "sdpa", lambda: F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=smask, enable_gqa=True), M, B, N, cache_bytes * 3 // 4)
+                    del smask
                 if B == max(batches) and N == 1:
                     lens = torch.full((B,), M, dtype=torch.int32, device=device)
                     kc, vc = k.transpose(1, 2), v.transpose(1, 2)

@@ -22,7 +22,8 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
     if decode_suits(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
                     kwargs["bottom_right"], kwargs.get("mask_fill")):
         return decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
-                              window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"])
+                              window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
+                              attn_mask=attn_mask)
     from .forward import attention_forward as launch
 
     return launch(q, k, v, attn_mask, seed, **kwargs)

@@ -31,6 +31,14 @@ out-of-bounds read (the host checks them first where it can).
 Visibility is the forward's rule with the row's own length ``L``: key j is
 visible to query i when ``i + off - window_left <= j <= i + off +
 window_right`` with ``off = L - N`` (bottom-right) or 0 (top-left).
+A bool mask (broadcastable to (B, Hq, N, M), any strides, as a Hugging
+Face static cache or padded batch hands it over) narrows that further: a
+pair takes part when the band and the mask both let it. Before the split
+kernel, ``_mask_bounds`` finds on the device, per batch row, the first and
+last key any mask row shows, so the splits share only that span (a static
+cache's unfilled tail costs no split time), and within it a key that no row
+of a tile sees is never loaded. Float masks and ``mask_fill`` stay on the
+forward kernel (rows a finite value hides entirely need its lse marker).
 ``out`` and ``lse`` have the forward kernel's layout and meaning, so the
 existing backward kernels differentiate a decode forward unchanged.
 """
@@ -46,7 +54,8 @@ import triton
 import triton.language as tl
 
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, cdiv, hint, next_pow2, static_int,
+    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, hint,
+    next_pow2, static_int,
 )
 
 __all__ = ["decode_forward", "decode_suits", "choose_splits"]
@@ -65,18 +74,54 @@ def _dot_f32(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=INPUT_PRECISION)
 
 
+@triton.jit(do_not_specialize=["M", "ROWS", "N_ROWS"])
+def _mask_bounds(
+    Mask, Bounds,
+    stride_mb, stride_mh, stride_mn, stride_mm,
+    M, ROWS, N_ROWS,
+    BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+):
+    """Grid (CHUNKS, B): where bool mask row b lets anything take part
+    within chunk c of its keys (``CHUNKS`` chunks of whole BLOCK_K blocks,
+    the last ones empty when M is small), over the mask's own ``ROWS``
+    (head, query) rows (``N_ROWS`` queries per head; a broadcast dimension
+    counts once). Writes ``Bounds[b, c] = (first, last + 1)`` of the visible
+    keys, ``(2**31 - 1, 0)`` when there is none. The chunking is fixed by M
+    alone, so that every key is covered whatever M is at run time."""
+    c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    chunk = tl.cdiv(tl.cdiv(M, CHUNKS), BLOCK_K) * BLOCK_K
+    c_lo = c * chunk
+    c_hi = tl.minimum(c_lo + chunk, M)
+    first = tl.full([BLOCK_K], 2147483647, dtype=tl.int32)
+    last = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for r in range(0, ROWS):
+        row = Mask + b * stride_mb + (r // N_ROWS).to(tl.int64) * stride_mh + (r % N_ROWS).to(tl.int64) * stride_mn
+        for start in range(c_lo, c_hi, BLOCK_K):
+            j = start + offs
+            seen = tl.load(row + j.to(tl.int64) * stride_mm, mask=j < c_hi, other=0).to(tl.int32) != 0
+            first = tl.minimum(first, tl.where(seen, j, 2147483647))
+            last = tl.maximum(last, tl.where(seen, j + 1, 0))
+    out = Bounds + (b * CHUNKS + c) * 2
+    tl.store(out, tl.min(first, 0))
+    tl.store(out + 1, tl.max(last, 0))
+
+
 @triton.jit(do_not_specialize=["N", "G", "M_CAP", "NUM_PAGES", "S", "window_left", "window_right"])
 def _decode_split(
-    Q, K, V, SeqLens, Table, OPart, LPart, Out, Lse,
+    Q, K, V, SeqLens, Table, Mask, Bounds, OPart, LPart, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_tb, stride_tp,
+    stride_mb, stride_mh, stride_mn, stride_mm,
     stride_ob, stride_oh, stride_om, stride_od,
     Hq, N, G, M_CAP, NUM_PAGES, S,
     qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr, CHUNKS: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     DIRECT: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -89,7 +134,11 @@ def _decode_split(
     ``j % PAGE_SIZE``. ``M_CAP`` is the keys a row can hold (the cache
     length, or max_pages * PAGE_SIZE). DIRECT (S == 1): write Out (q's dtype)
     and Lse (natural log) directly; else OPart (B, Hq, N, S, BLOCK_DV) and
-    LPart (B, Hq, N, S) float32, base 2.
+    LPart (B, Hq, N, S) float32, base 2. HAS_MASK: a bool mask (bytes,
+    nonzero takes part) at ``Mask + b * stride_mb + h * stride_mh + i *
+    stride_mn + j * stride_mm`` also decides visibility, and the keys are
+    first narrowed to the row's ``Bounds`` (``_mask_bounds``, CHUNKS
+    entries), so that the splits share only the keys the mask shows.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)
     s = tl.program_id(0)
@@ -128,6 +177,15 @@ def _decode_split(
         lo = tl.maximum(i_lo + off - window_left, 0)
     if HAS_WINDOW_RIGHT:
         hi = tl.minimum(i_hi + off + window_right + 1, L)
+    if HAS_MASK:
+        # The mask's visible span of this batch row (a static cache's unfilled
+        # tail, left padding): splits share it alone, none runs past it.
+        bnd = Bounds + (b64 * CHUNKS + tl.arange(0, CHUNKS)) * 2
+        lo = tl.maximum(lo, tl.min(tl.load(bnd), 0))
+        hi = tl.minimum(hi, tl.max(tl.load(bnd + 1), 0))
+        # A row showing nothing has first = 2**31 - 1: back into [0, L], so
+        # that the empty span's keys stay in range.
+        lo = tl.minimum(lo, L)
     hi = tl.maximum(hi, lo)
     # This split's share, whole key blocks from the tile's first block.
     lo_blk = (lo // BLOCK_N) * BLOCK_N
@@ -142,6 +200,9 @@ def _decode_split(
     v_head = V + kvh.to(tl.int64) * stride_vh
     d_ok = offs_d[None, :] < HEAD_DIM
     dv_ok = offs_dv[None, :] < HEAD_DIM_V
+
+    if HAS_MASK:
+        m_rows = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh + qi.to(tl.int64) * stride_mn
 
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -160,20 +221,27 @@ def _decode_split(
             slot = offs_n.to(tl.int64)
         k_rows = k_head + page * stride_kb + slot * stride_kn
         v_rows = v_head + page * stride_vb + slot * stride_vn
-        k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=col_ok[:, None] & d_ok, other=0.0)
-        qk = _dot_f32(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST) * qk_scale
         vis = col_ok[None, :] & row_ok[:, None]
         if HAS_WINDOW_RIGHT:
             vis = vis & (offs_n[None, :] <= qi[:, None] + off + window_right)
         if HAS_WINDOW_LEFT:
             vis = vis & (offs_n[None, :] >= qi[:, None] + off - window_left)
+        kv_ok = col_ok
+        if HAS_MASK:
+            keep = tl.load(m_rows[:, None] + offs_n.to(tl.int64)[None, :] * stride_mm, mask=vis, other=0)
+            vis = vis & (keep.to(tl.int32) != 0)
+            # Keys no row of the tile sees are not read (a predicated-off
+            # load moves no memory): holes and ends a cache leaves unfilled.
+            kv_ok = tl.max(vis.to(tl.int32), 0) != 0
+        k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_ok[:, None] & d_ok, other=0.0)
+        qk = _dot_f32(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST) * qk_scale
         qk = tl.where(vis, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         p = tl.exp2(qk - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=col_ok[:, None] & dv_ok, other=0.0)
+        v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=kv_ok[:, None] & dv_ok, other=0.0)
         acc = acc * alpha[:, None] + _dot_f32(p.to(v.dtype), v, INPUT_PRECISION, DOT_UPCAST)
         m_i = m_ij
 
@@ -236,6 +304,13 @@ _CUDA_CONFIGS = [(64, 4, 3), (128, 4, 2), (64, 8, 3), (32, 4, 3)]
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _CUDA_CONFIGS]
 _split_launcher = ConfigLauncher(_decode_split)
 _combine_launcher = ConfigLauncher(_decode_combine)
+_bounds_launcher = ConfigLauncher(_mask_bounds)
+
+# Mask bounds: keys per block and chunks per batch row (a power of two, all
+# read by every split program; 64 chunks keep each program's share of a long
+# cache at a few kB).
+_BOUNDS_BLOCK_K, _BOUNDS_CHUNKS = 1024, 64
+_INTERPRET_BOUNDS_BLOCK_K, _INTERPRET_BOUNDS_CHUNKS = 16, 4
 
 # Under the interpreter: small blocks so that tests cross several, and a
 # stand-in SM count.
@@ -288,13 +363,17 @@ def choose_splits(B: int, Hkv: int, row_tiles: int, keys: int, sms: int) -> int:
 
 def decode_suits(q, k, attn_mask, dropout_p, window_left, window_right, bottom_right, mask_fill) -> bool:
     """Whether ``_attention_forward``'s arguments take the split-KV path:
-    few queries, many keys, no mask tensor, no dropout, and a band aligned
-    bottom-right (or none). ``FLASHFUSE_DECODE=0`` turns the path off,
-    ``=1`` takes it whenever the arguments allow, whatever the sizes."""
+    few queries, many keys, no mask tensor or a bool one whose hidden pairs
+    take no part (no ``mask_fill``), no dropout, and a band aligned
+    bottom-right, or none (without a band the alignment means nothing: a
+    static cache's mask arrives so). ``FLASHFUSE_DECODE=0`` turns the path
+    off, ``=1`` takes it whenever the arguments allow, whatever the sizes."""
     mode = os.environ.get("FLASHFUSE_DECODE", "")
     if mode == "0":
         return False
-    if attn_mask is not None or dropout_p > 0.0 or mask_fill is not None:
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return False  # a float mask's all-hidden rows need the forward's lse marker
+    if dropout_p > 0.0 or mask_fill is not None:
         return False
     if (window_left is not None or window_right is not None) and not bottom_right:
         return False
@@ -322,6 +401,7 @@ def decode_forward(
     bottom_right: bool = True,
     layout: str = "bhsd",
     num_splits: int | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV attention of few queries over a key/value cache.
 
@@ -340,6 +420,11 @@ def decode_forward(
         window_left, window_right, bottom_right: the visibility band, as in
             the forward kernel, with M the row's own length.
         num_splits: force the split count (None: ``choose_splits``).
+        attn_mask: None or a bool mask broadcastable to (B, Hq, N, M) with M
+            the keys a row can hold, any strides: True takes part (with the
+            band); a row that sees no key gets 0 and lse +inf. The splits
+            share only the keys between the first and last that some row of
+            the batch row sees (found on the device, ``_mask_bounds``).
 
     Returns:
         ``(out, lse)`` as the forward kernel returns them: out (B, Hq, N, Dv)
@@ -385,10 +470,25 @@ def decode_forward(
         opart = torch.empty((B, Hq, N, S, block_dv), dtype=torch.float32, device=q.device)
         lpart = torch.empty((B, Hq, N, S), dtype=torch.float32, device=q.device)
     seqlens = cache_seqlens if cache_seqlens is not None else q  # never read without HAS_SEQLENS
+    interp = _interpreting(q)
+    chunks = _INTERPRET_BOUNDS_CHUNKS if interp else _BOUNDS_CHUNKS
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise ValueError(f"decode_forward: attn_mask must be bool, got {attn_mask.dtype}")
+        mask = bool_mask_as_bytes(attn_mask.expand(B, Hq, N, m_cap))
+        mst = mask.stride()
+        bounds = torch.empty((B, chunks, 2), dtype=torch.int32, device=q.device)
+        # The mask's own rows: a broadcast dimension (stride 0) is read once.
+        m_heads = Hq if mst[1] != 0 else 1
+        m_queries = N if mst[2] != 0 else 1
+        bounds_args = (mask, bounds, *mst, m_cap, m_heads * m_queries, m_queries)
+        bounds_meta = dict(BLOCK_K=_INTERPRET_BOUNDS_BLOCK_K if interp else _BOUNDS_BLOCK_K, CHUNKS=chunks)
+    else:
+        mask, mst, bounds = q, (0, 0, 0, 0), lse  # never read
     limit = N + m_cap
     args = (
-        q, k, v, seqlens, table, opart, lpart, out, lse,
-        *q.stride(), *kst, *vst, *tst, *out.stride(),
+        q, k, v, seqlens, table, mask, bounds, opart, lpart, out, lse,
+        *q.stride(), *kst, *vst, *tst, *mst, *out.stride(),
         Hq, N, G, m_cap, num_pages, S,
         float(scale) * _LOG2E, _clamp(window_left, limit), _clamp(window_right, limit),
     )
@@ -397,19 +497,25 @@ def decode_forward(
         HAS_SEQLENS=cache_seqlens is not None, PAGED=block_table is not None, PAGE_SIZE=page_size,
         BOTTOM_RIGHT=bool(bottom_right), HAS_WINDOW_LEFT=window_left is not None,
         HAS_WINDOW_RIGHT=window_right is not None, DIRECT=direct, INPUT_PRECISION=_dot_precision(q),
-        BLOCK_R=block_r,
+        BLOCK_R=block_r, HAS_MASK=attn_mask is not None, CHUNKS=chunks,
     )
     grid = (S, Hkv * tiles, B)
     comb_args = (opart, lpart, out, lse, *out.stride(), Hq, N, S)
     comb_meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_S=max(2, next_pow2(S)))
     comb_grid = (B * Hq * N,)
-    if _interpreting(q):
+    if interp:
+        if attn_mask is not None:
+            _mask_bounds[(chunks, B)](*bounds_args, **bounds_meta)
         _decode_split[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16, BLOCK_N=_INTERPRET_BLOCK_N)
         if not direct:
             _decode_combine[comb_grid](*comb_args, **comb_meta)
         return out, lse
     key = (q.dtype, q.device, _bucket(cdiv(m_cap, S), 1 << 16), tuple(meta.items()))
     with torch.cuda.device(q.device):
+        if attn_mask is not None:
+            _bounds_launcher((q.device, tuple(bounds_meta.items())),
+                             lambda: [triton.Config({}, num_warps=4, num_stages=1)],
+                             lambda m: (chunks, B), *bounds_args, **bounds_meta)
         _split_launcher(key, lambda: _CONFIGS, lambda m: grid, *args, tune=_autotune_enabled(), **meta,
                         DOT_UPCAST=False)
         if not direct:

@@ -96,7 +96,7 @@ def test_dispatch_rule(monkeypatch):
     k = torch.empty(1, 8, 4096, 128)
     assert decode_suits(q, k, None, 0.0, None, 0, True, None)
     assert not decode_suits(q, k, None, 0.0, None, 0, False, None)  # top-left causal
-    assert not decode_suits(q, k, torch.ones(1, dtype=torch.bool), 0.0, None, None, True, None)
+    assert not decode_suits(q, k, torch.ones(1), 0.0, None, None, True, None)  # float masks: see below
     assert not decode_suits(q, k, None, 0.1, None, None, True, None)
     assert not decode_suits(q, k[:, :, :64], None, 0.0, None, 0, True, None)  # few keys
     assert not decode_suits(torch.empty(1, 32, 64, 128), k, None, 0.0, None, 0, True, None)
@@ -140,3 +140,167 @@ def test_gpu_real_sizes(B, N, M):
         attn_mask=torch.ones(N, M, dtype=torch.bool, device="cuda").tril(M - N))
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     assert torch.isfinite(lse).all()
+
+
+# ---------------------------------------------------------------------------
+# Bool masks (static caches, padded batches)
+# ---------------------------------------------------------------------------
+
+def _mask(kind, B, Hq, N, M, gen):
+    """Bool masks as callers hand them over, each with fully hidden rows."""
+    if kind == "prefix":  # a static cache: row b filled up to lens[b] (0: none)
+        lens = torch.tensor([M - 7, 0, 13][:B])
+        return (torch.arange(M) < lens.view(B, 1, 1, 1)).to(DEVICE)
+    if kind == "padded":  # left padding and an unfilled tail, per query
+        j = torch.arange(M)
+        m = (j >= 5) & (j < M - 9)
+        m = m.view(1, 1, 1, M).repeat(B, 1, N, 1)
+        m[-1, :, 0] = False
+        return m.to(DEVICE)
+    # "strided": (B, Hq, N, M) random, every other key of a larger buffer,
+    # heads and queries swapped in memory.
+    buf = torch.rand(B, N, Hq, 2 * M, generator=gen) < 0.4
+    m = buf[..., ::2].transpose(1, 2)
+    m[0, 1] = False
+    assert m.stride(-1) == 2 and not m.is_contiguous()
+    return m.to(DEVICE)
+
+
+def _check_masked(q, k, v, mask, out, lse, tol=2e-6, **band):
+    want = ref.reference_attention(q, k, v, mask, scale=0.5, **band)
+    want_lse = ref.reference_lse(q, k, mask, scale=0.5, **band)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    assert (lse[torch.isinf(lse)] > 0).all()
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", ["prefix", "padded", "strided"])
+@pytest.mark.parametrize("group,n,splits", [(1, 1, 1), (4, 2, 2), (8, 1, 5)])
+def test_bool_masks(kind, group, n, splits):
+    gen = torch.Generator().manual_seed(group * 7 + splits)
+    Hkv, M, B = 2 if group < 8 else 1, 45, 3 if kind == "prefix" else 2
+    q = torch.randn(B, Hkv * group, n, 32, generator=gen).to(DEVICE)
+    k = torch.randn(B, Hkv, M, 32, generator=gen).to(DEVICE)
+    v = torch.randn(B, Hkv, M, 16, generator=gen).to(DEVICE)
+    mask = _mask(kind, B, Hkv * group, n, M, gen)
+    out, lse = decode_forward(q, k, v, scale=0.5, num_splits=splits, attn_mask=mask)
+    _check_masked(q, k, v, mask, out, lse)
+
+
+def test_bool_mask_with_causal_band_and_nan_padding():
+    """The mask and a bottom-right window together; keys and values the
+    mask hides hold NaN past the cache's end, never read."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 8, 3, 16, generator=gen).to(DEVICE)
+    k = in_nan_padding(torch.randn(2, 2, 50, 16, generator=gen).to(DEVICE))
+    v = in_nan_padding(torch.randn(2, 2, 50, 16, generator=gen).to(DEVICE))
+    mask = (torch.rand(2, 1, 3, 50, generator=gen) < 0.7).to(DEVICE)
+    band = dict(window_left=20, window_right=0, bottom_right=True)
+    out, lse = decode_forward(q, k, v, scale=0.5, num_splits=3, attn_mask=mask, **band)
+    _check_masked(q, k, v, mask, out, lse, **band)
+
+
+def test_masked_keys_are_not_read():
+    """NaN in the keys and values of every hidden slot (a static cache's
+    tail, a hole): they must neither be read into a score nor shift the
+    splits' shares off the visible span."""
+    gen = torch.Generator().manual_seed(6)
+    B, M = 2, 64
+    q = torch.randn(B, 4, 1, 16, generator=gen).to(DEVICE)
+    k = torch.randn(B, 1, M, 16, generator=gen).to(DEVICE)
+    v = torch.randn(B, 1, M, 16, generator=gen).to(DEVICE)
+    mask = torch.zeros(B, 1, 1, M, dtype=torch.bool, device=DEVICE)
+    mask[0, ..., :40] = True
+    mask[0, ..., 20:25] = False
+    mask[1, ..., 33:35] = True
+    kn, vn = k.masked_fill(~mask.transpose(-1, -2), float("nan")), v.masked_fill(~mask.transpose(-1, -2), float("nan"))
+    for splits in (1, 4):
+        out, lse = decode_forward(q, kn, vn, scale=0.5, num_splits=splits, attn_mask=mask)
+        _check_masked(q, k, v, mask, out, lse)
+
+
+def test_mask_bounds_kernel():
+    """Per batch row, the first and one past the last key that some mask
+    row shows, over all chunks; a row showing nothing gives an empty span."""
+    gen = torch.Generator().manual_seed(7)
+    B, Hq, N, M = 3, 4, 2, 61
+    m = torch.rand(B, 1, N, M, generator=gen) < 0.05
+    m[1] = False
+    m[2, 0, 1, 60] = True
+    mask = decode.bool_mask_as_bytes(m.to(DEVICE).expand(B, Hq, N, M))
+    chunks = decode._INTERPRET_BOUNDS_CHUNKS
+    bounds = torch.empty((B, chunks, 2), dtype=torch.int32, device=DEVICE)
+    decode._mask_bounds[(chunks, B)](mask, bounds, *mask.stride(), M, N, N,
+                                     BLOCK_K=decode._INTERPRET_BOUNDS_BLOCK_K, CHUNKS=chunks)
+    for b in range(B):
+        seen = m[b].any(0).any(0).nonzero().flatten()
+        lo, hi = int(bounds[b, :, 0].min()), int(bounds[b, :, 1].max())
+        if seen.numel():
+            assert (lo, hi) == (int(seen.min()), int(seen.max()) + 1)
+        else:
+            assert hi == 0 and lo > M
+
+
+def test_dispatch_rule_with_masks(monkeypatch):
+    q = torch.empty(1, 32, 1, 128)
+    k = torch.empty(1, 8, 4096, 128)
+    bool_mask = torch.ones(1, 1, 1, 4096, dtype=torch.bool)
+    assert decode_suits(q, k, bool_mask, 0.0, None, None, True, None)
+    # Without a band the alignment changes nothing: top-left is taken too.
+    assert decode_suits(q, k, bool_mask, 0.0, None, None, False, None)
+    assert not decode_suits(q, k, bool_mask, 0.0, None, 0, False, None)  # top-left causal
+    assert not decode_suits(q, k, bool_mask, 0.0, None, None, True, -1e4)  # a fill: the forward kernel
+    assert not decode_suits(q, k, bool_mask.float(), 0.0, None, None, True, None)  # float: the forward kernel
+    assert not decode_suits(q, k, bool_mask, 0.1, None, None, True, None)
+
+
+def test_op_with_bool_mask_takes_decode_path_and_its_gradients(monkeypatch):
+    """A static cache's call (bool mask, no band, as the Hugging Face hook
+    makes it) through ``flashfuse.attention``: the decode forward, then the
+    backward kernels from its out and lse."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 16)
+    monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "3")
+    calls = []
+    real = decode.decode_forward
+    monkeypatch.setattr(decode, "decode_forward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 1, 16, generator=gen).to(DEVICE).requires_grad_()
+    k = torch.randn(2, 2, 37, 16, generator=gen).to(DEVICE).requires_grad_()
+    v = torch.randn(2, 2, 37, 16, generator=gen).to(DEVICE).requires_grad_()
+    mask = (torch.arange(37) < torch.tensor([30, 0]).view(2, 1, 1, 1)).to(DEVICE)
+    out = flashfuse.attention(q, k, v, mask, alignment="bottom_right", enable_gqa=True, scale=0.5)
+    assert len(calls) == 1 and calls[0]["attn_mask"] is mask
+    g = torch.randn(out.shape, generator=gen).to(DEVICE)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want_out = ref.reference_attention(q, k, v, mask, scale=0.5)
+    want = torch.autograd.grad(want_out, (q, k, v), g.double())
+    torch.testing.assert_close(out.double(), want_out, atol=2e-6, rtol=2e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,M,filled", [(1, 4096, 3072), (8, 32768, 20000), (2, 1000, 0)])
+def test_gpu_static_cache_mask(B, M, filled):
+    """A static cache's bool mask (B, 1, 1, M), first ``filled`` slots (row 0
+    of the batch sees one slot fewer), through the op as the Hugging Face
+    hook calls it, against SDPA with the same mask."""
+    torch.manual_seed(9)
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, 8, M, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, 8, M, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((B, 1, 1, 1), filled, device="cuda")
+    lens[0] = max(filled - 1, 0)
+    mask = torch.arange(M, device="cuda") < lens
+    k[..., filled:, :] = float("nan")  # unfilled slots are never read
+    v[..., filled:, :] = float("nan")
+    out = flashfuse.attention(q, k, v, mask, enable_gqa=True, alignment="bottom_right")
+    if filled == 0:
+        assert (out == 0).all()
+        return
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().nan_to_num(), v.float().nan_to_num(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

@@ -246,9 +246,9 @@ def _analyse(cand: Candidate, node: torch.fx.Node) -> None:
     cand.replaced = [u for u in node.users] + [node]
     masks = []
     if am is not None and not causal:
-        masks.append(f"attn_mask {am.dim()}-D {'bool' if am.dtype == torch.bool else 'float'}")
+        masks.append(f"attn_mask {am.dim()}-D {_mask_kind(a['attn_mask'])}")
     if kpm is not None:
-        masks.append(f"key_padding_mask {'bool' if kpm.dtype == torch.bool else 'float'}")
+        masks.append(f"key_padding_mask {_mask_kind(a['key_padding_mask'])}")
     extras = [name for name, on in (("bias_kv", a["bias_k"] is not None), ("zero_attn", add_zero_attn)) if on]
     cand.facts.update(
         scale=f"{1 / math.sqrt(head_dim):.6g}",
@@ -259,6 +259,20 @@ def _analyse(cand: Candidate, node: torch.fx.Node) -> None:
     )
     cand.plan = MhaPlan(args=a, num_heads=num_heads, head_dim=head_dim, batched=q.dim() == 3,
                         is_causal=causal, dropout_p=dropout_p, scale=math.sqrt(1.0 / head_dim), output=output)
+
+
+def _mask_kind(node: torch.fx.Node) -> str:
+    """"bool" for a bool mask, also once the module has made it float
+    (``zeros_like(m, dtype=...).masked_fill_(m, -inf)``), else "float"."""
+    if N.tensor_val(node).dtype == torch.bool:
+        return "bool"
+    if N.kind(node) in ("masked_fill", "masked_fill_") and len(node.args) >= 3 and node.args[2] == float("-inf"):
+        base, cond = node.args[0], node.args[1]
+        cv = N.tensor_val(cond)
+        if N.kind(base) == "zeros_like" and base.args and base.args[0] is cond and cv is not None \
+                and cv.dtype == torch.bool:
+            return "bool"
+    return "float"
 
 
 # ---------------------------------------------------------------------------
@@ -337,6 +351,11 @@ def _emit_plan(em, plan: MhaPlan) -> torch.fx.Node:
     def heads(x):
         return meth("permute", meth("unflatten", x, -1, (H, hd)), 1, 2, 0, 3)
 
+    def append_zeros(x, dim, n=1):
+        # torch.cat with zeros, not F.pad: pad specialises symbolic sizes.
+        zeros = fn(torch.zeros_like, meth("narrow", x, dim, 0, 1))
+        return fn(torch.cat, [x] + [zeros] * n, dim=dim)
+
     q, k, v = heads(q), heads(k), heads(v)
     extra_keys = 0
     if a["bias_k"] is not None:
@@ -345,8 +364,8 @@ def _emit_plan(em, plan: MhaPlan) -> torch.fx.Node:
         v = fn(torch.cat, [v, meth("expand", heads(a["bias_v"]), bsz, -1, -1, -1)], dim=2)
         extra_keys += 1
     if a["add_zero_attn"]:
-        k = fn(F.pad, k, (0, 0, 0, 1))
-        v = fn(F.pad, v, (0, 0, 0, 1))
+        k = append_zeros(k, 2)
+        v = append_zeros(v, 2)
         extra_keys += 1
 
     mask = None
@@ -359,7 +378,7 @@ def _emit_plan(em, plan: MhaPlan) -> torch.fx.Node:
             if N.tensor_val(m).dtype == torch.bool:
                 m = meth("masked_fill", fn(torch.zeros_like, m, dtype=qdtype), m, float("-inf"))
             if extra_keys:
-                m = fn(F.pad, m, (0, extra_keys))
+                m = append_zeros(m, -1, extra_keys)
             return m
 
         am, kpm = a["attn_mask"], a["key_padding_mask"]

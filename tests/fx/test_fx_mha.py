@@ -121,9 +121,8 @@ def cross_attn(m, x, k, v, kpm, am):
 # --- the projections, biases and layouts ----------------------------------------
 
 
-@pytest.mark.parametrize("batch_first", [False, True])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("batch_first, bias, training", [(False, True, True), (True, True, False),
+                                                       (True, False, True), (False, False, False)])
 def test_self_attention(batch_first, bias, training):
     """The default need_weights=True, weights discarded: one packed
     in-projection; training (dropout 0) and eval."""
@@ -380,6 +379,16 @@ def test_static_k_left_alone():
     _refused(fn, _rand(L, B, E, seed=1), sk, sv, reason="static_k")
 
 
+def test_autocast_left_alone():
+    m = _mha().eval()
+
+    def fn(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x, x, x)[0]
+
+    _refused(fn, _rand(L, B, E, seed=1), reason="autocast")
+
+
 def test_explain_reports_it():
     import flashfuse
 
@@ -436,3 +445,30 @@ class TestSnapshot(expecttest.TestCase):
 %19 = torch._C._nn.linear(%18, L_m_modules_out_proj_parameters_weight_, L_m_modules_out_proj_parameters_bias_)
 %20 = .transpose()(%19, 1, 0)
 return (%20)""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_inductor(dtype):
+    """On the GPU through Inductor: the kernels themselves, a padding mask
+    and a causal mask, training, against eager in float32."""
+    m = _mha(batch_first=True, add_bias_kv=True).cuda().to(dtype).train()
+    ref = copy.deepcopy(m).float()
+    n = 300
+    x = _rand(4, n, E, seed=1).cuda().to(dtype).requires_grad_()
+    kpm = torch.rand(4, n, device="cuda") < 0.2
+    kpm[:, 0] = False
+    am = torch.ones(n, n, device="cuda", dtype=torch.bool).triu(1)
+    backend = make_backend(record=True)
+    out = torch.compile(lambda x: m(x, x, x, key_padding_mask=kpm, attn_mask=am)[0], backend=backend)(x)
+    xr = x.detach().float().requires_grad_()
+    expected = ref(xr, xr, xr, key_padding_mask=kpm, attn_mask=am)[0]
+    assert [c.rewritten for c in backend.candidates] == [True]
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+    g = torch.randn_like(expected)
+    out.backward(g.to(dtype))
+    expected.backward(g)
+    torch.testing.assert_close(x.grad.float(), xr.grad, **tol)
+    for (name, p), (_, p_ref) in zip(m.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.float(), p_ref.grad, msg=name, rtol=5e-2, atol=5e-2)

@@ -344,8 +344,8 @@ def _emit_plan(em, plan: MhaPlan) -> torch.fx.Node:
         else:
             ws = meth("chunk", w, 3)
             bs = meth("chunk", bias, 3) if bias is not None else None
-            q, k, v = (fn(F.linear, x, fn(operator.getitem, ws, i), fn(operator.getitem, bs, i) if bs is not None else None)
-                       for i, x in enumerate((query, key, value)))
+            part = lambda s, i: fn(operator.getitem, s, i) if s is not None else None  # noqa: E731
+            q, k, v = (fn(F.linear, x, part(ws, i), part(bs, i)) for i, x in enumerate((query, key, value)))
 
     # (L, B, E) -> (B, H, L, hd): head h of batch b is PyTorch's row b*H + h.
     def heads(x):

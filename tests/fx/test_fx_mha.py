@@ -311,6 +311,20 @@ def test_transformer_encoder_layer_causal_hint():
     assert backend.candidates[0].facts["causal"] == "top-left"
 
 
+def test_eval_without_grad():
+    """In eval without grad, eager takes the module's fused fast path; this
+    torch's Dynamo traces the unfused call (rewritten), older ones record
+    torch._native_multi_head_attention (reported, left alone)."""
+    m = _mha(batch_first=True).eval()
+    x = _rand(B, L, E, seed=1)
+    backend = make_backend(compiler="eager", record=True)
+    with torch.no_grad():
+        out = torch.compile(lambda x: m(x, x, x)[0], backend=backend)(x)
+        torch.testing.assert_close(out, m(x, x, x)[0], rtol=1e-4, atol=1e-5)
+    (cand,) = backend.candidates
+    assert cand.rewritten or "fused" in cand.reason
+
+
 def test_transformer_encoder_layer_eval_fast_path_left_alone():
     """In eval without grad the layer takes its fused fast path
     (torch._transformer_encoder_layer_fwd): one op for the whole layer,
@@ -324,6 +338,17 @@ def test_transformer_encoder_layer_eval_fast_path_left_alone():
     assert not any(c.rewritten for c in backend.candidates)
     if backend.candidates:  # the fast path, when this torch's Dynamo records it
         assert "fused" in backend.candidates[0].reason
+    # As the reason says: without the fast path, the layer's attention is rewritten.
+    torch._dynamo.reset()
+    backend = make_backend(compiler="eager", record=True)
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(layer, backend=backend)(x), layer(x), rtol=1e-4, atol=1e-5)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+    assert [c.rewritten for c in backend.candidates] == [True]
 
 
 # --- near misses: left alone, with the reason ------------------------------------------------
@@ -335,8 +360,7 @@ def _refused(fn, *args, reason: str):
     backend = make_backend(compiler=rec, record=True)
     out = torch.compile(fn, backend=backend)(*args)
     expected = fn(*args)
-    for a, b in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
-        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(out, expected)
     assert rec.ops == 0
     assert [c.rewritten for c in backend.candidates] == [False]
     assert reason in backend.candidates[0].reason, backend.candidates[0].reason

@@ -4,6 +4,7 @@
 * :mod:`.match` - what a match is (:class:`Candidate`, :class:`Plan`);
 * :mod:`.find` - structural detection on Dynamo FX graphs;
 * :mod:`.masks` - proving that in-graph masks are causal or windows;
+* :mod:`.mha` - `nn.MultiheadAttention`'s one-call attention;
 * :mod:`.rewrite` - the graph surgery (:class:`FlashAttentionPass`);
 * :mod:`.explain` - the candidate report.
 """

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
+from . import mha as _mha
 from . import nodes as N
 from .find import find
 from .match import Candidate, Operand, Plan
@@ -57,6 +58,8 @@ class FlashAttentionPass:
         except Exception as e:  # noqa: BLE001 - never break a user's compile
             log.warning("flashfuse: attention search failed, graph left as it is: %r", e, exc_info=True)
             return []
+        # nn.MultiheadAttention's one-call attention (no softmax in the graph).
+        candidates += _mha.find_mha(gm)
         replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         shared = SharedMasks(gm)  # one mask and one block mask per distinct mask
         changed = False
@@ -65,7 +68,7 @@ class FlashAttentionPass:
                 log.debug("flashfuse: left %s: %s", cand.softmax.name, cand.reason)
                 continue
             try:
-                new = _emit(gm, cand, replaced, shared)
+                new = _mha.emit(gm, cand) if _mha.is_mha(cand) else _emit(gm, cand, replaced, shared)
             except CannotLaunch as e:
                 cand.plan, cand.reason = None, f"the kernels cannot run this shape on this GPU: {e}"
                 log.warning("flashfuse: left %s unrewritten: %s", cand.softmax.name, cand.reason)

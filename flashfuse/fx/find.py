@@ -821,27 +821,25 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, 
         # a @ b: a is an operand of the op as it is (transposes on it are
         # peeled only when they cancel out), b's transpose the other one.
         # Unflipped that is q @ kᵀ, flipped k @ qᵀ.
-        rows, cols = a, b
-        rn, rs, rflips = _peel_scalar_and_transpose(rows)
-        if rflips:
-            rn, rs = _peel_scalar_only(rows)
-        cn, cs, flips = _peel_scalar_and_transpose(cols)
-        if rs != 1.0:
-            pre.insert(0, ("scale", "mul", rs))
-        if cs != 1.0:
-            pre.insert(0, ("scale", "mul", cs))
-        row_op = Operand(rn)
-        col_op = Operand(cn) if flips else Operand(cn, [("transpose", -2, -1)])
+        an, as_, aflips = _peel_scalar_and_transpose(a)
+        if aflips:
+            an, as_ = _peel_scalar_only(a)
+        bn, bs, flips = _peel_scalar_and_transpose(b)
+        if as_ != 1.0:
+            pre.insert(0, ("scale", "mul", as_))
+        if bs != 1.0:
+            pre.insert(0, ("scale", "mul", bs))
+        a_op = Operand(an)
+        b_op = Operand(bn) if flips else Operand(bn, [("transpose", -2, -1)])
         nb = max(av.dim(), bv.dim()) - 2
         if nb > max_batch:
             raise NoMatch("scores with more than two batch dims")
-        row_op = pad_batch(row_op, N.tensor_val(rows).dim(), nb)
-        col_op = pad_batch(col_op, N.tensor_val(cols).dim(), nb)
-        r = nb + 2 if not pad else 4
-        perm = tuple(range(r))
+        a_op = pad_batch(a_op, av.dim(), nb)
+        b_op = pad_batch(b_op, bv.dim(), nb)
+        perm = tuple(range(nb + 2 if not pad else 4))
         if flipped:
-            return col_op, row_op, pre, L.swap_last_two(perm)
-        return row_op, col_op, pre, perm
+            return b_op, a_op, pre, L.swap_last_two(perm)
+        return a_op, b_op, pre, perm
     if k == "einsum":
         eq, ops = _einsum_operands(qk)
         if len(ops) != 2:
@@ -908,6 +906,9 @@ def _group_operands(group: "L.GroupLayout", q_op: Operand, k_op: Operand, pv: to
     q_op = group.query(q_op, _operand_val(q_op))
     kt, vt = _operand_val(k_op), _operand_val(v_op)
     km, vm = group.mode(kt, "k"), group.mode(vt, "v")
+    if km == vm == "full" and not N.known_eq(group.g, 1):
+        # A plain third batch dim, not grouped heads: not what the 5-D path is for.
+        raise NoMatch("scores with more than two batch dims (k and v do not broadcast over a group dim)")
     if km != vm or not (N.known_eq(kt.shape[1], vt.shape[1]) and N.known_eq(kt.shape[2], vt.shape[2])):
         raise NoMatch("k and v are grouped differently in the 5-D product; left alone")
     k_op = group.kv(k_op, kt, km, _unsqueezed_at_2)

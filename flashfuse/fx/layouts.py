@@ -56,15 +56,14 @@ def swap_last_two(perm) -> tuple:
 def _tensor_nodes(t: tuple) -> list:
     """The tensor nodes a score transform reads (masks, fill conditions,
     tensor scale factors)."""
-    if t[0] == "add":
-        nodes = [t[1]]
-    elif t[0] == "fill":
+    if t[0] in ("add", "fill"):
         nodes = [t[1]]
     elif t[0] == "scale":
         nodes = [t[2]]
     else:
         nodes = []
-    return [n for n in nodes if isinstance(n, torch.fx.Node) and N.tensor_val(n) is not None and N.tensor_val(n).dim() > 0]
+    return [n for n in nodes
+            if isinstance(n, torch.fx.Node) and N.tensor_val(n) is not None and N.tensor_val(n).dim() > 0]
 
 
 def stages(perm0, transforms) -> tuple:
@@ -107,9 +106,8 @@ class GroupLayout:
             self.hints += [a for a in torch.fx.node.map_aggregate(node.args[1:], lambda x: x)
                            if isinstance(a, torch.fx.Node)]
             src = N.tensor_val(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
-            if src is not None and src.dim() == 4 and all(
-                N.known_eq(x, y) for x, y in zip(src.shape, (t.shape[0], t.shape[1] * t.shape[2], t.shape[3], t.shape[4]))
-            ):
+            want = (t.shape[0], t.shape[1] * t.shape[2], t.shape[3], t.shape[4])
+            if src is not None and src.dim() == 4 and all(N.known_eq(x, y) for x, y in zip(src.shape, want)):
                 # A view keeps the row-major order: splitting dim 1 is unflatten.
                 return type(op)(node.args[0])
         return op.then(("flatten", 1, 2))

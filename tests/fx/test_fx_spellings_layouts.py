@@ -80,6 +80,15 @@ def q_at_kT_transposed(q, k, v):
     return s.softmax(-1) @ v
 
 
+def k_at_qT_tril_before_transpose(q, k, v):
+    # A tril mask on the (M, N) scores keeps keys at or after each query:
+    # not causal once transposed (it must stay a tensor, not become a band).
+    n = q.shape[-2]
+    keep = torch.ones(n, n, dtype=torch.bool).tril()
+    s = (k @ q.transpose(-1, -2)).masked_fill(~keep, float("-inf")).transpose(-1, -2)
+    return (s * SCALE).softmax(-1) @ v
+
+
 def k_at_qT_bmm(q, k, v):
     b, h, n, d = q.shape
     q3, k3, v3 = (t.reshape(b * h, -1, d) for t in (q, k, v))
@@ -119,6 +128,7 @@ CASES = [
     (einsum_bnhm, {}), (einsum_bnhm_renamed_swapped, {}), (einsum_bnhm_mask, dict(m=M)),
     (einsum_bnhm_causal, dict(m=M)), (k_at_qT_transposed, dict(m=M)),
     (k_at_qT_mask_before_transpose, dict(m=M)), (k_at_qT_bmm, {}), (q_at_kT_transposed, {}),
+    (k_at_qT_tril_before_transpose, {}),
     (grouped_5d, dict(m=M, **GQA)),
     (grouped_5d_kept, dict(m=M, **GQA)), (grouped_5d_transposed_scores, GQA),
 ]
@@ -227,6 +237,14 @@ def trap_transposed_softmax_dim(q, k, v):
     return s.softmax(-2).transpose(-1, -2) @ v
 
 
+def trap_einsum_head_scale_meets_queries(q, k, v):
+    # An (H, 1, 1) factor on (b, n, h, m) scores varies over the queries (N == H).
+    q, k, v = _bnhd(q, k, v)
+    w = torch.linspace(0.5, 1.5, q.shape[2]).view(-1, 1, 1)
+    s = torch.einsum("bnhd,bmhd->bnhm", q, k) * w
+    return torch.einsum("bnhm,bmhd->bnhd", s.softmax(-1), v)
+
+
 def _g5(q):
     b, hq, n, d = q.shape
     return b, hq, n, d, HKV, hq // HKV
@@ -264,6 +282,7 @@ TRAPS = [
     (trap_einsum_softmax_over_heads, {}, "not a key"),
     (trap_einsum_value_reads_heads_as_queries, {}, "not probs x v"),
     (trap_einsum_value_contracts_queries, {}, "not probs x v"),
+    (trap_einsum_head_scale_meets_queries, {}, "varies over the query or key dim"),
     (trap_transpose_heads_and_keys, {}, "not understood"),
     (trap_transposed_softmax_dim, {}, "softmax over dim -2"),
     (trap_grouped_wrong_order, GQA, "h // G"),

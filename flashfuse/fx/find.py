@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
+from . import layouts as L
 from . import nodes as N
 from . import views as V
 from .masks import Band, MaskEvaluator
@@ -316,28 +317,54 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
         raise NoMatch(f"device {dev.type} is not supported by the op")
     _check_no_mutation_between(qk, pv, set(cand.replaced))
 
+    # Transposes of the last two dims between the product and the softmax
+    # (scores built as k @ qᵀ): see flashfuse.fx.layouts.
+    flipped = sum(1 for t in transforms if t[0] == "transpose") % 2 == 1
     layout = None
     if any(N.kind(n) in V.VIEW_KINDS for n in scores_chain + probs_chain):
         # Views that split/merge the batch dims: see _BatchLayout.
+        if any(t[0] == "transpose" for t in transforms):
+            raise NoMatch("a transpose of the scores together with views of their batch dims is not understood")
         layout = _BatchLayout(cand, gm, qk, pv, scores_chain, probs_chain)
     else:
-        # Every transform keeps the product's shape: a mask that broadcasts the
-        # scores to a larger tensor is not an attention mask.
+        # Every transform keeps the product's shape (or its transpose): a mask
+        # that broadcasts the scores to a larger tensor is not an attention mask.
         scores_shape = N.shape(qk)
+        shapes = [scores_shape]
+        if scores_shape is not None and len(scores_shape) >= 2 and any(t[0] == "transpose" for t in transforms):
+            shapes.append(tuple(scores_shape[:-2]) + (scores_shape[-1], scores_shape[-2]))
         for n in scores_chain + [sm] + probs_chain:
-            if not _same_shape(N.shape(n), scores_shape):
+            if not any(_same_shape(N.shape(n), s) for s in shapes):
                 raise NoMatch(f"{N.describe(n)} changes the shape of the scores")
+    # Grouped heads as a 5-D broadcast: see flashfuse.fx.layouts.GroupLayout.
+    grouped = layout is None and N.tensor_val(qk).dim() == 5
 
-    q_op, k_op, pre = _score_operands(qk, pad=layout is None)
+    q_op, k_op, pre, perm0 = _score_operands(qk, pad=layout is None and not grouped, flipped=flipped,
+                                             max_batch=3 if grouped else 2)
     transforms = pre + transforms
     if N.kind(qk) == "baddbmm" and any(t[0] == "add" for t in pre):
         # A bias-first product (Bloom/Falcon ALiBi): named in explain.
         cand.facts["alibi"] = next(t[1] for t in pre if t[0] == "add")
-    if layout is None:
-        v_op, out_steps = _value_operand(pv)
-    else:
-        q_op, k_op, v_op, out_steps = layout.operands(q_op, k_op)
-    plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts, layout)
+    try:
+        where, final = L.stages(perm0, transforms)
+        permuted = not L.identity(perm0) or any(t[0] == "transpose" for t in transforms)
+        if layout is not None and permuted:
+            raise NoMatch("scores in another layout than (batch, query, key) together with views of their "
+                          "batch dims are not understood")
+        if grouped:
+            group = L.GroupLayout(gm, _canonical(N.tensor_val(qk), perm0), pv)
+            q_op, k_op, v_op, out_steps = _group_operands(group, q_op, k_op, pv, final)
+            layout = L.ScoresLayout(group.scores, where, 5, group)
+        elif layout is None:
+            v_op, out_steps = _value_operand(pv, final)
+            if permuted:
+                layout = L.ScoresLayout(_canonical(N.tensor_val(qk), perm0), where, len(perm0), None)
+        else:
+            q_op, k_op, v_op, out_steps = layout.operands(q_op, k_op)
+        plan = _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts, layout,
+                           grouped=grouped)
+    except L.LayoutMismatch as e:
+        raise NoMatch(str(e)) from None
     _check_mutations(cand, plan, muts)
     cand.plan = plan
 
@@ -485,6 +512,9 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
         if sv is None or not sv.dtype.is_floating_point:
             raise NoMatch(f"{N.describe(node)} casts the scores to a non-float dtype")
         return None, node.args[0]
+    if known_chain is None and _swaps_last_two(node):
+        # Scores built transposed, (k @ qᵀ).transpose(-1, -2): see layouts.
+        return ("transpose",), node.args[0]
     if k in V.VIEW_KINDS and known_chain is None:
         why = V.why_not_batch_view(node)
         if why is not None:
@@ -752,11 +782,15 @@ def _swaps_last_two(x: torch.fx.Node) -> bool:
     return False
 
 
-def _score_operands(qk: torch.fx.Node, pad: bool = True) -> tuple:
+def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, max_batch: int = 2) -> tuple:
     """q (..., N, D) and k (..., M, D) operands of the score product, with the
-    batch dims of the scores in order, and any transforms the product itself
-    applies (baddbmm's alpha and bias). ``pad``: right-align them to two
-    batch dims (else they keep the product's batch dims)."""
+    batch dims of the scores in order, any transforms the product itself
+    applies (baddbmm's alpha and bias), and the product's layout: the
+    permutation ``p`` with product = canonical (batch..., N, M) scores
+    ``.permute(p)``. ``pad``: right-align them to two batch dims (else they
+    keep the product's batch dims). ``flipped``: the chain transposes the
+    last two dims an odd number of times, so the product's last dim holds
+    the queries (``k @ qᵀ``)."""
     k = N.kind(qk)
     pre: list[tuple] = []
     pad_batch = _pad_batch if pad else (lambda op, ndim, nb: op)
@@ -784,23 +818,28 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True) -> tuple:
         av, bv = N.tensor_val(a), N.tensor_val(b)
         if av is None or bv is None or av.dim() < 2 or bv.dim() < 2:
             raise NoMatch("the score product has an operand of rank < 2")
-        # On the q side transposes may only be peeled when they cancel out.
-        qn, qs, qflips = _peel_scalar_and_transpose(a)
-        if qflips:
-            qn, qs = _peel_scalar_only(a)
-        kn, ks, flips = _peel_scalar_and_transpose(b)
-        if qs != 1.0:
-            pre.insert(0, ("scale", "mul", qs))
-        if ks != 1.0:
-            pre.insert(0, ("scale", "mul", ks))
-        q_op = Operand(qn)
-        k_op = Operand(kn) if flips else Operand(kn, [("transpose", -2, -1)])
+        # a @ b: a is an operand of the op as it is (transposes on it are
+        # peeled only when they cancel out), b's transpose the other one.
+        # Unflipped that is q @ kᵀ, flipped k @ qᵀ.
+        an, as_, aflips = _peel_scalar_and_transpose(a)
+        if aflips:
+            an, as_ = _peel_scalar_only(a)
+        bn, bs, flips = _peel_scalar_and_transpose(b)
+        if as_ != 1.0:
+            pre.insert(0, ("scale", "mul", as_))
+        if bs != 1.0:
+            pre.insert(0, ("scale", "mul", bs))
+        a_op = Operand(an)
+        b_op = Operand(bn) if flips else Operand(bn, [("transpose", -2, -1)])
         nb = max(av.dim(), bv.dim()) - 2
-        if nb > 2:
+        if nb > max_batch:
             raise NoMatch("scores with more than two batch dims")
-        q_op = pad_batch(q_op, av.dim(), nb)
-        k_op = pad_batch(k_op, bv.dim(), nb)
-        return q_op, k_op, pre
+        a_op = pad_batch(a_op, av.dim(), nb)
+        b_op = pad_batch(b_op, bv.dim(), nb)
+        perm = tuple(range(nb + 2 if not pad else 4))
+        if flipped:
+            return b_op, a_op, pre, L.swap_last_two(perm)
+        return a_op, b_op, pre, perm
     if k == "einsum":
         eq, ops = _einsum_operands(qk)
         if len(ops) != 2:
@@ -808,22 +847,73 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True) -> tuple:
         (ta, tb), to = _parse_einsum(eq, 2)
         if len(to) < 2:
             raise NoMatch("einsum scores of rank < 2")
-        n_l, m_l = to[-2], to[-1]
+        # Roles from the equation, not the letters' names or order: the key
+        # is the dim the softmax reaches last, free in one operand (k); the
+        # query a dim free in the other (q); one summed dim (the head dim).
+        final = list(to)
+        if flipped:
+            final[-2], final[-1] = final[-1], final[-2]
+        m_l = final[-1]
         contracted = [c for c in ta if c in tb and c not in to]
-        if len(contracted) != 1 or n_l not in ta or n_l in tb or m_l not in tb or m_l in ta:
+        if len(contracted) > 1:
+            raise NoMatch(f"einsum '{eq}' sums over more than the head dim")
+        if len(contracted) != 1:
+            raise NoMatch(f"einsum '{eq}' is not a q·kᵀ product")
+        if (m_l in ta) == (m_l in tb):
+            raise NoMatch(f"einsum '{eq}': the softmax's dim '{m_l}' is not a key dim of one operand")
+        qo, ko = ops[0], ops[1]
+        if m_l in ta:
+            (ta, tb), (qo, ko) = (tb, ta), (ko, qo)
+        queries = [c for c in to if c in ta and c not in tb]
+        n_l = queries[0] if len(queries) == 1 else final[-2] if final[-2] in queries else None
+        if n_l is None:
             raise NoMatch(f"einsum '{eq}' is not a q·kᵀ product")
         d_l = contracted[0]
-        batch = to[:-2]
+        batch = [c for c in to if c not in (n_l, m_l)]
         if set(ta) - set(batch) != {n_l, d_l} or set(tb) - set(batch) != {m_l, d_l}:
             raise NoMatch(f"einsum '{eq}' sums over more than the head dim")
         if len(batch) > 2:
             raise NoMatch("scores with more than two batch dims")
-        q_op = _einsum_to(ops[0], ta, list(batch) + [n_l, d_l])
-        k_op = _einsum_to(ops[1], tb, list(batch) + [m_l, d_l])
+        q_op = _einsum_to(qo, ta, batch + [n_l, d_l])
+        k_op = _einsum_to(ko, tb, batch + [m_l, d_l])
         q_op = pad_batch(q_op, len(batch) + 2, len(batch))
         k_op = pad_batch(k_op, len(batch) + 2, len(batch))
-        return q_op, k_op, pre
+        canon = batch + [n_l, m_l]
+        perm = tuple(canon.index(c) for c in to)
+        if pad and len(batch) < 2:
+            # The op's scores gain leading size-1 dims; the product's layout too.
+            extra = 2 - len(batch)
+            perm = tuple(range(extra)) + tuple(p + extra for p in perm)
+        return q_op, k_op, pre, perm
     raise NoMatch(f"{N.describe(qk)} is not a score product")
+
+
+def _canonical(scores: torch.Tensor, perm) -> torch.Tensor:
+    """The product's example value in the canonical (batch..., N, M) layout
+    (``perm`` may count leading size-1 dims the product lacks)."""
+    scores = scores.reshape((1,) * (len(perm) - scores.dim()) + tuple(scores.shape))
+    return scores if L.identity(perm) else scores.permute(*L.inverse(perm))
+
+
+def _group_operands(group: "L.GroupLayout", q_op: Operand, k_op: Operand, pv: torch.fx.Node, final) -> tuple:
+    """q, k, v and the output steps of a 5-D grouped product (see
+    flashfuse.fx.layouts.GroupLayout)."""
+    if not L.identity(final) or N.kind(pv) not in ("matmul",):
+        raise NoMatch("the probabilities of a 5-D product go into something other than a matmul with v")
+    if len(pv.args) < 2 or not isinstance(pv.args[1], torch.fx.Node):
+        raise NoMatch("the value of the 5-D product is not a tensor")
+    v_op = Operand(pv.args[1])
+    q_op = group.query(q_op, _operand_val(q_op))
+    kt, vt = _operand_val(k_op), _operand_val(v_op)
+    km, vm = group.mode(kt, "k"), group.mode(vt, "v")
+    if km == vm == "full" and not N.known_eq(group.g, 1):
+        # A plain third batch dim, not grouped heads: not what the 5-D path is for.
+        raise NoMatch("scores with more than two batch dims (k and v do not broadcast over a group dim)")
+    if km != vm or not (N.known_eq(kt.shape[1], vt.shape[1]) and N.known_eq(kt.shape[2], vt.shape[2])):
+        raise NoMatch("k and v are grouped differently in the 5-D product; left alone")
+    k_op = group.kv(k_op, kt, km, _unsqueezed_at_2)
+    v_op = group.kv(v_op, vt, vm, _unsqueezed_at_2)
+    return q_op, k_op, v_op, group.output_steps()
 
 
 def _peel_scalar_only(x: Any) -> tuple:
@@ -868,10 +958,13 @@ def _pad_batch(op: Operand, ndim: int, nb: int) -> Operand:
     return op
 
 
-def _value_operand(pv: torch.fx.Node) -> tuple:
+def _value_operand(pv: torch.fx.Node, perm=None) -> tuple:
     """v (B?, H?, M, Dv) operand and the steps that turn the op's
-    (B, H, N, Dv) result into ``pv``'s tensor."""
+    (B, H, N, Dv) result into ``pv``'s tensor. ``perm``: the layout of the
+    probabilities (probs = canonical (batch..., N, M) ``.permute(perm)``)."""
     k = N.kind(pv)
+    if k in ("matmul", "bmm") and perm is not None and not L.identity(perm):
+        raise NoMatch("the probabilities are not laid out (batch, query, key) and go into a matmul with v; left alone")
     if k in ("matmul", "bmm"):
         v = pv.args[1]
         vv, pvv = N.tensor_val(v), N.tensor_val(pv)
@@ -888,7 +981,17 @@ def _value_operand(pv: torch.fx.Node) -> tuple:
     (tp, tv), to = _parse_einsum(eq, 2)
     if len(tp) < 2:
         raise NoMatch("einsum probabilities of rank < 2")
-    n_l, m_l, batch = tp[-2], tp[-1], list(tp[:-2])
+    if perm is not None and len(perm) > len(tp):
+        # Leading size-1 dims the op's layout added to the scores.
+        extra = len(perm) - len(tp)
+        if list(perm[:extra]) != list(range(extra)):
+            raise NoMatch("internal: a padded layout moves its padding")
+        perm = tuple(p - extra for p in perm[extra:])
+    if perm is not None and len(perm) != len(tp):
+        raise NoMatch(f"einsum '{eq}' reads the probabilities with another rank than the scores")
+    # The probabilities' dims in canonical order (the query where the scores had it).
+    canon_l = list(tp) if perm is None else [tp[perm.index(j)] for j in range(len(tp))]
+    n_l, m_l, batch = canon_l[-2], canon_l[-1], canon_l[:-2]
     if m_l not in tv or m_l in to or n_l not in to or n_l in tv:
         raise NoMatch(f"einsum '{eq}' is not probs x v")
     e_ls = [c for c in tv if c not in tp]
@@ -1045,7 +1148,8 @@ def _check_head_dim(d, what: str) -> None:
         raise NoMatch(f"{what} head size {c} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
 
 
-def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts=None, layout=None) -> Plan:
+def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts=None, layout=None,
+                grouped=False) -> Plan:
     qv, kv, vv = _operand_val(q_op), _operand_val(k_op), _operand_val(v_op)
     out_t = N.tensor_val(cand.output)
     # The scores as the op sees them, and the steps that bring a mask (or
@@ -1066,8 +1170,14 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
 
     # Batch and head dims: B, H of the output; q follows, k/v share heads.
     B = _bcast(_bcast(qv.shape[0], kv.shape[0], "batch"), vv.shape[0], "batch")
-    Hs = _bcast(qv.shape[1], kv.shape[1], "head")
-    H = _bcast(Hs, vv.shape[1], "head")
+    if grouped:
+        # 5-D grouped heads: q holds every query head, k/v one per group.
+        H = qv.shape[1]
+        if not N.known_eq(kv.shape[1], vv.shape[1]):
+            raise NoMatch("k and v are grouped differently in the 5-D product; left alone")
+    else:
+        Hs = _bcast(qv.shape[1], kv.shape[1], "head")
+        H = _bcast(Hs, vv.shape[1], "head")
     facts = cand.facts
 
     expands: list[tuple] = []
@@ -1090,8 +1200,12 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
 
     # Grouped heads: fold repeat_kv / repeat_interleave of both k and v.
     enable_gqa = False
-    kr, vr = _repeat_source(k_op), _repeat_source(v_op)
-    if kr and vr and kr[1] == vr[1] and kr[1] > 1:
+    kr, vr = (None, None) if grouped else (_repeat_source(k_op), _repeat_source(v_op))
+    if grouped:
+        enable_gqa = not N.known_eq(kv.shape[1], H)
+        if enable_gqa:
+            facts["gqa"] = f"{_fmt(H)}q/{_fmt(kv.shape[1])}kv (5-D broadcast)"
+    elif kr and vr and kr[1] == vr[1] and kr[1] > 1:
         ksrc, vsrc = _operand_val(kr[0]), _operand_val(vr[0])
         if N.known_eq(ksrc.shape[1], vsrc.shape[1]) and N.known_eq(kv.shape[1], vv.shape[1]):
             if not N.known_eq(qv.shape[1], H):
@@ -1100,7 +1214,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
             enable_gqa = True
             facts["gqa"] = f"{_fmt(H)}q/{_fmt(kv.shape[1])}kv (repeat folded)"
     hk, hv = kv.shape[1], vv.shape[1]
-    if not enable_gqa:
+    if not enable_gqa and not grouped:
         if N.known_eq(hk, H) and N.known_eq(hv, H):
             pass
         elif N.known_eq(hk, 1) and N.known_eq(hv, 1):
@@ -1121,7 +1235,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     additive: list[MaskTerm] = []
     hides: list[tuple] = []  # (cond node, hide_where_true, value, const factor after)
     for t in transforms:
-        if t[0] == "noop":
+        if t[0] in ("noop", "transpose"):
             continue
         if t[0] == "scale":
             _, op, f = t
@@ -1184,7 +1298,9 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
             raise NoMatch("masked_fill/where condition is not a bool tensor")
         _check_mask_shape(cond, scores_t, steps_of(cond))
         operand = Operand(cond, steps_of(cond) + ([] if hide_true else [("not",)]))
-        band = _visible_band(mask_value(cond), cond, hide_true, N_, M_)
+        # A band is proved on the mask's own last two dims: not when a
+        # permuted layout moves them (the mask then stays a tensor).
+        band = None if L.reorders(steps_of(cond)) else _visible_band(mask_value(cond), cond, hide_true, N_, M_)
         if band is not None:
             bands.append((band, math.isfinite(fill), ("hide", operand, fill)))
             continue
@@ -1196,7 +1312,8 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         term.steps = steps_of(term.node)
         band, finite = None, False
         if tv.dtype.is_floating_point and not term.negate:
-            band, finite = _additive_band(mask_value(term.node), term, N_, M_)
+            if not L.reorders(term.steps):
+                band, finite = _additive_band(mask_value(term.node), term, N_, M_)
         if band is not None:
             bands.append((band, finite, ("add", term)))
             continue
@@ -1261,6 +1378,11 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     def factor_operand(f):
         if isinstance(f, torch.fx.Node) and N.tensor_val(f) is not None and N.tensor_val(f).dim() > 0:
             _check_mask_shape(f, scores_t, steps_of(f))
+            fv = _operand_val(Operand(f, steps_of(f)))
+            if not (fv.dim() >= 2 and N.known_eq(fv.shape[-1], 1) and N.known_eq(fv.shape[-2], 1)):
+                # In a permuted layout a factor constant over its own last two
+                # dims may vary over the queries or keys.
+                raise NoMatch("the scores are multiplied by a tensor that varies over the query or key dim")
             facts["per_head_scale"] = f.name
             return Operand(f, steps_of(f)) if steps_of(f) else f
         return f

@@ -211,9 +211,6 @@ return (%8)""")
 %14 = flashfuse.attention(%13, L_k_, L_v_, attn_mask=%9, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%11, mask_query_table=%12)
 return (%14)""")
 
-%5 = flashfuse.attention(%4, %1, L_v_, attn_mask=G_BIAS4_, dropout_p=0, is_causal=False, scale=1, enable_gqa=False, window_left=None, window_right=None, alignment=top_left)
-return (%5)""")
-
     def test_grouped_5d_broadcast(self):
         self.assertExpectedInline(rewritten(grouped_5d, *qkv(h=4, hkv=2, m=12, d=16, grad=False)), """\
 %0 = flashfuse.attention(L_q_, L_k_, L_v_, attn_mask=None, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=True, window_left=None, window_right=None, alignment=top_left)

@@ -27,7 +27,7 @@ def attention_backward(*args, **kwargs):
 
 
 def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,
-                   bottom_right: bool, mask_fill, *, backward: bool) -> str | None:
+                   bottom_right: bool, mask_fill, softcap=None, sinks=None, *, backward: bool) -> str | None:
     """Why the CUDA kernels cannot run attention on tensors like these, or
     None when they can.
 
@@ -52,11 +52,12 @@ def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, win
                 bottom_right=bottom_right, mask_fill=mask_fill)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), dry_run():
-            qf, kf, vf, mf, sf = (like(t) for t in (q, k, v, attn_mask, seed))
-            out, lse = attention_forward(qf, kf, vf, mf, sf, **band)
+            qf, kf, vf, mf, sf, skf = (like(t) for t in (q, k, v, attn_mask, seed, sinks))
+            out, lse = attention_forward(qf, kf, vf, mf, sf, **band, softcap=softcap, sinks=skf)
             if backward:
                 mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
-                attention_backward(torch.empty_like(out), qf, kf, vf, mf, sf, out, lse, **band, mask_grad=mask_grad)
+                attention_backward(torch.empty_like(out), qf, kf, vf, mf, sf, out, lse, **band, mask_grad=mask_grad,
+                                   softcap=softcap)
     except NoKernelConfig as exc:
         return str(exc)
     return None

@@ -212,3 +212,11 @@ def test_compile_matrix_smoke(tmp_path):
     assert VERSION_COLUMNS - {"date"} <= set(rows[0]) and "rewritten" in out
     for r in rows:
         assert float(r["err_out"]) <= max(2 * float(r["eager_err_out"]), 2e-5)
+
+
+def test_bench_capsink_smoke(tmp_path):
+    out = run_script("bench_capsink.py", tmp_path)
+    rows = read_csv(tmp_path / "capsink.csv")
+    assert {(r["provider"], r["variant"]) for r in rows if not r.get("error")} >= {
+        ("flashfuse", "softcap+sinks"), ("eager", "softcap+sinks")}
+    assert "fwd+bwd ms" in out

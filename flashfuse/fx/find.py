@@ -252,6 +252,8 @@ def _check_mutations(cand: Candidate, plan: Plan, muts: Mutations) -> None:
                 inputs.setdefault(f, "a scale factor")
     for h in plan.hide:
         inputs.setdefault(h.node, "the mask")
+    if plan.sinks is not None:
+        inputs.setdefault(plan.sinks.node, "the sinks")
     for _, f in plan.q_factors:
         if isinstance(f, torch.fx.Node):
             inputs.setdefault(f, "a scale factor")

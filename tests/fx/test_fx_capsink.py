@@ -253,3 +253,25 @@ def test_explain_names_softcap_and_sinks():
                             print_table=False)
     assert rep.rewritten == 1
     assert rep.rows[0].mask == "softcap 50, additive, sinks"
+
+
+def test_sinks_written_in_place_before_the_product_left_alone():
+    """A write to the sinks after the pattern reads them and before the
+    value product: the op would read the new value, eager the old."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("sinks", torch.randn(4))
+
+        def forward(self, q, k, v):
+            w = q @ k.transpose(-1, -2) * SCALE
+            col = self.sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1)
+            p = torch.cat([w, col], dim=-1).softmax(-1)[..., :-1]
+            self.sinks.add_(1.0)
+            return p @ v
+
+    q, k, v = qkv(n=4, m=4, d=D, grad=False)
+    _, backend = compile_and_compare(M(), q, k, v, expect=0, grad=False)
+    (cand,) = backend.candidates
+    assert "sinks" in cand.reason, cand.reason

@@ -262,15 +262,19 @@ def reference_lse(
     return _with_sinks(_row_lse(scores), sinks)
 
 
-def _with_sinks(lse: Tensor, sinks: Optional[Tensor]) -> Tensor:
+def _with_sinks(lse: Tensor, sinks: Optional[Tensor], stored: Optional[Tensor] = None) -> Tensor:
     """Fold a per-head sink logit into a (B, Hq, N) lse (+inf: no key), as
     every implementation does at the end of a row: logaddexp(lse, sink),
-    +inf again where both are -inf."""
+    +inf again where both are -inf. ``stored`` (the row's stored lse, a
+    marker maybe) is kept where the sink changes nothing."""
     if sinks is None:
-        return lse
+        return lse if stored is None else stored
     keys = torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
     out = torch.logaddexp(keys, sinks.to(lse.dtype).view(1, -1, 1))
-    return torch.where(out == float("-inf"), torch.full_like(out, float("inf")), out)
+    out = torch.where(out == float("-inf"), torch.full_like(out, float("inf")), out)
+    if stored is not None:
+        out = torch.where(out == keys, stored.to(out.dtype), out)
+    return out
 
 
 def _row_lse(scores: Tensor) -> Tensor:
@@ -308,8 +312,8 @@ def reference_stored_lse(
         return _with_sinks(lse, sinks)
     uniform = uniform & torch.isfinite(row_max)
     count = (scores == row_max[..., None]).sum(dim=-1).to(torch.float32)
-    # The sink is folded after the marking, as the implementations do.
-    return _with_sinks(torch.where(uniform, lse_marker(count), lse), sinks)
+    # The sink is folded from the true lse; markers stay where it changes nothing.
+    return _with_sinks(lse, sinks, torch.where(uniform, lse_marker(count), lse))
 
 
 # ---------------------------------------------------------------------------
@@ -653,6 +657,7 @@ def blockwise_forward(
         inv = t.drop_scale / torch.where(empty, torch.ones_like(row_sum), row_sum)
         rows_out = acc.view(B, Hq, n, Dv) * inv.unsqueeze(-1)
         row_lse = torch.where(empty, torch.full_like(row_sum, float("inf")), row_max + torch.log(row_sum))
+        keys_lse = row_lse  # before any marker (for the sinks)
         if t.marks:
             if t.float_mask:
                 uniform = row_max <= _AVERAGE_AT[t.acc_dtype]
@@ -662,11 +667,11 @@ def blockwise_forward(
         if sinks is not None:
             # The sink joins the denominator: out *= exp(lse - lse'), with
             # lse' = logaddexp(lse, sink) (markers: exp gives 0 there).
-            with_sink = _with_sinks(row_lse, sinks)
-            keys = torch.where(empty, torch.full_like(row_lse, float("-inf")), row_lse)
+            with_sink = _with_sinks(keys_lse, sinks)
+            keys = torch.where(empty, torch.full_like(row_lse, float("-inf")), keys_lse)
             factor = torch.exp(keys - torch.where(torch.isinf(with_sink), torch.zeros_like(with_sink), with_sink))
             rows_out = rows_out * torch.where(torch.isinf(with_sink), torch.zeros_like(factor), factor).unsqueeze(-1)
-            row_lse = with_sink
+            row_lse = torch.where(with_sink == keys, row_lse, with_sink)
         out[:, :, i0:i1] = rows_out
         lse[:, :, i0:i1] = row_lse
     return out, lse

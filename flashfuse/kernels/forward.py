@@ -389,6 +389,7 @@ def _attn_fwd(
         inv_l = inv_l * dropout_scale
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse_keys = lse  # the true lse of the keys, before any marker (for SINKS)
     # Rows that a finite value hides entirely: the marker holding l (see
     # common._lse_marked); m_i + log2(l) would have rounded to m_i.
     if MASK_KIND == 2:
@@ -397,17 +398,17 @@ def _attn_fwd(
         lse = _lse_marked(lse, l_i, (m_i == mask_fill) & (~empty))
     if SINKS:
         # lse' = logaddexp(lse, sink) and out *= exp(lse - lse'): the sink
-        # joins the denominator only. A marked row's huge negative lse gives
-        # a factor of 0, as the sink then outweighs its keys.
+        # joins the denominator only. From the keys' true lse; where the
+        # sink changes nothing the stored lse (a marker, maybe) is kept.
         sink = tl.load(Sinks + h).to(tl.float32)
-        keys = tl.where(empty, float("-inf"), lse)
+        keys = tl.where(empty, float("-inf"), lse_keys)
         top = tl.maximum(keys, sink)
         top = tl.where(top == float("-inf"), 0.0, top)
         e_keys = tl.exp(keys - top)
         den = e_keys + tl.exp(sink - top)  # 0 only when both are -inf
         lse_s = top + tl.log(den)
         out = out * tl.where(den > 0.0, e_keys / tl.where(den > 0.0, den, 1.0), 0.0)[:, None]
-        lse = tl.where(lse_s == float("-inf"), float("inf"), lse_s)
+        lse = tl.where(lse_s == keys, lse, tl.where(lse_s == float("-inf"), float("inf"), lse_s))
 
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od
     if BLOCK_DV != HEAD_DIM_V:

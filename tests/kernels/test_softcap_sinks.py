@@ -232,6 +232,22 @@ def _tanh_kernel(X, T, S, n, BLOCK: tl.constexpr):
     tl.store(S + offs, s, mask=offs < n)
 
 
+@pytest.mark.parametrize("path", ["kernels", "blockwise"])
+@pytest.mark.parametrize("fill,sink", [(-1e4, -2e4), (-1e4, 0.5), (-3.4e38, 1.0)])
+def test_rows_a_fill_hides_with_sinks_above_and_below(path, fill, sink, monkeypatch):
+    """A row that ``mask_fill`` hides entirely averages its keys when the
+    sink lies far below the fill, and gives the sink the whole row when it
+    lies above, as eager's softmax over [fills..., sink] does."""
+    if path == "blockwise":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.manual_seed(8)
+    q, k, v = _inputs(1, 2, 2, 5, 33, 16, torch.float32)
+    sinks = torch.tensor([sink, 0.3], device=DEVICE)
+    bmask = torch.rand(1, 1, 5, 33, device=DEVICE) > 0.4
+    bmask[..., 1, :] = False
+    _check(q, k, v, sinks, bmask, tol=2e-5, mask_fill=fill)
+
+
 def test_tanh_accuracy_in_fp32():
     """The kernels' exp2-based tanh and 1 - tanh**2 are within a few fp32
     ulps of float64 over the whole range (small |x| where 1 - e cancels,

@@ -62,6 +62,19 @@ def test_softcap_spellings(fn):
     assert cand.plan.scale == pytest.approx(SCALE)
 
 
+def test_softcap_without_mask():
+    """Formerly left alone (tests/fx/test_fx_safety.py): now the op's softcap."""
+
+    def f(q, k, v):
+        s = torch.tanh(q @ k.transpose(-2, -1) * SCALE / 5.0) * 5.0
+        return F.softmax(s, dim=-1) @ v
+
+    q, k, v = qkv(n=6, d=D)
+    q.data.mul_(20)
+    rec, backend = compile_and_compare(f, q, k, v, expect=1)
+    assert _op_kwargs(rec)["softcap"] == 5.0 and backend.candidates[0].facts["mask"] == "softcap 5"
+
+
 def test_softcap_causal_built_in_graph():
     def f(q, k, v):
         n = q.shape[-2]

@@ -214,16 +214,6 @@ def _check_supported(module, query: Tensor, key: Tensor, value: Tensor, kwargs: 
             "attn_implementation='eager' (or call model.set_attn_implementation('eager')) "
             "to get attention weights."
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(
-            "flashfuse: attention logit soft-capping (softcap, e.g. Gemma 2) is not supported; "
-            "use attn_implementation='eager' for this model."
-        )
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ValueError(
-            "flashfuse: attention sinks (s_aux, e.g. gpt-oss) are not supported; "
-            "use attn_implementation='eager' for this model."
-        )
     d, dv = query.shape[-1], value.shape[-1]
     if not (_MIN_HEAD_DIM <= d <= _MAX_HEAD_DIM and _MIN_HEAD_DIM <= dv <= _MAX_HEAD_DIM):
         raise ValueError(
@@ -235,6 +225,20 @@ def _check_supported(module, query: Tensor, key: Tensor, value: Tensor, kwargs: 
             f"flashfuse: {query.shape[1]} query heads are not a multiple of "
             f"{key.shape[1]} key/value heads"
         )
+
+
+def _softcap_and_sinks(query: Tensor, kwargs: dict) -> tuple:
+    """The op's ``softcap`` and ``sinks`` from the layer's arguments: Gemma 2
+    passes ``softcap=config.attn_logit_softcapping``, gpt-oss
+    ``s_aux=module.sinks`` (one logit per query head, in the model's dtype;
+    the op takes float32 or the query's dtype)."""
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is not None and sinks.dtype not in (torch.float32, query.dtype):
+        sinks = sinks.float()
+    return (float(softcap) if softcap is not None else None), sinks
 
 
 def _with_position_bias(position_bias: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -280,8 +284,10 @@ def flashfuse_attention_forward(
         is_causal: overrides ``module.is_causal`` (default True).
         position_bias: optional additive bias (T5-style relative positions).
         **kwargs: ``sliding_window`` (a key at distance >= sliding_window behind
-            the query is not seen, as in transformers' masks), and flags that are
-            checked (``output_attentions``, ``softcap``, ``s_aux``).
+            the query is not seen, as in transformers' masks), ``softcap``
+            (Gemma 2's ``attn_logit_softcapping``: the scaled scores are capped
+            before the mask), ``s_aux`` (gpt-oss's per-head attention sinks),
+            and flags that are checked (``output_attentions``).
 
     Returns:
         ``(output, None)``, output of shape (batch, q_len, q_heads, head_dim).
@@ -318,6 +324,7 @@ def flashfuse_attention_forward(
 
     training = getattr(module, "training", True)
     dropout_p = float(dropout) if training else 0.0
+    softcap, sinks = _softcap_and_sinks(query, kwargs)
 
     tables = {}
     if attention_mask is not None and position_bias is None:
@@ -337,6 +344,8 @@ def flashfuse_attention_forward(
         window_left=window_left,
         alignment="bottom_right",
         **tables,
+        **({"softcap": softcap} if softcap is not None else {}),
+        **({"sinks": sinks} if sinks is not None else {}),
     )
     # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
     # contiguous() is then free and gives callers the layout they expect.

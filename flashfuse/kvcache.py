@@ -40,41 +40,48 @@ _lib.define(f"_attention_backward_lse_cpu({ops._BACKWARD_ARGS}, Tensor? grad_lse
 
 
 def _backward_lse(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-                  bottom_right, mask_grad, mask_fill=None, grad_lse=None):
+                  bottom_right, mask_grad, mask_fill=None, mask_key_table=None, mask_query_table=None,
+                  softcap=None, grad_lse=None):
     """``ops._attention_backward`` with the gradient of lse added."""
     N, M = q.shape[2], k.shape[2]
-    if N == 0 or M == 0:
+    if N == 0 or M == 0 or grad_lse is None:
         return ops._attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale,
-                                       window_left, window_right, bottom_right, mask_grad, mask_fill)
-    impl = ops._kernels.attention_backward if ops._use_triton(q) else reference.blockwise_backward
+                                       window_left, window_right, bottom_right, mask_grad, mask_fill,
+                                       mask_key_table, mask_query_table, softcap)
+    triton = ops._use_triton(q)
+    impl = ops._kernels.attention_backward if triton else reference.blockwise_backward
+    tables = {"key_table": mask_key_table, "query_table": mask_query_table} if triton else {}
     dq, dk, dv, dmask = impl(
         grad_out, q, k, v, attn_mask, seed, out, lse,
         dropout_p=dropout_p, scale=scale, window_left=window_left, window_right=window_right,
-        bottom_right=bottom_right, mask_grad=mask_grad, mask_fill=mask_fill, grad_lse=grad_lse,
+        bottom_right=bottom_right, mask_grad=mask_grad, mask_fill=mask_fill, **tables, softcap=softcap,
+        grad_lse=grad_lse,
     )
     if dmask is None:
         dmask = ops._empty_dmask(attn_mask, q, False)
     return dq, dk, dv, dmask
 
 
-def _backward_lse_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-                       bottom_right, mask_grad, mask_fill=None, grad_lse=None):
-    return ops._attention_backward_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale,
-                                        window_left, window_right, bottom_right, mask_grad, mask_fill)
+def _backward_lse_fake(*args, grad_lse=None, **kwargs):
+    return ops._attention_backward_fake(*args, **kwargs)
 
 
 _lib.impl("_attention_backward_lse_cpu", _backward_lse, "CPU")
 torch.library.register_fake("flashfuse::_attention_backward_lse_cpu", _backward_lse_fake, lib=_lib)
 
 
+# The same arguments as the private ops (ops._attention_forward /
+# _attention_backward), in their order; only the autograd differs.
 @torch.library.triton_op("flashfuse::_attention_forward_lse", mutates_args=())
 def _forward_lse_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
     dropout_p: float, scale: float, window_left: Optional[int], window_right: Optional[int],
-    bottom_right: bool, mask_fill: Optional[float] = None,
+    bottom_right: bool, mask_fill: Optional[float] = None, mask_key_table: Optional[Tensor] = None,
+    mask_query_table: Optional[Tensor] = None, softcap: Optional[float] = None, sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``_attention_forward``, with a differentiable lse."""
-    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill)
+    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
+            mask_key_table, mask_query_table, softcap, sinks)
     if q.device.type == "cuda":
         return ops._attention_forward(*args)
     return torch.ops.flashfuse._attention_forward_cpu(*args)
@@ -85,11 +92,12 @@ def _backward_lse_op(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
     out: Tensor, lse: Tensor, dropout_p: float, scale: float, window_left: Optional[int],
     window_right: Optional[int], bottom_right: bool, mask_grad: bool, mask_fill: Optional[float] = None,
-    grad_lse: Optional[Tensor] = None,
+    mask_key_table: Optional[Tensor] = None, mask_query_table: Optional[Tensor] = None,
+    softcap: Optional[float] = None, grad_lse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_attention_backward`` with the gradient of lse."""
     args = (grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-            bottom_right, mask_grad, mask_fill, grad_lse)
+            bottom_right, mask_grad, mask_fill, mask_key_table, mask_query_table, softcap, grad_lse)
     if q.device.type == "cuda":
         return _backward_lse(*args)
     return torch.ops.flashfuse._attention_backward_lse_cpu(*args)
@@ -105,13 +113,23 @@ def _lse_setup_context(ctx, inputs, output):
 
 
 def _lse_backward(ctx, grad_out, grad_lse):
-    q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
+    q, k, v, attn_mask, seed, out, lse, key_table, query_table, sinks = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dmask = torch.ops.flashfuse._attention_backward_lse(
-        grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad, ctx.mask_fill, grad_lse)
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None
+        grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad, ctx.mask_fill, key_table,
+        query_table, ctx.softcap, grad_lse)
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[14]:
+        # d lse / d sink = p_sink, so lse's gradient adds p_sink * grad_lse
+        # to the term through the output (ops.sink_gradient).
+        dsinks = ops.sink_gradient(grad_out, out, lse, sinks)
+        if grad_lse is not None:
+            p_sink = torch.where(lse > reference.LSE_MARKED_BELOW,
+                                 torch.exp(sinks.to(torch.float32).view(1, -1, 1) - lse), torch.zeros_like(lse))
+            dsinks = dsinks + (p_sink * grad_lse.to(torch.float32)).sum(dim=(0, 2)).to(sinks.dtype)
+    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 10 + (dsinks,)
 
 
 _forward_lse_op.register_autograd(_lse_backward, setup_context=_lse_setup_context)
@@ -119,13 +137,16 @@ _forward_lse_op.register_autograd(_lse_backward, setup_context=_lse_setup_contex
 
 def _attention_with_lse_composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                   enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
-                                  mask_fill=None):
+                                  mask_fill=None, mask_key_table=None, mask_query_table=None, softcap=None,
+                                  sinks=None):
     ops.check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
+    tables = ops._check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
     args = ops._forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                              alignment, mask_fill,
-                             new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device))
+                             new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
+                             tables=tables, softcap=softcap, sinks=sinks)
     out, lse = torch.ops.flashfuse._attention_forward_lse(*args)
-    fill = args[-1]
+    fill = args[10]  # the normalised mask_fill
     if fill is not None and fill <= reference.FILL_MARKS_AT:
         # Rows the fill hides entirely store a marker of their key count l
         # (see reference.lse_marker); their true lse is fill + log(l).
@@ -141,7 +162,7 @@ _lib.impl("attention_with_lse", _attention_with_lse_composite, "CompositeImplici
 
 def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
-                       mask_fill=None) -> tuple[Tensor, Tensor]:
+                       mask_fill=None, softcap=None, sinks=None) -> tuple[Tensor, Tensor]:
     """:func:`flashfuse.attention`, also returning each row's log-sum-exp.
 
     Arguments are those of :func:`flashfuse.attention`.
@@ -150,8 +171,9 @@ def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         ``(out, lse)``: ``out`` as :func:`flashfuse.attention` returns it;
         ``lse`` float32 (B, Hq, N), natural log:
         ``lse[b, h, i] = log sum_j exp(s_ij)`` over the keys row i sees,
-        with ``s = scale * q.k (+ float mask)``; ``+inf`` for a row that
-        sees no key (its output is 0). For a row that a float mask hides
+        with ``s = scale * q.k`` (soft-capped, plus a float mask) and, with
+        ``sinks``, the row's sink logit inside the sum; ``+inf`` for a row
+        that sees no key (its output is 0). For a row that a float mask hides
         entirely with values at or below -1e38 (``finfo.min``) lse is within
         float32 rounding of the true value (about -3.4e38). Both results are
         differentiable: the gradient of lse is the row's softmax (d lse /
@@ -160,9 +182,17 @@ def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         ``w = exp(lse_1 - lse)``, ``lse = logaddexp(lse_1, lse_2)``,
         ``out = w_1 out_1 + w_2 out_2``.
     """
+    from .block_mask import BlockMask
+
+    if isinstance(attn_mask, BlockMask):
+        kw = attn_mask.attention_args(query, key, is_causal, window_left, window_right, alignment, mask_fill)
+        return torch.ops.flashfuse.attention_with_lse(query, key, value, kw.pop("attn_mask"), dropout_p,
+                                                      kw.pop("is_causal"), scale, enable_gqa, **kw,
+                                                      softcap=softcap, sinks=sinks)
     return torch.ops.flashfuse.attention_with_lse(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         window_left=window_left, window_right=window_right, alignment=alignment, mask_fill=mask_fill,
+        softcap=softcap, sinks=sinks,
     )
 
 

@@ -49,7 +49,8 @@ _ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
     "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
     "*, int? window_left=None, int? window_right=None, str alignment=\"top_left\", "
-    "float? mask_fill=None, Tensor? mask_key_table=None, Tensor? mask_query_table=None) -> Tensor"
+    "float? mask_fill=None, Tensor? mask_key_table=None, Tensor? mask_query_table=None, float? softcap=None, "
+    "Tensor? sinks=None) -> Tensor"
 )
 
 _lib = torch.library.Library("flashfuse", "FRAGMENT")
@@ -177,6 +178,36 @@ def check_inputs(
         )
 
 
+def check_softcap_sinks(query: Tensor, softcap: float | None, sinks: Tensor | None) -> float | None:
+    """The soft-cap the kernels get (None or a positive finite float); raises
+    ``ValueError`` for a cap that is not positive and finite, and for sinks
+    that are not one value per query head on the query's device."""
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0.0):
+            raise ValueError(
+                f"flashfuse.attention: softcap must be a positive finite number (scores become "
+                f"softcap * tanh(scores / softcap)) or None, got {softcap}"
+            )
+    if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            raise TypeError(f"flashfuse.attention: sinks must be a Tensor or None, got {type(sinks).__name__}")
+        Hq = query.shape[1]
+        if sinks.dim() != 1 or sinks.shape[0] != Hq:
+            raise ValueError(
+                f"flashfuse.attention: sinks must have shape (query_heads,) = ({Hq},), got "
+                f"{tuple(sinks.shape)}; one logit per query head, e.g. gpt-oss's module.sinks"
+            )
+        if sinks.device != query.device:
+            raise ValueError(f"flashfuse.attention: sinks are on {sinks.device} but query is on {query.device}")
+        if sinks.dtype not in (torch.float32, query.dtype):
+            raise ValueError(
+                f"flashfuse.attention: sinks dtype {sinks.dtype} is not supported with {query.dtype} inputs; "
+                f"use float32 or {query.dtype}"
+            )
+    return softcap
+
+
 def check_mask_fill(attn_mask: Tensor | None, mask_fill: float | None) -> float | None:
     """The fill the kernels get: None (hidden pairs take no part) or a
     finite score for the pairs a bool mask hides. Raises ``ValueError`` for
@@ -218,6 +249,8 @@ def _attention_composite(
     mask_fill: float | None = None,
     mask_key_table: Tensor | None = None,
     mask_query_table: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
     tables = _check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
@@ -227,8 +260,8 @@ def _attention_composite(
     args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                          alignment, mask_fill,
                          new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
-                         tables=tables)
-    if _plain_eager_call(query, key, value, attn_mask):
+                         tables=tables, softcap=softcap, sinks=sinks)
+    if _plain_eager_call(query, key, value, attn_mask, sinks):
         out = _EagerAttention.apply(*args)
     else:
         out, _ = torch.ops.flashfuse._attention_forward(*args)
@@ -239,12 +272,13 @@ def _attention_composite(
 
 
 def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                  alignment, mask_fill, new_seed, tables=(None, None)) -> tuple:
+                  alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None) -> tuple:
     """The arguments of ``_attention_forward`` for a public call whose
     inputs are checked: the default scale, ``is_causal`` as the window's
     right bound, the fill normalised, and a seed from ``new_seed()`` when
     dropout draws."""
     mask_fill = check_mask_fill(attn_mask, mask_fill)
+    softcap = check_softcap_sinks(query, softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif not math.isfinite(scale):
@@ -254,13 +288,13 @@ def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, win
     seed = new_seed() if 0.0 < dropout_p < 1.0 else None
     return (
         query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),
-        window_left, window_right, alignment == "bottom_right", mask_fill, *tables,
+        window_left, window_right, alignment == "bottom_right", mask_fill, *tables, softcap, sinks,
     )
 
 
 def kernel_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
-                   mask_fill=None, backward=False) -> str | None:
+                   mask_fill=None, softcap=None, sinks=None, backward=False) -> str | None:
     """Why the CUDA kernels could not run ``attention`` with these
     arguments (the public op's, on fake or real tensors), or None when they
     can or the tensors are not on CUDA. ``backward`` asks for the gradient
@@ -269,7 +303,8 @@ def kernel_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     if _kernels is None or query.device.type != "cuda":
         return None
     args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                         alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64))
+                         alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64),
+                         softcap=softcap, sinks=sinks)
     return _kernels.launch_problem(*args, backward=backward)
 
 
@@ -328,13 +363,14 @@ def _empty_out(q: Tensor, v: Tensor) -> Tensor:
 _FORWARD_ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? seed, "
     "float dropout_p, float scale, SymInt? window_left, SymInt? window_right, bool bottom_right, "
-    "float? mask_fill=None, Tensor? mask_key_table=None, Tensor? mask_query_table=None"
+    "float? mask_fill=None, Tensor? mask_key_table=None, Tensor? mask_query_table=None, float? softcap=None, "
+    "Tensor? sinks=None"
 )
 _BACKWARD_ARGS = (
     "Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
     "Tensor? seed, Tensor out, Tensor lse, float dropout_p, float scale, SymInt? window_left, "
     "SymInt? window_right, bool bottom_right, bool mask_grad, float? mask_fill=None, "
-    "Tensor? mask_key_table=None, Tensor? mask_query_table=None"
+    "Tensor? mask_key_table=None, Tensor? mask_query_table=None, float? softcap=None"
 )
 _lib.define(f"_attention_forward_cpu({_FORWARD_ARGS}) -> (Tensor, Tensor)")
 _lib.define(f"_attention_backward_cpu({_BACKWARD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -354,11 +390,14 @@ def _attention_forward(
     mask_fill: float | None = None,
     mask_key_table: Tensor | None = None,
     mask_query_table: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Flash-attention forward. Returns ``out`` (B, Hq, N, Dv) and the per-row
     log-sum-exp ``lse`` (B, Hq, N) float32, natural log, +inf for rows that see
     no key, ``reference.lse_marker`` for rows that a finite value hides
-    entirely. Arguments are already checked by ``flashfuse::attention``."""
+    entirely. With ``sinks`` the lse includes the row's sink logit. Arguments
+    are already checked by ``flashfuse::attention``."""
     B, Hq, N, _ = q.shape
     M = k.shape[2]
     if N == 0 or M == 0:
@@ -373,11 +412,12 @@ def _attention_forward(
         q, k, v, attn_mask, seed,
         dropout_p=dropout_p, scale=scale, window_left=window_left,
         window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill, **tables,
+        softcap=softcap, sinks=sinks,
     )
 
 
 def _attention_forward_fake(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
-                            mask_fill=None, mask_key_table=None, mask_query_table=None):
+                            mask_fill=None, mask_key_table=None, mask_query_table=None, softcap=None, sinks=None):
     B, Hq, N, _ = q.shape
     return _empty_out(q, v), q.new_empty((B, Hq, N), dtype=torch.float32)
 
@@ -400,6 +440,7 @@ def _attention_backward(
     mask_fill: float | None = None,
     mask_key_table: Tensor | None = None,
     mask_query_table: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Flash-attention backward: ``dq``, ``dk``, ``dv`` (``empty_like`` their
     inputs) and ``dmask`` (the mask's shape and dtype when ``mask_grad``, else
@@ -418,6 +459,7 @@ def _attention_backward(
         dropout_p=dropout_p, scale=scale, window_left=window_left,
         window_right=window_right, bottom_right=bottom_right, mask_grad=mask_grad, mask_fill=mask_fill,
         **tables,
+        softcap=softcap,
     )
     if dmask is None:
         dmask = _empty_dmask(attn_mask, q, False)
@@ -432,7 +474,7 @@ def _empty_dmask(attn_mask: Tensor | None, q: Tensor, mask_grad: bool) -> Tensor
 
 def _attention_backward_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left,
                              window_right, bottom_right, mask_grad, mask_fill=None, mask_key_table=None,
-                             mask_query_table=None):
+                             mask_query_table=None, softcap=None):
     return (
         torch.empty_like(q),
         torch.empty_like(k),
@@ -453,11 +495,11 @@ def _attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
     dropout_p: float, scale: float, window_left: Optional[int], window_right: Optional[int],
     bottom_right: bool, mask_fill: Optional[float] = None, mask_key_table: Optional[Tensor] = None,
-    mask_query_table: Optional[Tensor] = None,
+    mask_query_table: Optional[Tensor] = None, softcap: Optional[float] = None, sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``_attention_forward`` as an op: see the module docstring."""
     args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
-            mask_key_table, mask_query_table)
+            mask_key_table, mask_query_table, softcap, sinks)
     if q.device.type == "cuda":
         return _attention_forward(*args)
     return torch.ops.flashfuse._attention_forward_cpu(*args)
@@ -469,10 +511,11 @@ def _attention_backward_op(
     out: Tensor, lse: Tensor, dropout_p: float, scale: float, window_left: Optional[int],
     window_right: Optional[int], bottom_right: bool, mask_grad: bool, mask_fill: Optional[float] = None,
     mask_key_table: Optional[Tensor] = None, mask_query_table: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_attention_backward`` as an op: see the module docstring."""
     args = (grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-            bottom_right, mask_grad, mask_fill, mask_key_table, mask_query_table)
+            bottom_right, mask_grad, mask_fill, mask_key_table, mask_query_table, softcap)
     if q.device.type == "cuda":
         return _attention_backward(*args)
     return torch.ops.flashfuse._attention_backward_cpu(*args)
@@ -485,22 +528,41 @@ _attention_backward_op.register_fake(_attention_backward_fake)
 
 def _save(ctx, inputs, out, lse):
     (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
-     key_table, query_table) = inputs
+     key_table, query_table, softcap, sinks) = inputs
     # A block mask's tables are kept for the backward, which then does not
     # scan the mask again.
-    ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse, key_table, query_table)
+    ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse, key_table, query_table, sinks)
     ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
     ctx.mask_fill = mask_fill
+    ctx.softcap = softcap
 
 
 def _gradients(ctx, grad_out, backward_impl):
     """The input gradients of a forward saved by ``_save``, computed by
     ``backward_impl`` (the private op, or its implementation)."""
-    q, k, v, attn_mask, seed, out, lse, key_table, query_table = ctx.saved_tensors
+    q, k, v, attn_mask, seed, out, lse, key_table, query_table, sinks = ctx.saved_tensors
     mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dmask = backward_impl(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad,
-                                      ctx.mask_fill, key_table, query_table)
-    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 9
+                                      ctx.mask_fill, key_table, query_table, ctx.softcap)
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[14]:
+        dsinks = sink_gradient(grad_out, out, lse, sinks)
+    # One gradient per forward input: q, k, v, the mask, ten non-tensor or
+    # non-differentiable inputs (seed ... softcap), the sinks.
+    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 10 + (dsinks,)
+
+
+def sink_gradient(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sinks, (Hq,) in the sinks' dtype. A sink joins each row's
+    softmax without a value, so its score gradient is ``p_sink * (0 -
+    delta)`` with ``delta = rowsum(dO * O)`` (the same delta as the keys'),
+    and ``p_sink = exp(sink - lse)`` from the stored lse, which includes the
+    sink. Rows with no key and no sink (lse +inf) and marked rows (see
+    ``reference.lse_marker``, only with a sink far below the row) give 0."""
+    delta = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(dim=-1)
+    s = sinks.to(torch.float32).view(1, -1, 1)
+    p_sink = torch.where(lse > reference.LSE_MARKED_BELOW, torch.exp(s - lse), torch.zeros_like(lse))
+    return (-(p_sink * delta)).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -548,6 +610,8 @@ def attention(
     window_right: int | None = None,
     alignment: str = "top_left",
     mask_fill: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention ``softmax(query @ key^T * scale + mask) @ value``,
     computed by a flash kernel: the (N, M) score matrix never reaches memory.
@@ -593,6 +657,14 @@ def attention(
             window band leaves it (keys outside the band still take no
             part), and filled pairs pass no gradient to query and key.
             None (the default) or -inf: hidden pairs take no part.
+        softcap: keyword-only; soft-capping of the scores (Gemma 2): the
+            scaled scores ``s`` become ``softcap * tanh(s / softcap)``
+            before the mask is added or applied. A positive finite float,
+            or None (no capping).
+        sinks: keyword-only; a (Hq,) tensor (float32 or the inputs' dtype)
+            of per-head logits that join each row's softmax denominator but
+            carry no value (gpt-oss's attention sinks: the sink's column is
+            dropped after the softmax). Gets its gradient.
 
     Returns:
         (B, Hq, N, Dv) tensor in the inputs' dtype. A row that sees no key at
@@ -607,8 +679,9 @@ def attention(
         # The mask, its band and its tables, built once by flashfuse.block_mask.
         kw = attn_mask.attention_args(query, key, is_causal, window_left, window_right, alignment, mask_fill)
         return torch.ops.flashfuse.attention(query, key, value, kw.pop("attn_mask"), dropout_p, kw.pop("is_causal"),
-                                             scale, enable_gqa, **kw)
+                                             scale, enable_gqa, **kw, softcap=softcap, sinks=sinks)
     return torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         window_left=window_left, window_right=window_right, alignment=alignment, mask_fill=mask_fill,
+        softcap=softcap, sinks=sinks,
     )

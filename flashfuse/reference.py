@@ -125,9 +125,11 @@ def visibility_mask(
     return vis
 
 
-def _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill=None):
+def _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill=None,
+                      softcap=None):
     """float64 (B, Hq, N, M) scores with -inf where a key does not take part
-    (``mask_fill`` where a bool mask hides it, if given)."""
+    (``mask_fill`` where a bool mask hides it, if given); soft-capped before
+    the mask, as Gemma 2 and flash-attn do."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be 4-d (B, H, L, D); got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, N, D = q.shape
@@ -141,6 +143,8 @@ def _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_
     # GQA: query head h reads key/value head h // group.
     k64 = k.to(torch.float64).repeat_interleave(group, dim=1)
     scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=q.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -174,6 +178,8 @@ def reference_attention(
     dropout_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     mask_fill: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention computed naively in float64: the ground truth for tests.
 
@@ -199,11 +205,21 @@ def reference_attention(
         mask_fill: with a bool mask, the score that hidden pairs take instead
             of -inf (``scores.masked_fill(~mask, mask_fill)``: no gradient
             flows to them); None: -inf.
+        softcap: the scaled scores become ``softcap * tanh(s / softcap)``
+            before the mask; None: no capping.
+        sinks: (Hq,) logits appended to every row of their head's scores
+            before the softmax, their column dropped after it (gpt-oss).
 
     Returns:
         float64 tensor (B, Hq, N, Dv).
     """
-    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
+    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill,
+                               softcap)
+    if sinks is not None:
+        # gpt-oss's spelling: one more column, softmax, drop it.
+        B, Hq, N, _ = scores.shape
+        col = sinks.to(torch.float64).reshape(1, Hq, 1, 1).expand(B, Hq, N, 1)
+        scores = torch.cat([scores, col], dim=-1)
     # Safe softmax: shift by the row max (0 for rows that are all -inf), and
     # divide by 1 where the row sum is 0, so empty rows give 0, not NaN.
     row_max = scores.detach().amax(dim=-1, keepdim=True)
@@ -211,6 +227,8 @@ def reference_attention(
     weights = torch.exp(scores - row_max)
     row_sum = weights.sum(dim=-1, keepdim=True)
     probs = weights / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    if sinks is not None:
+        probs = probs[..., :-1]
     if dropout_mask is not None:
         probs = probs * dropout_mask.to(torch.float64) / (1.0 - dropout_p)
     group = q.shape[1] // k.shape[1]
@@ -228,16 +246,35 @@ def reference_lse(
     window_right: Optional[int] = None,
     bottom_right: bool = False,
     mask_fill: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """float64 log-sum-exp (natural log) of each row's visible scores.
+    """float64 log-sum-exp (natural log) of each row's visible scores (and
+    its sink).
 
     Arguments as in ``reference_attention`` (v and dropout do not matter).
     Returns a float64 tensor (B, Hq, N); rows with no visible key give +inf.
     (The true value: the implementations store a marker for rows that a
     finite value hides entirely, see ``lse_marker``.)
     """
-    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
-    return _row_lse(scores)
+    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill,
+                               softcap)
+    return _with_sinks(_row_lse(scores), sinks)
+
+
+def _with_sinks(lse: Tensor, sinks: Optional[Tensor], stored: Optional[Tensor] = None) -> Tensor:
+    """Fold a per-head sink logit into a (B, Hq, N) lse (+inf: no key), as
+    every implementation does at the end of a row: logaddexp(lse, sink),
+    +inf again where both are -inf. ``stored`` (the row's stored lse, a
+    marker maybe) is kept where the sink changes nothing."""
+    if sinks is None:
+        return lse if stored is None else stored
+    keys = torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
+    out = torch.logaddexp(keys, sinks.to(lse.dtype).view(1, -1, 1))
+    out = torch.where(out == float("-inf"), torch.full_like(out, float("inf")), out)
+    if stored is not None:
+        out = torch.where(out == keys, stored.to(out.dtype), out)
+    return out
 
 
 def _row_lse(scores: Tensor) -> Tensor:
@@ -256,12 +293,15 @@ def reference_stored_lse(
     window_right: Optional[int] = None,
     bottom_right: bool = False,
     mask_fill: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """The float32 lse the implementations store for float32-precision
     inputs: ``reference_lse``, with ``lse_marker(l)`` for rows that average
     the l keys holding their largest score (see ``lse_marker``), so that a
     backward can be tested on its own."""
-    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill)
+    scores = _reference_scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, mask_fill,
+                               softcap)
     lse = _row_lse(scores).float()
     row_max = scores.amax(dim=-1)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
@@ -269,10 +309,11 @@ def reference_stored_lse(
     elif attn_mask is not None and mask_fill is not None and mask_fill <= FILL_MARKS_AT:
         uniform = row_max == float(torch.tensor(float(mask_fill), dtype=torch.float32))
     else:
-        return lse
+        return _with_sinks(lse, sinks)
     uniform = uniform & torch.isfinite(row_max)
     count = (scores == row_max[..., None]).sum(dim=-1).to(torch.float32)
-    return torch.where(uniform, lse_marker(count), lse)
+    # The sink is folded from the true lse; markers stay where it changes nothing.
+    return _with_sinks(lse, sinks, torch.where(uniform, lse_marker(count), lse))
 
 
 # ---------------------------------------------------------------------------
@@ -461,7 +502,7 @@ class _Tiler:
     """
 
     def __init__(self, q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
-                 mask_fill=None):
+                 mask_fill=None, softcap=None):
         self.B, self.Hq, self.Hkv, self.N, self.M, self.D, self.Dv = _check_shapes(q, k, v)
         self.G = self.Hq // self.Hkv
         # float32 accumulation like the kernels; float64 inputs (gradcheck)
@@ -487,6 +528,7 @@ class _Tiler:
         self.seed = _seed_value(seed, self.dropout_p)
         self.drop_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1.0 else 0.0
         self.window_left, self.window_right, self.bottom_right = window_left, window_right, bottom_right
+        self.softcap = None if softcap is None else float(softcap)
         key_block = max(1, min(self.M, KEY_BLOCK))
         rows = TILE_ELEMENTS // max(1, self.B * self.Hq * key_block)
         self.key_block = key_block
@@ -505,10 +547,17 @@ class _Tiler:
         """(B, Hkv, G, N, X) -> rows [i0, i1) as (B, Hkv, G * rows, X)."""
         return t[:, :, :, i0:i1].reshape(self.B, self.Hkv, self.G * (i1 - i0), t.shape[-1])
 
-    def scores(self, q_rows: Tensor, i0: int, i1: int, j0: int, j1: int) -> Tensor:
-        """(B, Hq, rows, keys) scaled scores plus mask, -inf where invisible."""
+    def scores(self, q_rows: Tensor, i0: int, i1: int, j0: int, j1: int, tanh_out: Optional[list] = None) -> Tensor:
+        """(B, Hq, rows, keys) scaled (soft-capped) scores plus mask, -inf
+        where invisible. With a soft-cap, ``tanh_out`` (a list) receives the
+        tile's tanh values, for the backward's chain rule."""
         n, m = i1 - i0, j1 - j0
         s = torch.matmul(q_rows, self.k[:, :, j0:j1].transpose(-1, -2)).view(self.B, self.Hq, n, m)
+        if self.softcap is not None:
+            th = torch.tanh(s / self.softcap)
+            if tanh_out is not None:
+                tanh_out.append(th)
+            s = th * self.softcap
         if self.mask is not None:
             tile = self.mask[:, :, i0:i1, j0:j1]
             if tile.dtype == torch.bool:
@@ -547,6 +596,8 @@ def blockwise_forward(
     window_right: Optional[int],
     bottom_right: bool,
     mask_fill: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward in tiles with an online softmax (no (N, M) tensor).
 
@@ -564,6 +615,10 @@ def blockwise_forward(
         bottom_right: diagonal offset ``M - N`` instead of 0.
         mask_fill: with a bool mask, the score of the pairs it hides (as
             ``masked_fill``); None: -inf.
+        softcap: scores become ``softcap * tanh(s / softcap)`` before the
+            mask; None: no capping.
+        sinks: None, or (Hq,) logits that join each row's denominator
+            without a value; folded in at the end of the row.
 
     Returns:
         ``out`` (B, Hq, N, Dv) in q's dtype, laid out as
@@ -571,7 +626,8 @@ def blockwise_forward(
         natural log, +inf for rows with no visible key, ``lse_marker`` for
         rows that average their keys uniformly.
     """
-    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill)
+    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
+               softcap)
     B, Hq, Hkv, G, N, Dv = t.B, t.Hq, t.Hkv, t.G, t.N, t.Dv
     out = torch.empty(B, N, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
@@ -599,14 +655,24 @@ def blockwise_forward(
             row_max = new_max
         empty = row_sum == 0
         inv = t.drop_scale / torch.where(empty, torch.ones_like(row_sum), row_sum)
-        out[:, :, i0:i1] = acc.view(B, Hq, n, Dv) * inv.unsqueeze(-1)
+        rows_out = acc.view(B, Hq, n, Dv) * inv.unsqueeze(-1)
         row_lse = torch.where(empty, torch.full_like(row_sum, float("inf")), row_max + torch.log(row_sum))
+        keys_lse = row_lse  # before any marker (for the sinks)
         if t.marks:
             if t.float_mask:
                 uniform = row_max <= _AVERAGE_AT[t.acc_dtype]
             else:
                 uniform = row_max == t.fill
             row_lse = torch.where(uniform & ~empty, lse_marker(row_sum), row_lse)
+        if sinks is not None:
+            # The sink joins the denominator: out *= exp(lse - lse'), with
+            # lse' = logaddexp(lse, sink) (markers: exp gives 0 there).
+            with_sink = _with_sinks(keys_lse, sinks)
+            keys = torch.where(empty, torch.full_like(row_lse, float("-inf")), keys_lse)
+            factor = torch.exp(keys - torch.where(torch.isinf(with_sink), torch.zeros_like(with_sink), with_sink))
+            rows_out = rows_out * torch.where(torch.isinf(with_sink), torch.zeros_like(factor), factor).unsqueeze(-1)
+            row_lse = torch.where(with_sink == keys, row_lse, with_sink)
+        out[:, :, i0:i1] = rows_out
         lse[:, :, i0:i1] = row_lse
     return out, lse
 
@@ -629,6 +695,7 @@ def blockwise_backward(
     mask_grad: bool,
     mask_fill: Optional[float] = None,
     grad_lse: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Attention backward in tiles, recomputing probabilities from ``lse``.
 
@@ -643,13 +710,16 @@ def blockwise_backward(
             q and k (as with ``masked_fill``).
         grad_lse: None, or the (B, Hq, N) gradient of ``lse``; since
             d lse / d s = P, it enters as ``delta - grad_lse``.
+        softcap: as in the forward; the score gradient passes through the
+            tanh (times ``1 - tanh**2``) to q and k, not to the mask.
 
     Returns:
         ``(dq, dk, dv, dmask)``: ``empty_like`` q, k, v filled with their
         gradients; ``dmask`` has the mask's own shape and dtype (summed over
         its broadcast dimensions) when ``mask_grad``, else None.
     """
-    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill)
+    t = _Tiler(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
+               softcap)
     B, Hq, Hkv, G, N, M, D, Dv = t.B, t.Hq, t.Hkv, t.G, t.N, t.M, t.D, t.Dv
     dev = q.device
     if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
@@ -690,7 +760,8 @@ def blockwise_backward(
         dq_rows = torch.zeros(B, Hkv, G * n, D, dtype=t.acc_dtype, device=dev)
         for j0, j1 in t.key_tiles(i0, i1):
             m = j1 - j0
-            s = t.scores(q_rows, i0, i1, j0, j1)
+            tanh_tile = []
+            s = t.scores(q_rows, i0, i1, j0, j1, tanh_tile)
             # Empty rows have lse = +inf, so p = exp(-inf) = 0 there: no NaN.
             p = torch.exp(s - lse_rows)
             if cap is not None:
@@ -710,6 +781,8 @@ def blockwise_backward(
                 ds.masked_fill_(~t.mask[:, :, i0:i1, j0:j1], 0.0)
             if dmask_acc is not None:
                 _accumulate_mask_grad(dmask_acc, ds, i0, i1, j0, j1)
+            if tanh_tile:  # through the soft-cap: d(c tanh(x / c)) / dx = 1 - tanh**2
+                ds = ds * (1.0 - tanh_tile[0] * tanh_tile[0])
             ds_g = ds.view(B, Hkv, G * n, m)
             dq_rows += torch.matmul(ds_g, t.k[:, :, j0:j1])
             # q_rows already carries the scale, so this is scale * dS^T q.

@@ -225,3 +225,11 @@ def test_bench_context_parallel_smoke(tmp_path):
     rows = read_csv(tmp_path / "context_parallel_1gpu.csv")
     assert {r["status"] for r in rows if r["provider"] == "flashfuse_ring"} == {"ok"}
     assert all(r["status"].startswith("skipped") for r in rows if r["provider"] == "torch_cp_sdpa")
+
+
+def test_bench_capsink_smoke(tmp_path):
+    out = run_script("bench_capsink.py", tmp_path)
+    rows = read_csv(tmp_path / "capsink.csv")
+    assert {(r["provider"], r["variant"]) for r in rows if not r.get("error")} >= {
+        ("flashfuse", "softcap+sinks"), ("eager", "softcap+sinks")}
+    assert "fwd+bwd ms" in out

@@ -342,11 +342,13 @@ def test_hf_hook_refuses_heads_that_do_not_group():
 
 
 @pytest.mark.parametrize("flag", ["s_aux", "sinks"])
-def test_hf_hook_refuses_attention_sinks(flag):
+def test_hf_hook_checks_attention_sinks(flag):
+    """Sinks are served (tests/test_hf_capsink.py); sinks that are not one
+    per query head get the op's error naming the shape."""
     hf = _hf()
     q = torch.randn(1, 2, 4, 16)
-    with pytest.raises(ValueError, match="attention sinks.*attn_implementation='eager'"):
-        hf.flashfuse_attention_forward(_Layer(), q, q, q, None, **{flag: torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"sinks must have shape \(query_heads,\) = \(2,\)"):
+        hf.flashfuse_attention_forward(_Layer(), q, q, q, None, **{flag: torch.zeros(3)})
 
 
 def test_hf_hook_refuses_bad_value_head_dim():

@@ -30,6 +30,7 @@ import torch
 import torch.fx
 
 from . import layouts as L
+from . import capsink as _capsink
 from . import nodes as N
 from . import views as V
 from .masks import Band, MaskEvaluator
@@ -254,6 +255,8 @@ def _check_mutations(cand: Candidate, plan: Plan, muts: Mutations) -> None:
                 inputs.setdefault(f, "a scale factor")
     for h in plan.hide:
         inputs.setdefault(h.node, "the mask")
+    if plan.sinks is not None:
+        inputs.setdefault(plan.sinks.node, "the sinks")
     for _, f in plan.q_factors:
         f = f.node if isinstance(f, Operand) else f
         if isinstance(f, torch.fx.Node):
@@ -303,9 +306,16 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
 
     pv, dropout_p, probs_chain = _walk_probs(sm, gm)
     cand.output = pv
-    qk, transforms, scores_chain = _walk_scores(x, sm)
+    # gpt-oss's sinks: a column concatenated to the scores, dropped after.
+    sink = _capsink.peel_sinks(x, sm)
+    sliced = [n for n in probs_chain if N.kind(n) == "getitem"]
+    if sink is None and sliced:
+        raise NoMatch("the probabilities are sliced, not a sink column dropped")
+    if sink is not None and not sliced:
+        raise NoMatch("a column is concatenated to the scores but not dropped after the softmax")
+    qk, transforms, scores_chain = _walk_scores(sink.scores if sink else x, sink.cat if sink else sm)
     cand.scores = qk
-    cand.replaced = [qk, *scores_chain, sm, *probs_chain, pv]
+    cand.replaced = [qk, *scores_chain, *(n for n in (sink.nodes[::-1] if sink else []) if N.tensor_val(n) is not None), sm, *probs_chain, pv]
 
     # The op must run where the products ran: every chain tensor on one device.
     dev = N.tensor_val(sm).device
@@ -315,6 +325,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
             raise NoMatch("a tensor of the pattern lives on another device")
     if dev.type not in ("cpu", "cuda"):
         raise NoMatch(f"device {dev.type} is not supported by the op")
+    if sink is not None:  # the row max's (values, indices) pair dies with the rest
+        cand.replaced += [n for n in sink.nodes if N.tensor_val(n) is None]
     _check_no_mutation_between(qk, pv, set(cand.replaced))
 
     # Transposes of the last two dims between the product and the softmax
@@ -325,6 +337,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
         # Views that split/merge the batch dims: see _BatchLayout.
         if any(t[0] == "transpose" for t in transforms):
             raise NoMatch("a transpose of the scores together with views of their batch dims is not understood")
+        if sink is not None:
+            raise NoMatch("sinks together with views of the scores' batch dims are not understood")
         layout = _BatchLayout(cand, gm, qk, pv, scores_chain, probs_chain)
     else:
         # Every transform keeps the product's shape (or its transpose): a mask
@@ -333,15 +347,29 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
         shapes = [scores_shape]
         if scores_shape is not None and len(scores_shape) >= 2 and any(t[0] == "transpose" for t in transforms):
             shapes.append(tuple(scores_shape[:-2]) + (scores_shape[-1], scores_shape[-2]))
+        with_sink = []
+        if sink is not None:  # up to the slice, one more column: the sink's
+            if len(shapes) > 1:
+                raise NoMatch("sinks together with transposed scores are not understood")
+            with_sink = sink.wide + [sm]
+            with_sink += probs_chain[: probs_chain.index(sliced[0]) + 1]
+            wide = tuple(scores_shape[:-1]) + (scores_shape[-1] + 1,)
+            for n in with_sink[:-1]:
+                if not _same_shape(N.shape(n), wide):
+                    raise NoMatch(f"{N.describe(n)} changes the shape of the scores and their sink column")
         for n in scores_chain + [sm] + probs_chain:
+            if n in with_sink:
+                continue
             if not any(_same_shape(N.shape(n), s) for s in shapes):
                 raise NoMatch(f"{N.describe(n)} changes the shape of the scores")
     # Grouped heads as a 5-D broadcast: see flashfuse.fx.layouts.GroupLayout.
     grouped = layout is None and N.tensor_val(qk).dim() == 5
+    if grouped and sink is not None:
+        raise NoMatch("sinks together with grouped heads as a 5-D broadcast are not understood")
 
     q_op, k_op, pre, perm0 = _score_operands(qk, pad=layout is None and not grouped, flipped=flipped,
                                              max_batch=3 if grouped else 2)
-    transforms = pre + transforms
+    transforms = _capsink.fold_softcap(pre + transforms)
     if N.kind(qk) == "baddbmm" and any(t[0] == "add" for t in pre):
         # A bias-first product (Bloom/Falcon ALiBi): named in explain.
         cand.facts["alibi"] = next(t[1] for t in pre if t[0] == "add")
@@ -365,6 +393,9 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
                            grouped=grouped)
     except L.LayoutMismatch as e:
         raise NoMatch(str(e)) from None
+    if sink is not None:
+        plan.sinks = sink.sinks
+        cand.facts["mask"] = cand.facts["mask"] + ", sinks" if cand.facts["mask"] != "none" else "sinks"
     _check_mutations(cand, plan, muts)
     cand.plan = plan
 
@@ -437,6 +468,10 @@ def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
                 if pn > 0:
                     seen_dropout = True
                     dropout_p = pn
+            chain.append(u)
+            cur = u
+            continue
+        if _capsink.drops_last_column(u, cur):  # the sink's column (see _analyse)
             chain.append(u)
             cur = u
             continue
@@ -593,6 +628,8 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
                 raise NoMatch("torch.where with a non-constant fill value")
             return ("fill", cond, True, _in_dtype(v, sv)), b
         raise NoMatch("torch.where mixes the scores with another tensor")
+    if k == "tanh" and node.args and isinstance(node.args[0], torch.fx.Node):
+        return ("tanh",), node.args[0]  # a soft-cap, checked by capsink.fold_softcap
     raise NoMatch(f"{N.describe(node)} between the q·kᵀ product and the softmax is not understood")
 
 
@@ -1234,10 +1271,16 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     q_factors: list = []
     additive: list[MaskTerm] = []
     hides: list[tuple] = []  # (cond node, hide_where_true, value, const factor after)
+    softcap = None
     for t in transforms:
         if t[0] in ("noop", "transpose"):
             continue
+        if t[0] == "softcap":  # fold_softcap put it before any mask
+            softcap = t[1]
+            continue
         if t[0] == "scale":
+            if softcap is not None:
+                raise NoMatch("the soft-capped scores are scaled again")
             _, op, f = t
             if isinstance(f, float):
                 c = f if op == "mul" else 1.0 / f if f != 0 else math.inf
@@ -1397,7 +1440,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         window_right=window_right, alignment=alignment, enable_gqa=enable_gqa,
         dropout_p=dropout_p, out_steps=out_steps, out_dtype=out_t.dtype,
         expand=expands, compute_dtype=compute_dtype, op_dtype=compute_dtype or qv.dtype,
-        mask_fill=mask_fill,
+        mask_fill=mask_fill, softcap=softcap,
     )
     # Facts for explain.
     facts["scale"] = _fmt_scale(scale, q_factors)
@@ -1411,6 +1454,9 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     facts.pop("alibi", None)
     if "per_head_scale" in facts:
         facts["scale"] += " (per-head scale)"
+    if softcap is not None:
+        facts["softcap"] = softcap
+        facts["mask"] = f"softcap {softcap:g}" + ("" if facts["mask"] == "none" else ", " + facts["mask"])
     if mask_fill is not None:
         facts["mask_fill"] = mask_fill
     facts["dropout"] = dropout_p

@@ -92,6 +92,10 @@ class Plan:
     # A finite masked_fill value: the scores ``hide`` marks are replaced by
     # it (in the op's units), as eager's fill does; None: they are removed.
     mask_fill: Optional[float] = None
+    # Soft-capping of the scaled scores before any mask (the op's softcap).
+    softcap: Optional[float] = None
+    # gpt-oss's per-head sink logits, (Hq,) (the op's sinks).
+    sinks: Optional[Operand] = None
 
     @property
     def is_causal(self) -> bool:

@@ -91,6 +91,11 @@ def _functions() -> dict[Any, str]:
     add("long", T.long)
     add("int", T.int)
     add("size", T.size)
+    # Soft-capping and sinks (flashfuse.fx.capsink).
+    add("tanh", torch.tanh, T.tanh)
+    add("cat", torch.cat, g(torch, "concat", None), g(torch, "concatenate", None))
+    add("max", torch.max, T.max)
+    add("amax", torch.amax, T.amax)
     return table
 
 
@@ -114,6 +119,7 @@ _METHODS = {
     "int": "int", "size": "size", "dim": "dim", "stride": "stride", "numel": "numel",
     "dropout": "dropout", "new_ones": "new_ones", "new_zeros": "new_zeros", "new_full": "new_full",
     "diff": "diff", "cumsum": "cumsum",
+    "tanh": "tanh", "max": "max", "amax": "amax",
     # Some torch versions record tensor comparisons as dunder methods.
     "__eq__": "eq", "__ne__": "ne", "__ge__": "ge", "__gt__": "gt", "__le__": "le", "__lt__": "lt",
 }

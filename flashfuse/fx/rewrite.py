@@ -279,6 +279,10 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict, shared
     if plan.mask_fill is not None:
         # Only with a bool mask (the finder keeps no additive term then).
         kwargs["mask_fill"] = float(plan.mask_fill)
+    if plan.softcap is not None:
+        kwargs["softcap"] = float(plan.softcap)
+    if plan.sinks is not None:
+        kwargs["sinks"] = _sinks_operand(em, plan, replaced)
     problem = _launch_problem(q, k, v, mask, kwargs)
     if problem is not None:
         raise CannotLaunch(problem)
@@ -316,6 +320,16 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict, shared
     return out
 
 
+def _sinks_operand(em: _Emitter, plan: Plan, replaced: dict) -> torch.fx.Node:
+    """The plan's (Hq,) sinks, cast to float32 unless they already are in
+    float32 or the op's dtype (what the op accepts)."""
+    node = _materialize(em, plan.sinks, replaced)
+    sv = N.tensor_val(node)
+    if sv is None or sv.dtype not in (torch.float32, plan.op_dtype):
+        node = em.call("method", "to", node, torch.float32)
+    return node
+
+
 class CannotLaunch(RuntimeError):
     """The op's CUDA kernels have no config that fits the GPU for this
     attention's shapes and dtype; the candidate is left as it is."""
@@ -334,6 +348,8 @@ def _launch_problem(q, k, v, mask, kwargs) -> Optional[str]:
 
     backward = _needs_backward(q, k, v, mask)
     options = {name: value for name, value in kwargs.items() if name != "attn_mask"}
+    if options.get("sinks") is not None:
+        options["sinks"] = N.tensor_val(options["sinks"])
     return ops.kernel_problem(qv, kv, vv, mv, **options, backward=backward)
 
 

@@ -19,8 +19,10 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
     ``lse`` have the same layout and meaning."""
     from .decode import decode_forward, decode_suits
 
-    if decode_suits(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
-                    kwargs["bottom_right"], kwargs.get("mask_fill")):
+    # The decode kernels have no soft-capping and no sinks.
+    plain = kwargs.get("softcap") is None and kwargs.get("sinks") is None
+    if plain and decode_suits(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
+                              kwargs["bottom_right"], kwargs.get("mask_fill")):
         return decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
                               window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
                               attn_mask=attn_mask)
@@ -37,8 +39,8 @@ def attention_backward(*args, **kwargs):
 
 
 def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,
-                   bottom_right: bool, mask_fill, mask_key_table=None, mask_query_table=None, *,
-                   backward: bool) -> str | None:
+                   bottom_right: bool, mask_fill, mask_key_table=None, mask_query_table=None, softcap=None,
+                   sinks=None, *, backward: bool) -> str | None:
     """Why the CUDA kernels cannot run attention on tensors like these, or
     None when they can.
 
@@ -64,11 +66,12 @@ def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, win
                 bottom_right=bottom_right, mask_fill=mask_fill)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), dry_run():
-            qf, kf, vf, mf, sf = (like(t) for t in (q, k, v, attn_mask, seed))
-            out, lse = attention_forward(qf, kf, vf, mf, sf, **band)
+            qf, kf, vf, mf, sf, skf = (like(t) for t in (q, k, v, attn_mask, seed, sinks))
+            out, lse = attention_forward(qf, kf, vf, mf, sf, **band, softcap=softcap, sinks=skf)
             if backward:
                 mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
-                attention_backward(torch.empty_like(out), qf, kf, vf, mf, sf, out, lse, **band, mask_grad=mask_grad)
+                attention_backward(torch.empty_like(out), qf, kf, vf, mf, sf, out, lse, **band, mask_grad=mask_grad,
+                                   softcap=softcap)
     except NoKernelConfig as exc:
         return str(exc)
     return None

@@ -24,7 +24,8 @@ Conventions (shapes, mask, visibility, dropout, lse) are those of the forward,
 see ARCHITECTURE.md. With ``s = scale * q.k + mask`` and ``P = exp(s - lse)``:
 ``dP = dO V^T`` (times keep / (1 - p) under dropout), ``dS = P * (dP - delta)``,
 ``dQ = scale * dS K``, ``dK = scale * dS^T Q``, ``dV = (P * keep / (1 - p))^T dO``
-and ``d(mask) = dS``.
+and ``d(mask) = dS``. With a soft-cap, ``s = cap * tanh(scale * q.k / cap) + mask``
+and dQ, dK take ``dS * (1 - tanh**2)`` instead of dS (the mask still takes dS).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .common import (
     _lse_shift,
     _mask_key_span,
     _narrow_span,
+    _tanh_parts,
     _visible,
     dropout_threshold,
 )
@@ -137,10 +139,12 @@ def _bwd_dkdv_inner(
     lo, hi, lo2, hi2, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
     s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
     N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold the query blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
     multiples of BLOCK_M) of one query head into dK, dV (and dmask, dQ) of
@@ -175,7 +179,13 @@ def _bwd_dkdv_inner(
             cap = tl.load(cap_ptr + offs_m, mask=m_ok, other=1.0)
 
         # sT[j, i] in log2 units (natural ones with a float mask)
-        if MASK_KIND == 2:
+        if SOFTCAP:  # recomputed: tanh and its derivative (see common._tanh_parts)
+            thT, sech2T = _tanh_parts(tl.dot(k, tl.trans(q), input_precision=PREC) * softcap_scale)
+            if MASK_KIND == 2:
+                sT = thT * softcap
+            else:
+                sT = thT * qk_scale
+        elif MASK_KIND == 2:
             sT = tl.dot(k, tl.trans(q), input_precision=PREC) * scale
         else:
             sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
@@ -223,7 +233,10 @@ def _bwd_dkdv_inner(
             dsT = tl.where(bT != 0, pT, 0.0) * (dpT - delta[None, :])
         else:
             dsT = pT * (dpT - delta[None, :])
-        dsT_op = dsT.to(dtype).to(q.dtype)
+        if SOFTCAP:  # to the uncapped scores; the mask's gradient stays dsT
+            dsT_op = (dsT * sech2T).to(dtype).to(q.dtype)
+        else:
+            dsT_op = dsT.to(dtype).to(q.dtype)
         dk += tl.dot(dsT_op, q, input_precision=PREC)
         if DQ_ATOMIC:
             # dQ rows of this query block += scale * dS K, from the same
@@ -263,13 +276,13 @@ def _bwd_dkdv(
     s_aqb, s_aqh, s_aqn, s_aqd,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR, B_OFF, mask_fill,
+    DIAG_OFF, WL, WR, B_OFF, mask_fill, softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK, dV (and dmask) for one key block of one (batch, kv head).
@@ -288,6 +301,7 @@ def _bwd_dkdv(
     rows, hence atomics; skipped blocks add nothing.
     """
     qk_scale, scale, inv_keep, mask_fill = _fp32_scalars(qk_scale, scale, inv_keep, mask_fill)
+    softcap_scale, softcap = tl.cast(softcap_scale, tl.float32), tl.cast(softcap, tl.float32)
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -379,16 +393,18 @@ def _bwd_dkdv(
             q_lo, free_lo, free_hi, q_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
             s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
             N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+            softcap_scale, softcap,
             HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
-            PREC, UPCAST, BLOCK_M, BLOCK_N)
+            PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
         if SKIP_HIDDEN:
             dk, dv, col_acc = _bwd_dkdv_inner(
                 dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
                 free_lo, free_hi, free_hi, free_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
                 s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
                 N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+                softcap_scale, softcap,
                 HAS_WL, HAS_WR, 0, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
-                PREC, UPCAST, BLOCK_M, BLOCK_N)
+                PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
         if MASK_GRAD:
             if DMASK_ROWSUM:
                 if DMASK_COLSUM:
@@ -410,10 +426,11 @@ def _bwd_dq_inner(
     lo, hi, lo2, hi2, m0, offs_m, m_ok, rn, rd, rdv,
     s_kn, s_kd, s_vn, s_vd, s_mm,
     N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DESC: tl.constexpr,
+    DESC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Fold the key blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
     multiples of BLOCK_N) into the dQ tile of the query block ``m0``, in one
@@ -443,7 +460,13 @@ def _bwd_dq_inner(
         if UPCAST:
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
-        if MASK_KIND == 2:  # natural-log units with a float mask (see _bwd_dkdv_inner)
+        if SOFTCAP:  # as in _bwd_dkdv_inner
+            th, sech2 = _tanh_parts(tl.dot(q, kT, input_precision=PREC) * softcap_scale)
+            if MASK_KIND == 2:
+                s = th * softcap
+            else:
+                s = th * qk_scale
+        elif MASK_KIND == 2:  # natural-log units with a float mask (see _bwd_dkdv_inner)
             s = tl.dot(q, kT, input_precision=PREC) * scale
         else:
             s = tl.dot(q, kT, input_precision=PREC) * qk_scale
@@ -477,6 +500,8 @@ def _bwd_dq_inner(
         ds = p * (dp - delta[:, None])
         if MASK_KIND == 1 and FILL != 0:  # filled scores are constants
             ds = tl.where(bt != 0, ds, 0.0)
+        if SOFTCAP:
+            ds = ds * sech2
         dq += tl.dot(ds.to(dtype).to(q.dtype), tl.trans(kT), input_precision=PREC)
 
     return dq
@@ -495,15 +520,16 @@ def _bwd_dq(
     s_dqb, s_dqh, s_dqn, s_dqd,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR, mask_fill,
+    DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query block of one (batch, q head)."""
     qk_scale, scale, inv_keep, mask_fill = _fp32_scalars(qk_scale, scale, inv_keep, mask_fill)
+    softcap_scale, softcap = tl.cast(softcap_scale, tl.float32), tl.cast(softcap, tl.float32)
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -572,14 +598,14 @@ def _bwd_dq(
     dq = _bwd_dq_inner(
         dq, q, do, shift, cap, delta, kT_cols, vT_cols, mask_rows, lo, free_lo, free_hi, hi, m0, offs_m, m_ok,
         rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed,
-        bh, DIAG_OFF, WL, WR, mask_fill, HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT, PREC, UPCAST,
-        BLOCK_M, BLOCK_N, DESC)
+        bh, DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT,
+        PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
     if SKIP_HIDDEN:
         dq = _bwd_dq_inner(
             dq, q, do, lse, cap, delta, kT_cols, vT_cols, mask_rows, free_lo, free_hi, free_hi, free_hi, m0,
             offs_m, m_ok, rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, scale, inv_keep,
-            threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill, HAS_WL, HAS_WR, 0, 0, HAS_DROPOUT, PREC, UPCAST,
-            BLOCK_M, BLOCK_N, DESC)
+            threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, 0, 0,
+            HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
 
     tl.store(DQ + b * s_dqb + hl * s_dqh + m0l * s_dqn + rm[:, None] * s_dqn + rd[None, :] * s_dqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (rd < D_QK)[None, :])
@@ -771,6 +797,7 @@ def attention_backward(
     grad_lse: torch.Tensor | None = None,
     key_table: torch.Tensor | None = None,
     query_table: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and a float mask.
 
@@ -801,6 +828,10 @@ def attention_backward(
         key_table, query_table: the mask's tables from a block mask (built
             for this mask, band and fill; saved by the forward); None: built
             here.
+        softcap: as in the forward (``softcap * tanh(s / softcap)``); the
+            scores are recomputed through the tanh. (Sinks need nothing
+            here: the forward's lse includes them; ``ops.sink_gradient``
+            gives their gradient.)
 
     Returns:
         (dq, dk, dv, dmask): ``empty_like`` of q, k, v; dmask is None unless
@@ -901,13 +932,16 @@ def attention_backward(
         key_ranges = query_ranges = lse  # never read
         kr_strides = qr_strides = (0, 0)
 
+    # With a soft-cap the base-2 scores are tanh(...) * cap * log2(e) (see
+    # the forward); dQ and dK still end with the true scale.
     common_scalars = (Hq, G, N, M, D, Dv,
-                      scale * _LOG2E, scale, inv_keep, threshold,
+                      (softcap if softcap is not None else scale) * _LOG2E, scale, inv_keep, threshold,
                       diag_off, wl, wr)
+    softcap_args = (scale / softcap, softcap) if softcap is not None else (0.0, 1.0)
     lse_strides = lse.stride()
     interp = _interpreting(q)
     flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, FILL=fill, HAS_DROPOUT=has_dropout, PREC=prec,
-                 SKIP_HIDDEN=skip_hidden,
+                 SKIP_HIDDEN=skip_hidden, SOFTCAP=softcap is not None,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
     # dQ streams K and V through tensor descriptors where the layout allows
     # (measured 3-6 % faster at D = 128; dK/dV, whose best tiles need a
@@ -970,7 +1004,7 @@ def attention_backward(
                 seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if chunked else gbuf, rows(dq_acc) if one_pass else dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *qr_strides,
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
-                *common_scalars, b0, fill_arg,
+                *common_scalars, b0, fill_arg, *softcap_args,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
                 RANGE_GROUP=_COL_GROUP, **flags,
             )
@@ -988,7 +1022,7 @@ def attention_backward(
                 q, k, v, grad_out, lse, delta, cap, mask_arg, key_ranges, seed_arg, dq,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *kr_strides,
                 *dq.stride(),
-                *common_scalars, fill_arg,
+                *common_scalars, fill_arg, *softcap_args,
                 RANGE_GROUP=_ROW_GROUP, DESC=dq_desc, **flags,
             )
 

@@ -257,3 +257,32 @@ def _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N: tl.conste
         keep = _dropout_keep(seed, offs_m, start_n + tl.arange(0, BLOCK_N), bh, threshold)
     return keep
 
+
+
+# Soft-capping (``cap * tanh(s / cap)``) needs tanh in fp32. Written with
+# exp2 rather than a libdevice call, whose availability and accuracy differ
+# between Triton versions. For |x| >= 1/8, tanh|x| = (1 - e) / (1 + e) with
+# e = exp(-2|x|) in (0, 0.78]: 1 - e loses at most ~2 bits. Below, the odd
+# Taylor series to x**9 (error < 2e-12, far under fp32's spacing).
+@triton.jit
+def _tanh_parts(x):
+    """``(tanh(x), 1 - tanh(x)**2)`` in fp32; the second as ``4e / (1 + e)**2``
+    with ``e = exp(-2|x|)``, so it keeps its relative accuracy where tanh is
+    close to 1 (``1 - tanh**2`` would cancel there)."""
+    ax = tl.abs(x)
+    e = tl.exp2(ax * -2.8853900817779268)  # exp(-2|x|), 2 * log2(e)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * 0.021869488536155203))))
+    t = tl.where(ax < 0.125, small, big)
+    t = tl.where(x < 0.0, -t, t)
+    one_plus = 1.0 + e
+    return t, (4.0 * e) / (one_plus * one_plus)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(x) in fp32, see ``_tanh_parts``."""
+    t, _ = _tanh_parts(x)
+    return t

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import AVERAGE_AT_BASE2, _dropout_keep_block, _lse_marked, _mask_key_span, _visible
+from .common import AVERAGE_AT_BASE2, _dropout_keep_block, _lse_marked, _mask_key_span, _tanh, _visible
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
@@ -98,14 +98,14 @@ def _attn_fwd_inner(
     N, M,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
     qk_scale, diag_off, window_left, window_right,
-    seed, bh, dropout_threshold, mask_fill,
+    seed, bh, dropout_threshold, mask_fill, softcap_scale,
     BOUNDARY: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     SCALE_NONNEG: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    KV_DESC: tl.constexpr,
+    KV_DESC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Fold key blocks ``[lo, hi)`` (lo a multiple of BLOCK_N) into the online softmax.
 
@@ -116,6 +116,8 @@ def _attn_fwd_inner(
     apply ``_visible`` and bounds-check their loads; other blocks are known to
     be fully visible to every real query of the tile. FILL (bool masks):
     the pairs the mask hides score ``mask_fill`` (base 2) instead of -inf.
+    SOFTCAP: the product goes through ``tanh(qk * softcap_scale)`` first;
+    ``qk_scale`` is then ``cap * log2(e)``, so the code below is unchanged.
     """
     # Loop-invariant pointer tiles; only the scalar base advances, so the
     # per-element offsets stay small (int32) even for multi-million keys.
@@ -144,6 +146,8 @@ def _attn_fwd_inner(
         else:
             k = _load_tile(k_ptrs, col_ok[:, None], d_ok, BOUNDARY, BLOCK_D != HEAD_DIM)
         qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST)
+        if SOFTCAP:
+            qk = _tanh(qk * softcap_scale)
         if DROPOUT:
             # Drawn while the score product is in flight: the draws do not
             # depend on it, so integer and tensor-core work can overlap.
@@ -227,14 +231,14 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     Hq, Hkv, N, M,
     qk_scale, diag_off, window_left, window_right,
-    dropout_threshold, dropout_scale, mask_fill,
+    dropout_threshold, dropout_scale, mask_fill, Sinks, softcap_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, SCALE_NONNEG: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, RANGE_GROUP: tl.constexpr,
-    KV_DESC: tl.constexpr,
+    KV_DESC: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_M), Hq, B): one query tile of one (batch, head).
@@ -246,11 +250,16 @@ def _attn_fwd(
     FILL: 0, or with a bool mask the score of the pairs it hides,
     ``mask_fill`` in base 2 (1), and then whether a row whose largest score
     is the fill is marked in lse as averaging its keys (2).
+    SOFTCAP: scores are ``cap * tanh(scale * q.k / cap)``, with
+    ``softcap_scale = scale / cap`` and ``qk_scale = cap * log2(e)``.
+    SINKS: ``Sinks`` (Hq,) holds a logit per head that joins the row's
+    denominator without a value, folded in after the loop.
     """
     # Inductor passes Python floats as fp64; the arithmetic must stay fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     dropout_scale = tl.cast(dropout_scale, tl.float32)
     mask_fill = tl.cast(mask_fill, tl.float32)
+    softcap_scale = tl.cast(softcap_scale, tl.float32)
     # Last query tiles first: under causal masking they have the most keys,
     # so starting them early balances the tail of the launch.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -332,41 +341,46 @@ def _attn_fwd(
         acc, l_i, m_i, q, k_base, v_base, mask_base, lo_blk, mid_lo,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
+            SOFTCAP)
     # Phase 2: blocks fully visible to every real row; with a mask, those
     # before, in and after the part where its values are all neutral.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, free_lo,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
+            SOFTCAP)
     if SKIP_HIDDEN:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_lo, free_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
             False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, 0, 0, DROPOUT,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
+            SOFTCAP)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_hi, mid_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
             False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
+            SOFTCAP)
     # Phase 3: blocks that straddle the band's end or the last key.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
+            SOFTCAP)
 
     # Rows that saw no key (l_i == 0): output 0, lse +inf.
     empty = l_i == 0.0
@@ -375,12 +389,26 @@ def _attn_fwd(
         inv_l = inv_l * dropout_scale
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse_keys = lse  # the true lse of the keys, before any marker (for SINKS)
     # Rows that a finite value hides entirely: the marker holding l (see
     # common._lse_marked); m_i + log2(l) would have rounded to m_i.
     if MASK_KIND == 2:
         lse = _lse_marked(lse, l_i, (m_i <= AVERAGE_AT_BASE2) & (~empty))
     elif FILL == 2:
         lse = _lse_marked(lse, l_i, (m_i == mask_fill) & (~empty))
+    if SINKS:
+        # lse' = logaddexp(lse, sink) and out *= exp(lse - lse'): the sink
+        # joins the denominator only. From the keys' true lse; where the
+        # sink changes nothing the stored lse (a marker, maybe) is kept.
+        sink = tl.load(Sinks + h).to(tl.float32)
+        keys = tl.where(empty, float("-inf"), lse_keys)
+        top = tl.maximum(keys, sink)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        e_keys = tl.exp(keys - top)
+        den = e_keys + tl.exp(sink - top)  # 0 only when both are -inf
+        lse_s = top + tl.log(den)
+        out = out * tl.where(den > 0.0, e_keys / tl.where(den > 0.0, den, 1.0), 0.0)[:, None]
+        lse = tl.where(lse_s == keys, lse, tl.where(lse_s == float("-inf"), float("inf"), lse_s))
 
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od
     if BLOCK_DV != HEAD_DIM_V:
@@ -522,6 +550,8 @@ def attention_forward(
     bottom_right: bool,
     mask_fill: float | None = None,
     key_table: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward on the Triton kernel.
 
@@ -543,6 +573,10 @@ def attention_forward(
             ``masked_fill``); None: they take no part.
         key_table: the mask's key table from a block mask (built for this
             mask, band and fill); None: built here.
+        softcap: scores become ``softcap * tanh(scale * q.k / softcap)``
+            before the mask; None: no capping.
+        sinks: None, or (Hq,) per-head logits that join each row's softmax
+            denominator without a value (the lse includes them).
 
     Returns:
         ``(out, lse)``: out (B, Hq, N, Dv) in q's dtype, laid out as
@@ -602,8 +636,13 @@ def attention_forward(
         q, k, v, mask, key_table, seed_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *range_strides, *out.stride(),
         Hq, Hkv, N, M,
-        float(scale) * _LOG2E, band["diag_off"], band["window_left"], band["window_right"],
+        # With a soft-cap the kernel takes tanh(scale / cap * q.k) first and
+        # then multiplies by cap in base 2, where it multiplied by the scale.
+        float(softcap if softcap is not None else scale) * _LOG2E,
+        band["diag_off"], band["window_left"], band["window_right"],
         threshold, dropout_scale, fill_arg,
+        sinks if sinks is not None else lse,  # never read without sinks
+        float(scale) / softcap if softcap is not None else 0.0,
     )
     meta = dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv,
@@ -611,7 +650,8 @@ def attention_forward(
         HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
         MASK_KIND=mask_kind, FILL=fill, DROPOUT=dropout, INPUT_PRECISION=precision,
         SKIP_HIDDEN=skip_hidden,
-        SCALE_NONNEG=scale >= 0, RANGE_GROUP=_RANGE_GROUP, KV_DESC=kv_desc,
+        SCALE_NONNEG=scale >= 0 or softcap is not None, RANGE_GROUP=_RANGE_GROUP, KV_DESC=kv_desc,
+        SOFTCAP=softcap is not None, SINKS=sinks is not None,
     )
     if _interpreting(q):
         grid = (cdiv(N, _INTERPRET_BLOCK_M), Hq, B)

@@ -47,7 +47,7 @@ HOSTILE = (
     "return_probs",  # the probabilities are a second output
     "reuse_probs",  # the probabilities feed another computation too
     "scores_times_tensor",  # a multiplicative (non-scalar) factor on the scores
-    "softcap",  # tanh soft-capping of the logits
+    "softcap",  # a tanh of the logits that is not a soft-cap c * tanh(s / c) (the op's softcap)
     "fill_finite",  # masked_fill with a value that does not remove positions
     "softmax_dim",  # softmax over another dim than the keys' one
     "head_dim",  # head size outside 16..256
@@ -434,7 +434,9 @@ def render(spec: Spec) -> str:
     if hostile == "scores_times_tensor":
         body.append("s = s * torch.linspace(0.5, 1.5, m, dtype=s.dtype)")
     elif hostile == "softcap":
-        body.append("s = torch.tanh(s / 5.0) * 5.0")
+        # Not c * tanh(s / c): 5 * tanh(s / 5) is the op's softcap (when
+        # no mask comes before it), so the hostile form scales unevenly.
+        body.append("s = torch.tanh(s / 5.0) * 4.0")
     elif hostile == "fill_finite":
         body.append("s = s.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), -5.0)")
 

@@ -52,11 +52,6 @@ def scores_times_tensor(q, k, v):
     return F.softmax(s * w, dim=-1) @ v
 
 
-def soft_capping(q, k, v):
-    s = torch.tanh(q @ k.transpose(-2, -1) * SCALE / 5.0) * 5.0
-    return F.softmax(s, dim=-1) @ v
-
-
 def mask_enlarges_scores(q, k, v):
     # q has one batch row; the mask broadcasts the scores to two.
     s = q[:1] @ k[:1].transpose(-2, -1) * SCALE
@@ -146,7 +141,7 @@ def test_out_of_bounds_gather_still_raises():
 
 NEGATIVE = [
     softmax_over_queries, probs_returned, scores_reused, probs_masked_after_softmax,
-    fill_with_zero, fill_with_small_negative, scores_times_tensor, soft_capping,
+    fill_with_zero, fill_with_small_negative, scores_times_tensor,
     mask_enlarges_scores, probs_right_operand, inplace_between_products, five_dim_batch,
     log_softmax_not_softmax,
 ]

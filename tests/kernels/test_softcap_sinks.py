@@ -195,7 +195,7 @@ def test_kernels_dropout_with_softcap_and_sinks(bwd_mode):
     sinks = torch.randn(H, device=DEVICE, requires_grad=True)
     seed = torch.tensor(12345, dtype=torch.int64, device=DEVICE)
     out, lse = torch.ops.flashfuse._attention_forward(q, k, v, None, seed, p, 0.25, None, None, False, None,
-                                                      2.0, sinks)
+                                                      softcap=2.0, sinks=sinks)
     keep = ref.dropout_keep_mask(12345, B, H, N, M, p, device=DEVICE)
     rq, rk, rv, rs = _leaf(q, k, v, sinks)
     expected = ref.reference_attention(rq, rk, rv, scale=0.25, softcap=2.0, sinks=rs, dropout_mask=keep,

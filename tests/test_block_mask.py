@@ -97,7 +97,8 @@ def _run(q, k, v, mask, dropout_p=0.0, **kw):
     torch.manual_seed(5)  # the same dropout draw for both calls
     out = flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
     inputs = [t for t in (q, k, v, mask if isinstance(mask, torch.Tensor) else mask.mask) if t.requires_grad]
-    grads = torch.autograd.grad(out, inputs, torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    grads = torch.autograd.grad(out, inputs, go)
     return out, grads
 
 

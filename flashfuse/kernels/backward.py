@@ -225,14 +225,9 @@ def _bwd_dkdv_inner(
         else:
             pdT = pT
         dv += tl.dot(pdT.to(dtype).to(q.dtype), do, input_precision=PREC)
-        if MASK_KIND == 1 and FILL != 0:
-            # Filled scores are constants: no dS there. Applied to P, not to
-            # dS after the dropout select: with Triton 3.6 on sm_90, selecting
-            # on the loaded mask after the dropout select gave a wrong dK
-            # (dQ, from the same dS, stayed right).
-            dsT = tl.where(bT != 0, pT, 0.0) * (dpT - delta[None, :])
-        else:
-            dsT = pT * (dpT - delta[None, :])
+        dsT = pT * (dpT - delta[None, :])
+        if MASK_KIND == 1 and FILL != 0:  # filled scores are constants
+            dsT = tl.where(bT != 0, dsT, 0.0)
         if SOFTCAP:  # to the uncapped scores; the mask's gradient stays dsT
             dsT_op = (dsT * sech2T).to(dtype).to(q.dtype)
         else:

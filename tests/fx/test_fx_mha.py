@@ -478,6 +478,7 @@ def test_gpu_inductor(dtype):
     and a causal mask, training, against eager in float32."""
     m = _mha(batch_first=True, add_bias_kv=True).cuda().to(dtype).train()
     ref = copy.deepcopy(m).float()
+    low = copy.deepcopy(m)  # eager in the same dtype: how far rounding alone goes
     n = 300
     x = _rand(4, n, E, seed=1).cuda().to(dtype).requires_grad_()
     kpm = torch.rand(4, n, device="cuda") < 0.2
@@ -494,5 +495,12 @@ def test_gpu_inductor(dtype):
     out.backward(g.to(dtype))
     expected.backward(g)
     torch.testing.assert_close(x.grad.float(), xr.grad, **tol)
-    for (name, p), (_, p_ref) in zip(m.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad.float(), p_ref.grad, msg=name, rtol=5e-2, atol=5e-2)
+    xl = x.detach().requires_grad_()
+    low(xl, xl, xl, key_padding_mask=kpm, attn_mask=am)[0].backward(g.to(dtype))
+    # Parameter gradients sum over all 1,200 tokens in the low dtype: each
+    # within twice eager's own error in that dtype (and a small floor).
+    for (name, p), (_, p_ref), (_, p_low) in zip(m.named_parameters(), ref.named_parameters(),
+                                                 low.named_parameters()):
+        err = (p.grad.float() - p_ref.grad).abs().max().item()
+        eager_err = (p_low.grad.float() - p_ref.grad).abs().max().item()
+        assert err <= 2 * eager_err + 1e-2 * p_ref.grad.abs().max().item(), (name, err, eager_err)

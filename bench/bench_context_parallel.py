@@ -51,6 +51,20 @@ def init_group(device_type: str) -> None:
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
 
 
+def start(args) -> tuple[torch.device, int, int]:
+    """The process group and this rank's device: ``(device, world, rank)``
+    (NCCL and the rank's GPU, or gloo on the CPU for ``--smoke``)."""
+    common.quiet_warnings()
+    common.interrupt_on_sigterm()
+    device_type = (args.device or ("cpu" if args.smoke else "cuda")).split(":")[0]
+    init_group(device_type)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device()), world, rank
+    return common.pick_device(args), world, rank
+
+
 def timed(fn, device, reps) -> tuple[float, float]:
     """(ms per call on the slowest rank, peak MiB on the largest rank)."""
     fn()  # warm-up (kernel choice, compiled code)
@@ -109,16 +123,7 @@ def torch_cp_step(full_q, full_k, full_v, full_do, device, world):
 
 def main():
     args = parse_args()
-    common.quiet_warnings()
-    common.interrupt_on_sigterm()
-    device_type = (args.device or ("cpu" if args.smoke else "cuda")).split(":")[0]
-    init_group(device_type)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = common.pick_device(args)
+    device, world, rank = start(args)
     if args.smoke:
         lengths, per_gpu, H, D, dtype, reps = [64], [32], 2, 16, torch.float32, 1
     else:

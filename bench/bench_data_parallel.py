@@ -26,7 +26,7 @@ import time
 import common
 import torch
 import torch.distributed as dist
-from bench_context_parallel import init_group
+from bench_context_parallel import start
 
 MODELS = ["gpt2", "llama"]
 VARIANTS = ["flashfuse", "sdpa"]
@@ -88,16 +88,7 @@ def build(model: str, variant: str, wrapper: str, smoke: bool, T: int, device, d
 
 def main():
     args = parse_args()
-    common.quiet_warnings()
-    common.interrupt_on_sigterm()
-    device_type = (args.device or ("cpu" if args.smoke else "cuda")).split(":")[0]
-    init_group(device_type)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = common.pick_device(args)
+    device, world, rank = start(args)
     B, T, steps = (2, 32, 2) if args.smoke else (args.batch, args.t, args.steps)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     budget = common.make_budget(args)

@@ -54,13 +54,13 @@ def _check(spec, compiler):
 # cheapest post-rewrite compiler); training goes through AOTAutograd for a
 # share, so the op's backward is used the way Inductor uses it; a handful
 # go all the way through Inductor.
-@_ci(120)
+@_ci(80)
 @given(spec=specs())
 def test_rewrite_matches_eager(spec):
     _check(spec, "eager")
 
 
-@_ci(30)
+@_ci(20)
 @given(spec=specs(hostile_rate=0.1))
 def test_rewrite_matches_eager_aot(spec):
     _check(spec, "aot_eager")

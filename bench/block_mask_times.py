@@ -85,6 +85,7 @@ def main():
             total, tables = per_step(profile_kernels(step(fn), args.reps), args.reps)
             rows[variant] = total
             res.add(case=name, variant=variant, layers=1, us_per_layer=total, table_us=tables)
+            print(f"{name:20s} {variant:12s} {total:8.1f} us per layer", flush=True)  # rows as they come
         # One block mask per step, shared by the layers: build it in the
         # step, run the layers on it, count the step's kernels per layer.
         def shared_step():

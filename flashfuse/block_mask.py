@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import config
 from . import ops as _ops
 
 __all__ = ["BlockMask", "block_mask", "check_tables", "table_shapes"]
@@ -82,7 +82,7 @@ def _kernels_available(mask: Tensor) -> bool:
         return False
     if mask.device.type == "cuda":
         return True
-    return k.BUILT_FOR_INTERPRETER and os.environ.get("TRITON_INTERPRET") == "1"
+    return k.BUILT_FOR_INTERPRETER and config.interpreter_on()
 
 
 def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int] = None,

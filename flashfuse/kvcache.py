@@ -17,13 +17,12 @@ key/value cache as serving code holds it.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import ops, reference
+from . import config, ops, reference
 
 __all__ = ["attention_with_lse", "attention_with_kvcache"]
 
@@ -204,7 +203,7 @@ def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
 # with the device); FLASHFUSE_KVCACHE_CHECKS=0 skips them (the kernels clamp
 # every index either way, so bad values give wrong numbers, not bad reads).
 def _value_checks_enabled() -> bool:
-    return os.environ.get("FLASHFUSE_KVCACHE_CHECKS", "1") != "0"
+    return config.kvcache_checks()
 
 
 def _err(msg: str) -> ValueError:

@@ -24,13 +24,12 @@ kernels can assume valid input.
 """
 
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import reference
+from . import config, reference
 
 try:  # Triton is a dependency, but a CPU-only install without it should still run.
     import triton  # noqa: F401
@@ -361,7 +360,7 @@ def _use_triton(t: Tensor) -> bool:
     # Kernels are built for the interpreter only if TRITON_INTERPRET=1 was set
     # when they were imported; the variable is re-read here so tests can switch
     # a process to the fast blockwise path by setting it to 0.
-    return _kernels.BUILT_FOR_INTERPRETER and os.environ.get("TRITON_INTERPRET") == "1" and t.dtype in SUPPORTED_DTYPES
+    return _kernels.BUILT_FOR_INTERPRETER and config.interpreter_on() and t.dtype in SUPPORTED_DTYPES
 
 
 def _empty_out(q: Tensor, v: Tensor) -> Tensor:

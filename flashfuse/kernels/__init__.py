@@ -5,11 +5,11 @@ and the Triton interpreter decision (made by Triton when a kernel is defined)
 is recorded here so the ops layer knows which tensors the kernels can take.
 """
 
-import os
+from .. import config
 
 # Triton decides when a kernel is *defined* whether it runs compiled or in the
 # interpreter, so CPU tensors can use the kernels only if this was set then.
-BUILT_FOR_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+BUILT_FOR_INTERPRETER = config.interpreter_on()
 
 
 def attention_forward(q, k, v, attn_mask, seed, **kwargs):

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import config
 from .common import (
     _block_crosses_edge,
     _dropout_keep_block,
@@ -747,7 +747,7 @@ def _one_pass_enabled(has_dropout: bool, head_dim: int) -> bool:
     """
     if torch.are_deterministic_algorithms_enabled():
         return False
-    mode = os.environ.get("FLASHFUSE_BWD", "").strip().lower()
+    mode = config.backward_schedule()
     if mode == "one_pass":
         return True
     if mode == "two_pass":

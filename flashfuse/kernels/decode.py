@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import config
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, hint,
     next_pow2, static_int,
@@ -353,9 +353,9 @@ def choose_splits(B: int, Hkv: int, row_tiles: int, keys: int, sms: int) -> int:
     """How many programs share a row tile's keys: enough for ``WAVES``
     programs per SM over the whole grid, none with fewer than
     ``MIN_SPLIT_KEYS`` keys. ``FLASHFUSE_DECODE_SPLITS`` forces a count."""
-    forced = os.environ.get("FLASHFUSE_DECODE_SPLITS")
-    if forced:
-        return max(1, int(forced))
+    forced = config.decode_splits()
+    if forced is not None:
+        return forced
     base = max(1, B * Hkv * row_tiles)
     want = cdiv(WAVES * sms, base)
     return max(1, min(want, cdiv(max(keys, 1), MIN_SPLIT_KEYS), MAX_SPLITS))
@@ -368,7 +368,7 @@ def decode_suits(q, k, attn_mask, dropout_p, window_left, window_right, bottom_r
     bottom-right, or none (without a band the alignment means nothing: a
     static cache's mask arrives so). ``FLASHFUSE_DECODE=0`` turns the path
     off, ``=1`` takes it whenever the arguments allow, whatever the sizes."""
-    mode = os.environ.get("FLASHFUSE_DECODE", "")
+    mode = config.decode()
     if mode == "0":
         return False
     if attn_mask is not None and attn_mask.dtype != torch.bool:

@@ -17,8 +17,9 @@ import os
 
 import torch
 import triton
-
 from triton.runtime.errors import OutOfResources
+
+from .. import config
 
 _log = logging.getLogger("flashfuse")
 
@@ -33,7 +34,7 @@ def _autotune_enabled() -> bool:
     4k-16k tokens): one compile per kernel variant, for quick start-up and
     test suites, at some cost in speed elsewhere (see bench/NOTES.md).
     """
-    return os.environ.get("FLASHFUSE_AUTOTUNE", "1") != "0"
+    return config.autotune()
 
 
 class ConfigLauncher:
@@ -341,7 +342,7 @@ class TuningCache:
         self._loaded: dict = {}  # path -> entries read from it
 
     def path(self) -> str | None:
-        env = os.environ.get("FLASHFUSE_TUNING_CACHE", "")
+        env = config.tuning_cache()
         if env == "0":
             return None
         if env:
@@ -449,7 +450,7 @@ def descriptor_loads(*tensors: torch.Tensor, faster: bool = True) -> bool:
     strides. Never while tracing: a traced graph's tensors have no address
     to check, and a misaligned descriptor is not caught.
     """
-    mode = os.environ.get("FLASHFUSE_TMA", "")
+    mode = config.tma()
     if mode == "0" or not hasattr(triton.language, "make_tensor_descriptor") or _traced(tensors):
         return False
     t0 = tensors[0]
@@ -575,7 +576,7 @@ def max_shared_mem(device_index: int) -> int:
 
 def _interpreting(t: torch.Tensor) -> bool:
     """Launch through Triton's interpreter: CPU tensors cannot run compiled."""
-    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type != "cuda"
+    return config.interpreter_on() or t.device.type != "cuda"
 
 
 def _bucket(n: int, cap: int) -> int:

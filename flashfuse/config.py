@@ -1,0 +1,71 @@
+"""Every environment variable flashfuse reads, in one place.
+
+Each is read at the call that uses it (not at import), so a test or a user
+can change it between calls; the one exception is ``TRITON_INTERPRET``, which
+Triton itself reads when a kernel is defined (``kernels.BUILT_FOR_INTERPRETER``
+records it then).
+
+========================== ========= ==================================================
+variable                   default   meaning
+========================== ========= ==================================================
+FLASHFUSE_AUTOTUNE         1         0: take the first kernel config that fits instead
+                                     of timing the candidates
+FLASHFUSE_TUNING_CACHE     (Triton's file of tuned choices; a path elsewhere, 0: off
+                           cache dir)
+FLASHFUSE_BWD              (unset)   one_pass / two_pass: force the backward schedule
+FLASHFUSE_TMA              (unset)   0 / 1: turn off / force tensor-descriptor loads
+FLASHFUSE_DECODE           (unset)   0: never take the split-KV decoding kernels;
+                                     1: take them whenever the arguments allow
+FLASHFUSE_DECODE_SPLITS    (unset)   n: force the decoding kernels' split count
+FLASHFUSE_KVCACHE_CHECKS   1         0: skip the host check of cache lengths and
+                                     block tables (it synchronises with the device)
+TRITON_INTERPRET           (unset)   1 before import: CPU tensors run the Triton
+                                     kernels in Triton's interpreter
+========================== ========= ==================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+def _get(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def autotune() -> bool:
+    return _get("FLASHFUSE_AUTOTUNE", "1") != "0"
+
+
+def tuning_cache() -> str:
+    """The raw setting: "" (Triton's cache directory), "0" (off), or a path."""
+    return _get("FLASHFUSE_TUNING_CACHE")
+
+
+def backward_schedule() -> str:
+    """"", "one_pass" or "two_pass" as written (checked by the backward)."""
+    return _get("FLASHFUSE_BWD").strip().lower()
+
+
+def tma() -> str:
+    """"", "0" or "1" as written (checked by the launcher)."""
+    return _get("FLASHFUSE_TMA")
+
+
+def decode() -> str:
+    """"", "0" or "1" as written."""
+    return _get("FLASHFUSE_DECODE")
+
+
+def decode_splits() -> int | None:
+    forced = _get("FLASHFUSE_DECODE_SPLITS")
+    return max(1, int(forced)) if forced else None
+
+
+def kvcache_checks() -> bool:
+    return _get("FLASHFUSE_KVCACHE_CHECKS", "1") != "0"
+
+
+def interpreter_on() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set now (tests switch a process to
+    the blockwise CPU path by setting it to 0)."""
+    return _get("TRITON_INTERPRET") == "1"

@@ -38,27 +38,8 @@ _lib.define(f"_attention_backward_lse_cpu({ops._BACKWARD_ARGS}, Tensor? grad_lse
             "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _backward_lse(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-                  bottom_right, mask_grad, mask_fill=None, mask_key_table=None, mask_query_table=None,
-                  softcap=None, grad_lse=None):
-    """``ops._attention_backward`` with the gradient of lse added."""
-    N, M = q.shape[2], k.shape[2]
-    if N == 0 or M == 0 or grad_lse is None:
-        return ops._attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale,
-                                       window_left, window_right, bottom_right, mask_grad, mask_fill,
-                                       mask_key_table, mask_query_table, softcap)
-    triton = ops._use_triton(q)
-    impl = ops._kernels.attention_backward if triton else reference.blockwise_backward
-    tables = {"key_table": mask_key_table, "query_table": mask_query_table} if triton else {}
-    dq, dk, dv, dmask = impl(
-        grad_out, q, k, v, attn_mask, seed, out, lse,
-        dropout_p=dropout_p, scale=scale, window_left=window_left, window_right=window_right,
-        bottom_right=bottom_right, mask_grad=mask_grad, mask_fill=mask_fill, **tables, softcap=softcap,
-        grad_lse=grad_lse,
-    )
-    if dmask is None:
-        dmask = ops._empty_dmask(attn_mask, q, False)
-    return dq, dk, dv, dmask
+# ops._attention_backward takes lse's gradient as a last argument.
+_backward_lse = ops._attention_backward
 
 
 def _backward_lse_fake(*args, grad_lse=None, **kwargs):
@@ -79,11 +60,8 @@ def _forward_lse_op(
     mask_query_table: Optional[Tensor] = None, softcap: Optional[float] = None, sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``_attention_forward``, with a differentiable lse."""
-    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
-            mask_key_table, mask_query_table, softcap, sinks)
-    if q.device.type == "cuda":
-        return ops._attention_forward(*args)
-    return torch.ops.flashfuse._attention_forward_cpu(*args)
+    return ops.run_forward(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
+                           mask_fill, mask_key_table, mask_query_table, softcap, sinks)
 
 
 @torch.library.triton_op("flashfuse::_attention_backward_lse", mutates_args=())
@@ -121,13 +99,7 @@ def _lse_backward(ctx, grad_out, grad_lse):
         query_table, ctx.softcap, grad_lse)
     dsinks = None
     if sinks is not None and ctx.needs_input_grad[14]:
-        # d lse / d sink = p_sink, so lse's gradient adds p_sink * grad_lse
-        # to the term through the output (ops.sink_gradient).
-        dsinks = ops.sink_gradient(grad_out, out, lse, sinks)
-        if grad_lse is not None:
-            p_sink = torch.where(lse > reference.LSE_MARKED_BELOW,
-                                 torch.exp(sinks.to(torch.float32).view(1, -1, 1) - lse), torch.zeros_like(lse))
-            dsinks = dsinks + (p_sink * grad_lse.to(torch.float32)).sum(dim=(0, 2)).to(sinks.dtype)
+        dsinks = ops.sink_gradient(grad_out, out, lse, sinks, grad_lse)
     return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 10 + (dsinks,)
 
 

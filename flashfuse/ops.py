@@ -455,10 +455,12 @@ def _attention_backward(
     mask_key_table: Tensor | None = None,
     mask_query_table: Tensor | None = None,
     softcap: float | None = None,
+    grad_lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Flash-attention backward: ``dq``, ``dk``, ``dv`` (``empty_like`` their
     inputs) and ``dmask`` (the mask's shape and dtype when ``mask_grad``, else
-    an empty tensor). Probabilities are recomputed from ``lse``."""
+    an empty tensor). Probabilities are recomputed from ``lse``. ``grad_lse``:
+    the gradient of lse where a caller returns it (``attention_with_lse``)."""
     N = q.shape[2]
     M = k.shape[2]
     if N == 0 or M == 0:
@@ -474,6 +476,7 @@ def _attention_backward(
         window_right=window_right, bottom_right=bottom_right, mask_grad=mask_grad, mask_fill=mask_fill,
         **tables,
         softcap=softcap,
+        **({"grad_lse": grad_lse} if grad_lse is not None else {}),
     )
     if dmask is None:
         dmask = _empty_dmask(attn_mask, q, False)
@@ -512,9 +515,14 @@ def _attention_forward_op(
     mask_query_table: Optional[Tensor] = None, softcap: Optional[float] = None, sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``_attention_forward`` as an op: see the module docstring."""
-    args = (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
-            mask_key_table, mask_query_table, softcap, sinks)
-    if q.device.type == "cuda":
+    return run_forward(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
+                       mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+
+
+def run_forward(*args) -> tuple[Tensor, Tensor]:
+    """``_attention_forward``'s work for a private op: the kernels on CUDA
+    tensors, else the opaque CPU op (which a trace records as one node)."""
+    if args[0].device.type == "cuda":
         return _attention_forward(*args)
     return torch.ops.flashfuse._attention_forward_cpu(*args)
 
@@ -566,14 +574,19 @@ def _gradients(ctx, grad_out, backward_impl):
     return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 10 + (dsinks,)
 
 
-def sink_gradient(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+def sink_gradient(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
+                  grad_lse: Tensor | None = None) -> Tensor:
     """d loss / d sinks, (Hq,) in the sinks' dtype. A sink joins each row's
     softmax without a value, so its score gradient is ``p_sink * (0 -
     delta)`` with ``delta = rowsum(dO * O)`` (the same delta as the keys'),
     and ``p_sink = exp(sink - lse)`` from the stored lse, which includes the
     sink. Rows with no key and no sink (lse +inf) and marked rows (see
-    ``reference.lse_marker``, only with a sink far below the row) give 0."""
+    ``reference.lse_marker``, only with a sink far below the row) give 0.
+    A gradient of lse itself (``grad_lse``) adds ``p_sink * grad_lse``, as
+    d lse / d sink = p_sink."""
     delta = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(dim=-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(torch.float32)
     s = sinks.to(torch.float32).view(1, -1, 1)
     p_sink = torch.where(lse > reference.LSE_MARKED_BELOW, torch.exp(s - lse), torch.zeros_like(lse))
     return (-(p_sink * delta)).sum(dim=(0, 2)).to(sinks.dtype)

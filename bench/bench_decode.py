@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,36 +53,30 @@ def copy_bandwidth(device) -> float:
 
     src = torch.empty(1 << 29, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
     del src, dst
     return 2 * (1 << 30) / (ms * 1e-3)
 
 
 def timer(device):
-    if device.type == "cuda":
-        from triton.testing import do_bench, do_bench_cudagraph
+    """(eager, graph): median microseconds of one call, plain and replayed
+    from a CUDA graph (NaN off CUDA or where a provider cannot be captured)."""
+    def eager(fn):
+        return common.bench_ms(fn, device) * 1e3
 
-        def eager(fn):
-            return do_bench(fn, warmup=10, rep=30) * 1e3
+    if device.type != "cuda":
+        return eager, lambda fn: float("nan")
+    from triton.testing import do_bench_cudagraph
 
-        def graph(fn):
-            fn()  # compile and tune outside the capture
-            torch.cuda.synchronize()
-            try:
-                return do_bench_cudagraph(fn, rep=30) * 1e3
-            except Exception:  # noqa: BLE001 - a provider that cannot be captured
-                return float("nan")
+    def graph(fn):
+        fn()  # compile and tune outside the capture
+        torch.cuda.synchronize()
+        try:
+            return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+        except Exception:  # noqa: BLE001 - a provider that cannot be captured
+            return float("nan")
 
-        return eager, graph
-
-    def wall(fn):
-        fn()
-        t = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - t) / 3 * 1e6
-
-    return wall, lambda fn: float("nan")
+    return eager, graph
 
 
 def main():

@@ -272,9 +272,6 @@ def _attention_composite(
                          alignment, mask_fill,
                          new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
                          tables=tables, softcap=softcap, sinks=sinks)
-    bad = known_wrong_gradients(query, args[10], args[5])
-    if bad is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise ValueError(f"flashfuse.attention: {bad}")
     if _plain_eager_call(query, key, value, attn_mask, sinks):
         out = _EagerAttention.apply(*args)
     else:
@@ -286,12 +283,18 @@ def _attention_composite(
 
 
 def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                  alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None) -> tuple:
+                  alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None,
+                  refuse_wrong_gradients=True) -> tuple:
     """The arguments of ``_attention_forward`` for a public call whose
     inputs are checked: the default scale, ``is_causal`` as the window's
     right bound, the fill normalised, and a seed from ``new_seed()`` when
-    dropout draws."""
+    dropout draws. Raises for a call whose gradients the CUDA backward
+    would give wrongly (``known_wrong_gradients``) unless told not to."""
     mask_fill = check_mask_fill(attn_mask, mask_fill)
+    if refuse_wrong_gradients and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        bad = known_wrong_gradients(query, mask_fill, dropout_p)
+        if bad is not None:
+            raise ValueError(f"flashfuse.attention: {bad}")
     softcap = check_softcap_sinks(query, softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
@@ -316,9 +319,13 @@ def kernel_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     pass asks this before it emits an op call."""
     if _kernels is None or query.device.type != "cuda":
         return None
+    if backward:
+        bad = known_wrong_gradients(query, check_mask_fill(attn_mask, mask_fill), dropout_p)
+        if bad is not None:
+            return bad
     args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                          alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64),
-                         softcap=softcap, sinks=sinks)
+                         softcap=softcap, sinks=sinks, refuse_wrong_gradients=False)
     return _kernels.launch_problem(*args, backward=backward)
 
 

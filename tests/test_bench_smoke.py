@@ -233,3 +233,10 @@ def test_bench_capsink_smoke(tmp_path):
     assert {(r["provider"], r["variant"]) for r in rows if not r.get("error")} >= {
         ("flashfuse", "softcap+sinks"), ("eager", "softcap+sinks")}
     assert "fwd+bwd ms" in out
+
+
+def test_bench_generate_smoke(tmp_path):
+    run_script("bench_generate.py", tmp_path)
+    rows = read_csv(tmp_path / "generate.csv")
+    assert {r["impl"] for r in rows if r["status"] == "ok"} == {"sdpa", "ffuse"}
+    assert all(r["tokens_match"] == "True" for r in rows)

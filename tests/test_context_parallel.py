@@ -139,6 +139,7 @@ def _interpreter_and_context_manager(rank, world):
 
     # The context manager: buffers sharded in place on entry, gathered on exit.
     qb, kb, vb = (t.clone() for t in (q, k, v))
+    sdpa, op = F.scaled_dot_product_attention, flashfuse.attention
     with flashfuse.context_parallel(buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]):
         local_len = qb.shape[2]
         cm_out = unshard(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True))
@@ -147,7 +148,7 @@ def _interpreter_and_context_manager(rank, world):
             refused = None
         except ValueError as e:
             refused = str(e)
-    restored = torch.equal(qb, q) and F.scaled_dot_product_attention is not None
+    restored = torch.equal(qb, q) and F.scaled_dot_product_attention is sdpa and flashfuse.attention is op
     return dict(ring=ring, cm_out=cm_out, local_len=local_len, refused=refused, restored=restored)
 
 

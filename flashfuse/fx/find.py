@@ -640,18 +640,6 @@ def _in_dtype(v: float, t: Optional[torch.Tensor]) -> float:
     return float(torch.tensor(v, dtype=torch.float64).to(t.dtype).item())
 
 
-def op_accepts_mask_fill() -> bool:
-    """Whether ``torch.ops.flashfuse.attention`` takes ``mask_fill`` (the
-    value hidden scores of a bool mask are replaced by, as masked_fill does)."""
-    try:
-        if not hasattr(torch.ops.flashfuse, "attention"):
-            import flashfuse.ops  # noqa: F401  (registers the op)
-        schema = torch.ops.flashfuse.attention.default._schema
-        return any(a.name == "mask_fill" for a in schema.arguments)
-    except Exception:  # noqa: BLE001 - no op, no argument
-        return False
-
-
 def _rows_keep_a_key(band: Band, n, m) -> bool:
     """Every query row 0..n-1 provably has a key 0..m-1 with
     ``lo <= j - i <= hi``."""
@@ -1394,9 +1382,6 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         if bands:
             raise NoMatch("masked_fill with a finite value and a causal/window mask: rows it hides entirely "
                           "would not average the same keys; left alone")
-        if not op_accepts_mask_fill():
-            raise NoMatch("masked_fill with a finite value needs the op's mask_fill argument, which this "
-                          "flashfuse lacks; left alone")
         mask_fill = float(next(iter(fills)))
     mask_kinds = ["bool"] * len(hide_ops) + ["additive"] * len(kept_terms)
 

@@ -62,12 +62,6 @@ def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, win
     def like(t):
         return None if t is None else torch.empty([hint(s) for s in t.shape], dtype=t.dtype, device=t.device)
 
-    if backward:
-        from ..ops import known_wrong_gradients
-
-        bad = known_wrong_gradients(q, mask_fill, dropout_p)
-        if bad is not None:
-            return bad
     band = dict(dropout_p=dropout_p, scale=scale, window_left=window_left, window_right=window_right,
                 bottom_right=bottom_right, mask_fill=mask_fill)
     try:

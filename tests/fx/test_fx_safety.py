@@ -426,18 +426,13 @@ FINITE_FILLS = [fill_finfo_min, where_finfo_min, fill_minus_1e4, strict_causal_f
 @pytest.mark.parametrize("fn", FINITE_FILLS, ids=lambda f: f.__name__)
 def test_finite_fill_fully_hidden_rows(fn):
     """Forward and gradients match eager on rows the fill hides entirely.
-    Rewritten only when the op takes mask_fill (depends on the op change)."""
-    from flashfuse.fx.find import op_accepts_mask_fill
-
+    Rewritten, with the fill as the op's mask_fill."""
     q, k, v = qkv(n=7, d=16)
     keep = _left_padded_keep()
-    _, backend = compile_and_compare(fn, q, k, v, keep, expect=1 if op_accepts_mask_fill() else 0)
+    _, backend = compile_and_compare(fn, q, k, v, keep, expect=1)
     cand = backend.candidates[0]
-    if cand.rewritten:
-        assert cand.facts.get("causal") is None and cand.facts.get("window") is None, cand.facts
-        assert cand.facts["mask"] == "bool" and math.isfinite(cand.facts["mask_fill"]), cand.facts
-    else:
-        assert "mask_fill" in cand.reason, cand.reason
+    assert cand.facts.get("causal") is None and cand.facts.get("window") is None, cand.facts
+    assert cand.facts["mask"] == "bool" and math.isfinite(cand.facts["mask_fill"]), cand.facts
 
 
 def _captured(fn, *inputs):
@@ -458,16 +453,11 @@ def _captured(fn, *inputs):
     [(fill_finfo_min, MIN), (where_finfo_min, MIN), (fill_minus_1e4, -1e4), (strict_causal_finfo_min, MIN)],
     ids=lambda x: getattr(x, "__name__", ""),
 )
-def test_finite_fill_emits_mask_fill(fn, fill, monkeypatch):
-    """The op call the pass emits for a finite fill (as if the op took
-    mask_fill): a bool mask, mask_fill in the op's score units, no
-    is_causal or window; nothing is run."""
-    import sys
-
+def test_finite_fill_emits_mask_fill(fn, fill):
+    """The op call the pass emits for a finite fill: a bool mask, mask_fill
+    in the op's score units, no is_causal or window; nothing is run."""
     from flashfuse.fx import FlashAttentionPass
 
-    # (flashfuse.fx.find the attribute is the function; the module is here.)
-    monkeypatch.setattr(sys.modules["flashfuse.fx.find"], "op_accepts_mask_fill", lambda: True)
     gm, example_inputs = _captured(fn, *qkv(n=7, d=16, grad=False), _left_padded_keep())
     cands = FlashAttentionPass(example_inputs)(gm)
     assert [c.rewritten for c in cands] == [True], [c.reason for c in cands]

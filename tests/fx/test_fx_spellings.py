@@ -236,12 +236,7 @@ SPELLINGS = [
 
 @pytest.mark.parametrize("fn", SPELLINGS, ids=lambda f: f.__name__)
 def test_spelling(fn):
-    # A finite fill the pass cannot prove partial needs the op's mask_fill;
-    # without it the graph is left alone (and still matches eager).
-    from flashfuse.fx.find import op_accepts_mask_fill
-
-    expect = 0 if fn is where_user_mask_finfo_min and not op_accepts_mask_fill() else 1
-    compile_and_compare(fn, *qkv(d=D), expect=expect)
+    compile_and_compare(fn, *qkv(d=D), expect=1)
 
 
 @pytest.mark.parametrize("fn", [cross_attention, causal_bottom_right], ids=lambda f: f.__name__)

@@ -313,11 +313,6 @@ def test_compile_forward_and_backward(blockwise_cpu, monkeypatch):
     torch._dynamo.reset()
 
 
-def test_kernel_problem_takes_the_new_arguments():
-    q, k, v = _inputs(1, 2, 2, 4, 4, 16, torch.float32)
-    assert ops.kernel_problem(q, k, v, softcap=2.0, sinks=torch.zeros(2)) is None  # CPU: nothing to ask
-
-
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------

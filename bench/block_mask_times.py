@@ -29,16 +29,6 @@ CASES = {
 TABLE_KERNELS = ("_mask_key_table", "_mask_query_table")
 
 
-def make_mask(B, N, kind, device):
-    lowest = torch.finfo(torch.bfloat16).min
-    if kind == "causal":
-        later = torch.ones(N, N, dtype=torch.bool, device=device).triu(1)
-        return torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device).masked_fill(later, lowest)
-    lengths = torch.randint(N // 2, N + 1, (B, 1, 1, 1), device=device)
-    hidden = torch.arange(N, device=device) >= lengths
-    return torch.zeros(B, 1, 1, N, dtype=torch.bfloat16, device=device).masked_fill(hidden, lowest)
-
-
 def per_step(times: dict, reps: int) -> tuple[float, float]:
     """(all kernels, table kernels) µs per step: every launch summed."""
     total = sum(sum(t) for t in times.values()) / reps
@@ -65,7 +55,7 @@ def main():
         q, k, v = (torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         g = torch.randn_like(q)
-        mask = make_mask(B, N, kind, device)
+        mask = common.hf_mask(B, N, kind, device)
         causal = kind == "causal"
 
         def step(fn):

@@ -578,6 +578,19 @@ def make_inputs(case: AttnCase, device: torch.device, requires_grad: bool = True
     return q, k, v, mask
 
 
+def hf_mask(B: int, N: int, kind: str, device: torch.device) -> torch.Tensor:
+    """A bfloat16 additive mask as Hugging Face builds it (0 / the lowest
+    value): ``"causal"`` (B, 1, N, N), or ``"padding"`` (B, 1, 1, N) with each
+    sequence's length drawn between N/2 and N."""
+    lowest = torch.finfo(torch.bfloat16).min
+    if kind == "causal":
+        later = torch.ones(N, N, dtype=torch.bool, device=device).triu(1)
+        return torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device).masked_fill(later, lowest)
+    lengths = torch.randint(N // 2, N + 1, (B, 1, 1, 1), device=device)
+    hidden = torch.arange(N, device=device) >= lengths
+    return torch.zeros(B, 1, 1, N, dtype=torch.bfloat16, device=device).masked_fill(hidden, lowest)
+
+
 def causal_visibility(case: AttnCase, device: torch.device) -> torch.Tensor:
     """(N, M) bool: True where key j is visible to query i under the case's causal alignment."""
     off = case.m - case.N if case.bottom_right else 0

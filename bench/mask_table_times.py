@@ -27,16 +27,6 @@ SHAPES = {"gpt2 causal": (8, 1024, "causal"), "llama causal": (4, 2048, "causal"
           "bert padding": (16, 512, "padding")}
 
 
-def make_mask(B, N, kind, device):
-    lowest = torch.finfo(torch.bfloat16).min
-    if kind == "causal":
-        later = torch.ones(N, N, dtype=torch.bool, device=device).triu(1)
-        return torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device).masked_fill(later, lowest)
-    lengths = torch.randint(N // 2, N + 1, (B, 1, 1, 1), device=device)
-    hidden = torch.arange(N, device=device) >= lengths
-    return torch.zeros(B, 1, 1, N, dtype=torch.bfloat16, device=device).masked_fill(hidden, lowest)
-
-
 def main():
     args = common.base_parser(__doc__.splitlines()[0], budget_s=0).parse_args()
     common.quiet_warnings()
@@ -51,7 +41,7 @@ def main():
     summary = []
     for name, (B, N, kind) in SHAPES.items():
         torch.manual_seed(0)
-        mask = make_mask(B, N, kind, device).expand(B, 12, N, N)
+        mask = common.hf_mask(B, N, kind, device).expand(B, 12, N, N)
         keys = mr.mask_key_table(mask, N, N, **band)
         best = {}
         for table, cands in (("key", KEY_CANDIDATES), ("query", QUERY_CANDIDATES)):

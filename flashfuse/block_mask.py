@@ -56,10 +56,18 @@ def _mask_batch_heads(mask: Tensor) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
+def table_fill(mask_fill: Optional[float]) -> tuple[Optional[float], bool]:
+    """A bool mask's fill as the tables are built for it (-inf as None),
+    and whether the kernels read tables at all: not for a fill too high to
+    skip filled pairs."""
+    if mask_fill is None or mask_fill == -math.inf:
+        return None, True
+    return mask_fill, mask_fill <= _FILL_HIDES_AT
+
+
 def _uses_tables(mask: Tensor, mask_fill: Optional[float]) -> bool:
-    """Whether the kernels read tables for this mask and fill: always,
-    except a bool mask whose fill is too high to skip filled pairs."""
-    return not (mask.dtype == torch.bool and mask_fill is not None and mask_fill > _FILL_HIDES_AT)
+    """Whether the kernels read tables for this mask and fill."""
+    return mask.dtype != torch.bool or table_fill(mask_fill)[1]
 
 
 def table_shapes(mask: Tensor, q_len, kv_len, mask_fill: Optional[float], queries: bool):
@@ -229,7 +237,7 @@ class BlockMask:
                 f"flashfuse.attention: the block mask was built for q_len={self.q_len}, kv_len={self.kv_len}, "
                 f"but query has {query.shape[2]} rows and key {key.shape[2]}; build one for these lengths"
             )
-        given_right = (0 if window_right is None else min(window_right, 0)) if is_causal else window_right
+        given_right = _ops.causal_window_right(is_causal, window_right)
         for name, given, own, default in (("is_causal / window_right", given_right, self.window_right, None),
                                           ("window_left", window_left, self.window_left, None),
                                           ("alignment", alignment, self.alignment, "top_left"),
@@ -299,11 +307,8 @@ def block_mask(
     for name, w in (("window_left", window_left), ("window_right", window_right)):
         if w is not None and w < 0:
             raise ValueError(f"flashfuse.block_mask: {name} must be None or >= 0, got {w}")
-    fill = _ops.check_mask_fill(mask, mask_fill)
-    if fill is not None and math.isinf(fill):
-        fill = None
-    if is_causal:
-        window_right = 0 if window_right is None else min(window_right, 0)
+    fill, _ = table_fill(_ops.check_mask_fill(mask, mask_fill))
+    window_right = _ops.causal_window_right(is_causal, window_right)
     keys, queries = torch.ops.flashfuse.block_mask(
         mask, N, M, window_left=window_left, window_right=window_right, bottom_right=alignment == "bottom_right",
         mask_fill=fill, queries=backward,

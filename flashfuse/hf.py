@@ -381,8 +381,9 @@ def _shared_tables(mask: Tensor, query: Tensor, key: Tensor, value: Tensor) -> d
     cannot be told safely: under tracing (the graph pass shares tables
     there), or for tensor subclasses."""
     global _block_mask_op
-    if type(mask) is not Tensor or is_tracing(mask) or torch.compiler.is_compiling() or mask.device.type != "cuda" \
-            and not _ops._use_triton(query):
+    # The mask lives on the query's device, so the kernels' test on the query
+    # says whether they run (CUDA, or the interpreter on the CPU).
+    if type(mask) is not Tensor or is_tracing(mask) or torch.compiler.is_compiling() or not _ops._use_triton(query):
         return {}
     queries = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, mask))
     want = _table_key(mask, query, key, queries)

@@ -207,6 +207,14 @@ def check_softcap_sinks(query: Tensor, softcap: float | None, sinks: Tensor | No
     return softcap
 
 
+def causal_window_right(is_causal: bool, window_right: int | None) -> int | None:
+    """The right window bound with ``is_causal`` folded in (causal is
+    ``window_right=0``; a tighter bound given with it stays)."""
+    if not is_causal:
+        return window_right
+    return 0 if window_right is None else min(window_right, 0)
+
+
 def check_mask_fill(attn_mask: Tensor | None, mask_fill: float | None) -> float | None:
     """The fill the kernels get: None (hidden pairs take no part) or a
     finite score for the pairs a bool mask hides. Raises ``ValueError`` for
@@ -300,8 +308,7 @@ def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, win
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif not math.isfinite(scale):
         raise ValueError(f"flashfuse.attention: scale must be a finite number, got {scale}")
-    if is_causal:
-        window_right = 0 if window_right is None else min(window_right, 0)
+    window_right = causal_window_right(is_causal, window_right)
     seed = new_seed() if 0.0 < dropout_p < 1.0 else None
     return (
         query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),

@@ -671,7 +671,7 @@ def blockwise_forward(
             keys = torch.where(empty, torch.full_like(row_lse, float("-inf")), keys_lse)
             factor = torch.exp(keys - torch.where(torch.isinf(with_sink), torch.zeros_like(with_sink), with_sink))
             rows_out = rows_out * torch.where(torch.isinf(with_sink), torch.zeros_like(factor), factor).unsqueeze(-1)
-            row_lse = torch.where(with_sink == keys, row_lse, with_sink)
+            row_lse = _with_sinks(keys_lse, sinks, row_lse)
         out[:, :, i0:i1] = rows_out
         lse[:, :, i0:i1] = row_lse
     return out, lse

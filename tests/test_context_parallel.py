@@ -7,7 +7,6 @@ kernels in the interpreter."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -31,16 +30,11 @@ CASES = [
 
 
 def reference64(q, k, v, causal, alignment):
-    """Plain float64 attention on the whole sequence."""
-    q, k, v = (t.double() for t in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if causal:
-        N, M = s.shape[-2:]
-        off = M - N if alignment == "bottom_right" else 0
-        s = s.masked_fill(torch.ones(N, M, dtype=torch.bool).tril(off).logical_not(), -math.inf)
-    return torch.softmax(s, -1) @ v
+    """flashfuse's float64 reference attention on the whole sequence."""
+    from flashfuse.reference import reference_attention
+
+    return reference_attention(q.double(), k.double(), v.double(), window_right=0 if causal else None,
+                               bottom_right=alignment == "bottom_right")
 
 
 def _inputs(case, seed=0):

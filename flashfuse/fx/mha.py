@@ -331,20 +331,22 @@ def _emit_plan(em, plan: MhaPlan) -> torch.fx.Node:
         v = fn(F.linear, value, a["v_proj_weight"], bv)
     else:
         w = a["in_proj_weight"]
+
+        def part(s, i):  # piece i of a split weight or bias (None stays None)
+            return fn(operator.getitem, s, i) if s is not None else None
+
         if key is value and query is key:
             proj = meth("chunk", fn(F.linear, query, w, bias), 3, -1)
             q, k, v = (fn(operator.getitem, proj, i) for i in range(3))
         elif key is value:
             ws = meth("split", w, [E, 2 * E])
             bs = meth("split", bias, [E, 2 * E]) if bias is not None else None
-            part = lambda s, i: fn(operator.getitem, s, i) if s is not None else None  # noqa: E731
             q = fn(F.linear, query, part(ws, 0), part(bs, 0))
             kv = meth("chunk", fn(F.linear, key, part(ws, 1), part(bs, 1)), 2, -1)
             k, v = fn(operator.getitem, kv, 0), fn(operator.getitem, kv, 1)
         else:
             ws = meth("chunk", w, 3)
             bs = meth("chunk", bias, 3) if bias is not None else None
-            part = lambda s, i: fn(operator.getitem, s, i) if s is not None else None  # noqa: E731
             q, k, v = (fn(F.linear, x, part(ws, i), part(bs, i)) for i, x in enumerate((query, key, value)))
 
     # (L, B, E) -> (B, H, L, hd): head h of batch b is PyTorch's row b*H + h.

@@ -386,7 +386,7 @@ def _build_mask(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict) -> Op
     total = None
     scores_dtype = N.tensor_val(cand.scores).dtype
     for term in plan.additive:
-        node = _materialize(em, Operand(term.node, list(getattr(term, "steps", []))), replaced)
+        node = _materialize(em, Operand(term.node, list(term.steps)), replaced)
         tv = N.tensor_val(node)
         if tv is not None and not tv.dtype.is_floating_point:
             node = em.call("method", "to", node, scores_dtype)

@@ -18,11 +18,14 @@ where it comes before the attention that would read it.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional
 
 import torch
 import torch.fx
 
+from ..block_mask import table_fill
+from ..ops import causal_window_right
 from . import nodes as N
 
 # Operations whose result depends only on their arguments (no randomness, no
@@ -34,9 +37,6 @@ _PURE = {"getitem", "view", "reshape", "unsqueeze", "expand", "transpose", "perm
          "not", "and", "or", "logical_not", "logical_and", "logical_or", "bitwise_not", "where", "masked_fill",
          "tril", "triu", "ones", "zeros", "full", "arange", "ones_like", "zeros_like", "full_like", "new_ones",
          "new_zeros", "new_full", "size", "repeat_interleave", "cumsum", "diff"}
-# Fills at or below this are skipped like hidden pairs (kernels' fill_hides);
-# above it the kernels read no tables, so none are built.
-_FILL_HIDES_AT = -65504.0
 
 
 class _Unkeyable(Exception):
@@ -44,9 +44,7 @@ class _Unkeyable(Exception):
 
 
 def _block_mask_op():
-    import flashfuse.block_mask  # noqa: F401  (registers the op)
-
-    return torch.ops.flashfuse.block_mask.default
+    return torch.ops.flashfuse.block_mask.default  # registered by flashfuse.block_mask, imported above
 
 
 class SharedMasks:
@@ -61,7 +59,6 @@ class SharedMasks:
         self.masks: dict = {}
         self.tables: dict = {}
         self._pending: list = []
-        self.table_nodes: list[torch.fx.Node] = []
 
     # -- bracketing ---------------------------------------------------------
 
@@ -134,17 +131,13 @@ class SharedMasks:
                    backward: bool) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
         """The (key table, query table) nodes for this attention's mask,
         emitted now or reused; None when the kernels would read no tables."""
-        fill = kwargs.get("mask_fill")
-        if fill is not None and (math.isinf(fill) or fill > _FILL_HIDES_AT):
-            if fill > _FILL_HIDES_AT:
-                return None
-            fill = None
+        fill, builds_tables = table_fill(kwargs.get("mask_fill"))
+        if not builds_tables:
+            return None
         qv, kv = N.tensor_val(q), N.tensor_val(k)
         if qv is None or kv is None:
             return None
-        window_right = kwargs["window_right"]
-        if kwargs["is_causal"]:
-            window_right = 0 if window_right is None else min(window_right, 0)
+        window_right = causal_window_right(kwargs["is_causal"], kwargs["window_right"])
         band = dict(window_left=kwargs["window_left"], window_right=window_right,
                     bottom_right=kwargs["alignment"] == "bottom_right", mask_fill=fill, queries=bool(backward))
         n_len, m_len = qv.shape[2], kv.shape[2]
@@ -160,18 +153,11 @@ class SharedMasks:
             return c if c is not None else em.call("method", "size", node, dim)
 
         out = em.call("function", _block_mask_op(), mask, length(q, qv, 2), length(k, kv, 2), **band)
-        tables = (em.call("function", _getitem(), out, 0), em.call("function", _getitem(), out, 1))
-        self.table_nodes.append(out)
+        tables = (em.call("function", operator.getitem, out, 0), em.call("function", operator.getitem, out, 1))
         if key is not None:
             self.tables[key] = tables
             self._pending.append((self.tables, key))
         return tables
-
-
-def _getitem():
-    import operator
-
-    return operator.getitem
 
 
 def _precedes(node: torch.fx.Node, anchor: torch.fx.Node) -> bool:

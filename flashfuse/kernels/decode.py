@@ -46,13 +46,13 @@ existing backward kernels differentiate a decode forward unchanged.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import config
+from .forward import _LOG2E, _clamp_window, _dot
 from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, hint,
     next_pow2, static_int,
@@ -60,18 +60,6 @@ from .launch import (
 
 __all__ = ["decode_forward", "decode_suits", "choose_splits"]
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-
-
-@triton.jit
-def _dot_f32(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in fp32 (UPCAST: multiply in fp32, for the
-    interpreter's bfloat16 dots, see ``forward._dot``)."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=INPUT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["M", "ROWS", "N_ROWS"])
@@ -234,7 +222,7 @@ def _decode_split(
             # load moves no memory): holes and ends a cache leaves unfilled.
             kv_ok = tl.max(vis.to(tl.int32), 0) != 0
         k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_ok[:, None] & d_ok, other=0.0)
-        qk = _dot_f32(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST) * qk_scale
+        qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST) * qk_scale
         qk = tl.where(vis, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -242,7 +230,7 @@ def _decode_split(
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=kv_ok[:, None] & dv_ok, other=0.0)
-        acc = acc * alpha[:, None] + _dot_f32(p.to(v.dtype), v, INPUT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INPUT_PRECISION, DOT_UPCAST)
         m_i = m_ij
 
     empty = l_i == 0.0
@@ -384,10 +372,6 @@ def decode_suits(q, k, attn_mask, dropout_p, window_left, window_right, bottom_r
     return N <= MAX_QUERIES and G * N <= MAX_ROWS and M >= MIN_KEYS
 
 
-def _clamp(w, limit):
-    return 0 if w is None else max(-limit, min(int(w), limit))
-
-
 def decode_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -490,7 +474,7 @@ def decode_forward(
         q, k, v, seqlens, table, mask, bounds, opart, lpart, out, lse,
         *q.stride(), *kst, *vst, *tst, *mst, *out.stride(),
         Hq, N, G, m_cap, num_pages, S,
-        float(scale) * _LOG2E, _clamp(window_left, limit), _clamp(window_right, limit),
+        float(scale) * _LOG2E, _clamp_window(window_left, limit), _clamp_window(window_right, limit),
     )
     meta = dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,

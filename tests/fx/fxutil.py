@@ -93,6 +93,16 @@ def compile_and_compare(
     return rec, backend
 
 
+def left_alone_reasons(fn, *args, dynamic=False) -> list:
+    """Compile ``fn``: it must match eager with nothing rewritten; the
+    candidates' reasons for leaving it alone."""
+    backend = make_backend(compiler="eager", record=True)
+    out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
+    torch.testing.assert_close(out, fn(*args))
+    assert not any(c.rewritten for c in backend.candidates)
+    return [c.reason for c in backend.candidates]
+
+
 def qkv(b=2, h=4, n=8, m=None, d=16, dv=None, hkv=None, dtype=torch.float32, grad=True, seed=0):
     """Random q (b,h,n,d), k (b,hkv,m,d), v (b,hkv,m,dv)."""
     g = torch.Generator().manual_seed(seed)

@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxutil import compile_and_compare, qkv
-from flashfuse.backend import make_backend
+from fxutil import compile_and_compare, left_alone_reasons, qkv
 
 B, H, HKV, N, M, D = 2, 4, 2, 8, 12, 16
 SCALE = 1.0 / math.sqrt(D)
@@ -192,14 +191,6 @@ def test_training_step_module():
 # --- near misses: left alone, with a reason ----------------------------------------------
 
 
-def _reasons(fn, *args, dynamic=False):
-    backend = make_backend(compiler="eager", record=True)
-    out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
-    torch.testing.assert_close(out, fn(*args))
-    assert not any(c.rewritten for c in backend.candidates)
-    return [c.reason for c in backend.candidates]
-
-
 def trap_einsum_sums_heads(q, k, v):
     # The score einsum also sums over the heads: not one score per head.
     q, k, v = _bnhd(q, k, v)
@@ -297,6 +288,6 @@ def test_near_miss_left_alone(fn, shape, why):
     # N == H == 4 so that the traps that confuse heads and queries still run.
     args = dict(b=B, h=4, n=4, d=D, grad=False)
     args.update(shape)
-    reasons = _reasons(fn, *qkv(**args))
+    reasons = left_alone_reasons(fn, *qkv(**args))
     assert reasons and all(r for r in reasons)
     assert any(why in r for r in reasons), reasons

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxutil import compile_and_compare, qkv
+from fxutil import compile_and_compare, left_alone_reasons, qkv
 from flashfuse.backend import make_backend
 
 B, H, N, D = 2, 4, 8, 16
@@ -170,14 +170,6 @@ def test_training_step_bloom_like():
 # --- near misses: left alone, with a reason ------------------------------------------
 
 
-def _reasons(fn, *args, dynamic=False):
-    backend = make_backend(compiler="eager", record=True)
-    out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
-    torch.testing.assert_close(out, fn(*args))
-    assert not any(c.rewritten for c in backend.candidates)
-    return [c.reason for c in backend.candidates]
-
-
 def trap_view_splits_query_dim(q, k, v):
     # A view that moves query rows into the batch: not a batch view.
     b, h, n, d, q3, k3, v3 = _flat(q, k, v)
@@ -242,7 +234,7 @@ TRAPS = [
 
 @pytest.mark.parametrize("fn,why", TRAPS, ids=lambda x: getattr(x, "__name__", ""))
 def test_near_miss_left_alone(fn, why):
-    reasons = _reasons(fn, *qkv(b=B, h=H, n=N, d=D, grad=False))
+    reasons = left_alone_reasons(fn, *qkv(b=B, h=H, n=N, d=D, grad=False))
     assert reasons and all(r for r in reasons)
     assert any(why in r for r in reasons), reasons
 

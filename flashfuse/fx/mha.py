@@ -278,12 +278,17 @@ def _mask_kind(node: torch.fx.Node) -> str:
 # ---------------------------------------------------------------------------
 
 
-def emit(gm: torch.fx.GraphModule, cand: Candidate) -> torch.fx.Node:
+def emit(gm: torch.fx.GraphModule, cand: Candidate, replaced: dict) -> torch.fx.Node:
     """Insert the replacement before the call and make ``result[0]``'s users
-    read it; on failure, remove what was inserted and re-raise."""
-    from .rewrite import _Emitter
+    read it; on failure, remove what was inserted and re-raise. ``replaced``
+    maps earlier rewritten outputs to their replacements (an input may be
+    one: the new projections must read the replacement, so that the earlier
+    attention's original call dies)."""
+    from .rewrite import _Emitter, _resolve
 
     node = cand.softmax
+    cand.plan.args = {name: torch.fx.node.map_arg(x, lambda n: _resolve(n, replaced))
+                      for name, x in cand.plan.args.items()}
     em = _Emitter(gm, node, node)
     try:
         out = _emit_plan(em, cand.plan)

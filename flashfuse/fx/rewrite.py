@@ -68,7 +68,7 @@ class FlashAttentionPass:
                 log.debug("flashfuse: left %s: %s", cand.softmax.name, cand.reason)
                 continue
             try:
-                new = _mha.emit(gm, cand) if _mha.is_mha(cand) else _emit(gm, cand, replaced, shared)
+                new = _mha.emit(gm, cand, replaced) if _mha.is_mha(cand) else _emit(gm, cand, replaced, shared)
             except CannotLaunch as e:
                 cand.plan, cand.reason = None, f"the kernels cannot run this shape on this GPU: {e}"
                 log.warning("flashfuse: left %s unrewritten: %s", cand.softmax.name, cand.reason)

@@ -217,6 +217,23 @@ def test_functional_call_with_bool_masks():
 # --- dynamic shapes ------------------------------------------------------------------
 
 
+def test_chained_modules_leave_no_original_call():
+    """The second module reads the first one's output: its projections must
+    read the first rewrite's result, so that no original call stays alive
+    (computed beside the op)."""
+    torch.manual_seed(0)
+    mods = nn.ModuleList([_mha(seed=1), _mha(seed=2)])
+    x = _rand(L, B, E, seed=3).requires_grad_()
+    rec = Recorder("aot_eager")
+    backend = make_backend(compiler=rec, record=True)
+    out = torch.compile(lambda x: mods[1](*(3 * [mods[0](x, x, x)[0]]))[0], backend=backend)(x)
+    y = x.detach()
+    torch.testing.assert_close(out, mods[1](*(3 * [mods[0](y, y, y)[0]]))[0], rtol=1e-4, atol=1e-5)
+    assert rec.ops == 2
+    left = [n for g in rec.graphs for n in g.graph.nodes if n.target is F.multi_head_attention_forward]
+    assert not left, left
+
+
 def test_dynamic_shapes_keep_the_rewrite():
     """dynamic=True: lengths and batch stay symbolic (one compile for two
     sizes), masks and bias_k included."""

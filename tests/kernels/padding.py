@@ -19,17 +19,14 @@ def in_nan_padding(t: torch.Tensor) -> torch.Tensor:
 
 def poison_empty(monkeypatch) -> None:
     """Make every floating tensor allocated with ``torch.empty`` /
-    ``torch.empty_like`` NaN until the test ends, so an element an
-    implementation forgets to write shows up as NaN in the comparison."""
-    real_empty_like, real_empty = torch.empty_like, torch.empty
+    ``torch.empty_like`` / ``torch.empty_strided`` (the op's outputs) NaN
+    until the test ends, so an element an implementation forgets to write
+    shows up as NaN in the comparison."""
+    for name in ("empty_like", "empty", "empty_strided"):
+        real = getattr(torch, name)
 
-    def empty_like(*args, **kwargs):
-        t = real_empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        def poisoned(*args, _real=real, **kwargs):
+            t = _real(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty_like", empty_like)
-    monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch, name, poisoned)

@@ -103,7 +103,7 @@ def _run(q, k, v, mask, dropout_p=0.0, **kw):
 
 
 @pytest.mark.parametrize("case", ["float-bias-causal", "bool-window-dropout", "bool-fill", "padding-bottom-right"])
-def test_shared_block_mask_gives_the_same_bits(case):
+def test_shared_block_mask_gives_the_same_bits(case, monkeypatch):
     # Forward and every gradient (the float mask's included), with the
     # tables from a block mask and with the op building its own.
     gen = torch.Generator().manual_seed(11)
@@ -124,6 +124,16 @@ def test_shared_block_mask_gives_the_same_bits(case):
         kw = {"is_causal": True, "alignment": "bottom_right"}
     want_out, want_grads = _run(q, k, v, mask, dropout_p, **kw)
     bm = flashfuse.block_mask(mask, N, M, **kw)
+
+    def built_again(*args, **kwargs):
+        raise AssertionError("the kernels built tables the block mask holds")
+
+    # The tables come from the block mask: the launchers must not build them.
+    import flashfuse.kernels.backward as bwd
+    import flashfuse.kernels.forward as fwd
+
+    for module, name in ((fwd, "mask_key_table"), (bwd, "mask_key_table"), (bwd, "mask_query_table")):
+        monkeypatch.setattr(module, name, built_again)
     got_out, got_grads = _run(q, k, v, bm, dropout_p)
     assert torch.equal(got_out, want_out)
     assert len(got_grads) == len(want_grads)

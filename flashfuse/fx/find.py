@@ -450,15 +450,7 @@ def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
             if not isinstance(training, bool):
                 raise NoMatch("dropout's training flag is not a compile-time constant")
             if training:
-                pn = N.number(p)
-                pv = N.val(p)
-                if pn is None and isinstance(pv, torch.SymFloat):
-                    # A symbolic probability: specialise on its value with a
-                    # guard, so a different p recompiles instead of being ignored.
-                    try:
-                        pn = float(pv)
-                    except Exception:  # noqa: BLE001 - no hint to guard on
-                        pn = None
+                pn = N.guarded_number(p)
                 if pn is None:
                     raise NoMatch("dropout probability is not a compile-time constant")
                 if seen_dropout and pn > 0:

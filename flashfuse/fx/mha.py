@@ -148,15 +148,7 @@ def _tensor(args: dict, name: str) -> Optional[torch.Tensor]:
 
 
 def _dropout(p: Any) -> float:
-    pn = N.number(p)
-    pv = N.val(p)
-    if pn is None and isinstance(pv, torch.SymFloat):
-        # A symbolic probability (a float attribute under dynamic=True):
-        # specialise on it with a guard, so a new p recompiles.
-        try:
-            pn = float(pv)
-        except Exception:  # noqa: BLE001 - no hint to guard on
-            pn = None
+    pn = N.guarded_number(p)
     if pn is None:
         raise NoMatch("the dropout probability is not a compile-time constant")
     if not 0.0 <= pn < 1.0:

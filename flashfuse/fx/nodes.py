@@ -311,6 +311,20 @@ def is_inplace(node: torch.fx.Node) -> bool:
     return mutated_args(node) is not None
 
 
+def guarded_number(x: Any) -> Optional[float]:
+    """``number(x)``, or a symbolic float (e.g. a float attribute under
+    ``dynamic=True``) specialised to its value with a guard, so that another
+    value recompiles; None when neither is known."""
+    n = number(x)
+    v = val(x)
+    if n is None and isinstance(v, torch.SymFloat):
+        try:
+            n = float(v)
+        except Exception:  # noqa: BLE001 - no hint to guard on
+            n = None
+    return n
+
+
 def number(x: Any) -> Optional[float]:
     """``x`` as a Python float when it is a compile-time constant number."""
     if isinstance(x, bool):

@@ -236,18 +236,6 @@ def check_mask_fill(attn_mask: Tensor | None, mask_fill: float | None) -> float 
     return mask_fill
 
 
-def known_wrong_gradients(q: Tensor, mask_fill: float | None, dropout_p: float) -> str | None:
-    """Why the CUDA backward would give wrong gradients for this call, or
-    None. Measured on an H200 (Triton 3.6): float32 with a bool mask's
-    finite ``mask_fill`` and dropout gives a wrong dK (dQ and dV right; the
-    same case in float16 and in Triton's interpreter is right). Until the
-    cause is found such calls are refused rather than answered wrongly."""
-    if q.device.type == "cuda" and q.dtype == torch.float32 and mask_fill is not None and 0.0 < dropout_p < 1.0:
-        return ("float32 with a finite mask_fill and dropout: the CUDA backward gives a wrong dK for it "
-                "(a known bug); use mask_fill=None (-inf), no dropout, or bf16/fp16")
-    return None
-
-
 # --------------------------------------------------------------------------
 # The public composite op
 # --------------------------------------------------------------------------
@@ -291,18 +279,12 @@ def _attention_composite(
 
 
 def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                  alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None,
-                  refuse_wrong_gradients=True) -> tuple:
+                  alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None) -> tuple:
     """The arguments of ``_attention_forward`` for a public call whose
     inputs are checked: the default scale, ``is_causal`` as the window's
     right bound, the fill normalised, and a seed from ``new_seed()`` when
-    dropout draws. Raises for a call whose gradients the CUDA backward
-    would give wrongly (``known_wrong_gradients``) unless told not to."""
+    dropout draws."""
     mask_fill = check_mask_fill(attn_mask, mask_fill)
-    if refuse_wrong_gradients and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        bad = known_wrong_gradients(query, mask_fill, dropout_p)
-        if bad is not None:
-            raise ValueError(f"flashfuse.attention: {bad}")
     softcap = check_softcap_sinks(query, softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
@@ -326,13 +308,9 @@ def kernel_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     pass asks this before it emits an op call."""
     if _kernels is None or query.device.type != "cuda":
         return None
-    if backward:
-        bad = known_wrong_gradients(query, check_mask_fill(attn_mask, mask_fill), dropout_p)
-        if bad is not None:
-            return bad
     args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                          alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64),
-                         softcap=softcap, sinks=sinks, refuse_wrong_gradients=False)
+                         softcap=softcap, sinks=sinks)
     return _kernels.launch_problem(*args, backward=backward)
 
 

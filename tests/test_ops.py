@@ -456,19 +456,3 @@ def test_gpu_inductor_dynamic_sequence_lengths():
             assert rel_err(g, rg) < 2 * TOL[torch.bfloat16], name
 
 
-def test_known_wrong_gradients_are_refused_not_given():
-    """float32 with a finite mask_fill and dropout gives a wrong dK on CUDA
-    (measured, see ops.known_wrong_gradients): the op refuses it there, and
-    only there (other dtypes, no fill, no dropout, CPU tensors run)."""
-    from types import SimpleNamespace
-
-    from flashfuse.ops import known_wrong_gradients
-
-    def t(device, dtype):
-        return SimpleNamespace(device=torch.device(device), dtype=dtype)
-
-    assert "wrong dK" in known_wrong_gradients(t("cuda", torch.float32), -1e4, 0.1)
-    assert known_wrong_gradients(t("cuda", torch.float16), -1e4, 0.1) is None
-    assert known_wrong_gradients(t("cuda", torch.float32), None, 0.1) is None
-    assert known_wrong_gradients(t("cuda", torch.float32), -1e4, 0.0) is None
-    assert known_wrong_gradients(t("cpu", torch.float32), -1e4, 0.1) is None

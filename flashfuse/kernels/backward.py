@@ -40,6 +40,7 @@ import triton.language as tl
 from .. import config
 from .common import (
     _block_crosses_edge,
+    _dropout_keep,
     _dropout_keep_block,
     _lse_base2,
     _lse_cap,
@@ -190,7 +191,13 @@ def _bwd_dkdv_inner(
         else:
             sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
-            keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
+            if dtype == tl.float32:
+                # Per element for float32: with the block draw, Triton 3.6's
+                # compiled kernel gave a wrong dK (not dV) for float32 with a
+                # finite fill (tf32x3 dots; bench/NOTES.md run 14).
+                keepT = tl.trans(_dropout_keep(seed, offs_m, offs_n, bh, threshold))
+            else:
+                keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
         if MASK_KIND == 2:
             mT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
                          mask=n_ok[:, None] & m_ok[None, :], other=0.0)

@@ -579,13 +579,8 @@ def test_gpu_nan_propagation():
                          ids=[f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{len(c[3])}" for c in HIDDEN_ROW_CASES])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 @pytest.mark.parametrize("bwd", ["one_pass", "two_pass"])
-def test_gpu_rows_hidden_by_a_finite_value(pattern, mask_kind, dtype, band, heads, dropout_p, bwd, monkeypatch,
-                                           request):
+def test_gpu_rows_hidden_by_a_finite_value(pattern, mask_kind, dtype, band, heads, dropout_p, bwd, monkeypatch):
     # Several blocks in every direction, D = 64 and 128, both backward schedules.
-    if dtype == torch.float32 and mask_kind.startswith("fill") and dropout_p:
-        # The case ops.known_wrong_gradients refuses in the public op (this
-        # test calls the private op): strict, so a fix shows here.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="float32 + mask_fill + dropout: wrong dK on CUDA"))
     monkeypatch.setenv("FLASHFUSE_BWD", bwd)
     for D, N, M in ((64, 333, 300), (128, 200, 257)):
         _check_hidden_rows(pattern, mask_kind, dtype, band, Hq=heads[0], Hkv=heads[1], N=N, M=M, D=D,

@@ -45,17 +45,23 @@ def parse_args():
 
 
 def config(model: str, smoke: bool, T: int):
+    """Training configs: no KV cache (under FSDP2 each block is its own
+    compiled frame, and a cache passed to it adds a guard per layer that
+    recompiles every block until Dynamo's recompile limit sends the rest to
+    eager)."""
     from transformers import GPT2Config, LlamaConfig
 
     if model == "gpt2":
         if smoke:
-            return GPT2Config(vocab_size=128, n_positions=T, n_embd=64, n_layer=2, n_head=2)
-        return GPT2Config(n_positions=max(1024, T))
+            return GPT2Config(vocab_size=128, n_positions=T, n_embd=64, n_layer=2, n_head=2, use_cache=False)
+        return GPT2Config(n_positions=max(1024, T), use_cache=False)
     if smoke:
         return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T)
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T,
+                           use_cache=False)
     return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T)
+                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T,
+                       use_cache=False)
 
 
 def build(model: str, variant: str, wrapper: str, smoke: bool, T: int, device, dtype):

@@ -16,7 +16,10 @@ showing the first 3/4 of the slots and no causal band, flashfuse against
 SDPA with the same mask (the read floor counts the filled slots only).
 Times are ``triton.testing.do_bench`` medians of eager calls (host launch
 cost included) and, on CUDA, ``do_bench_cudagraph`` medians (as a decoding
-loop under CUDA graphs runs). Writes bench/results/decode.csv and
+loop under CUDA graphs runs). With ``--eager``, also the throughput of
+back-to-back eager calls with one synchronisation at the end (``loop us``:
+what a host-bound caller such as ``generate()`` with a dynamic cache gets,
+so the host time per call shows where it exceeds the GPU's). Writes bench/results/decode.csv and
 decode.png (time against cache length).
 
     python bench/bench_decode.py
@@ -41,6 +44,8 @@ HQ, HKV, D = 32, 8, 128
 
 def parse_args():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=110)
+    p.add_argument("--eager", action="store_true",
+                   help="also time back-to-back eager calls, no CUDA graph, one sync at the end (host time)")
     p.add_argument("--lengths", default=None, help="comma-separated cache lengths (default 4096,16384,32768,131072)")
     return p.parse_args()
 
@@ -103,8 +108,12 @@ def main():
         try:
             t_eager, t_graph = eager(fn), graph(fn)
             floor = cache_bytes / bw * 1e6 if bw == bw else float("nan")
+            loop = {}
+            if args.eager:
+                fn()
+                loop["us_loop"] = common.per_call_us(fn, device, 20 if args.smoke else 200)
             res.add(**case, provider=provider, status="ok", us=t_eager, us_graph=t_graph, floor_us=floor,
-                    bandwidth_tbs=bw / 1e12)
+                    bandwidth_tbs=bw / 1e12, **loop)
         except Exception as exc:  # noqa: BLE001
             res.add(**case, provider=provider, status="error", error=common.short_error(exc))
             if common.is_oom(exc):
@@ -172,12 +181,18 @@ def report(res, args):
         ff, sd = prov.get("flashfuse", {}), prov.get("sdpa", {})
         speed = (sd["us"] / ff["us"]) if ff.get("status") == "ok" and sd.get("status") == "ok" else float("nan")
         floor = ff.get("floor_us", float("nan")) if ff.get("status") == "ok" else float("nan")
-        rows.append([B, N, M, cache, common.cell(ff, "us"), common.cell(ff, "us_graph"), common.cell(sd, "us"),
-                     common.cell(sd, "us_graph"), common.fmt(speed, 2), common.fmt(floor),
-                     common.fmt(ff["us"] / floor if floor == floor and floor > 0 else float("nan"), 2)])
-    common.print_table(rows, ["B", "queries", "cached keys", "cache", "flashfuse us", "flashfuse graph us",
-                              "sdpa us", "sdpa graph us", "speed vs sdpa", "read floor us", "x floor"],
-                       title="Decoding (Hq 32, Hkv 8, D 128)")
+        row = [B, N, M, cache, common.cell(ff, "us"), common.cell(ff, "us_graph"), common.cell(sd, "us"),
+               common.cell(sd, "us_graph"), common.fmt(speed, 2), common.fmt(floor),
+               common.fmt(ff["us"] / floor if floor == floor and floor > 0 else float("nan"), 2)]
+        if args.eager:
+            loop = (sd["us_loop"] / ff["us_loop"] if ff.get("us_loop") and sd.get("us_loop") else float("nan"))
+            row += [common.cell(ff, "us_loop"), common.cell(sd, "us_loop"), common.fmt(loop, 2)]
+        rows.append(row)
+    headers = ["B", "queries", "cached keys", "cache", "flashfuse us", "flashfuse graph us", "sdpa us",
+               "sdpa graph us", "speed vs sdpa", "read floor us", "x floor"]
+    if args.eager:
+        headers += ["flashfuse loop us", "sdpa loop us", "loop speed vs sdpa"]
+    common.print_table(rows, headers, title="Decoding (Hq 32, Hkv 8, D 128)")
     print(f"\nCSV: {res.path}")
     if args.no_plot:
         return

@@ -110,6 +110,7 @@ def main():
                                    tokens_match=match[cache])
                         if budget.exceeded():
                             results.add(**row, status="skipped")
+                            print_row(results.rows[-1])
                             continue
                         try:
                             t0 = time.perf_counter()
@@ -132,9 +133,17 @@ def main():
                         except Exception as exc:  # noqa: BLE001 - a failed row is recorded, the run goes on
                             results.add(**row, status="error", error=common.short_error(exc))
                             common.free_memory(collect=True)
+                        print_row(results.rows[-1])
     except KeyboardInterrupt:
         print("interrupted: reporting what ran")
     report(results.rows, args)
+
+
+def print_row(r: dict) -> None:
+    """One finished row, at once: a run cut short still shows what it measured."""
+    what = (f"{common.fmt(r.get('tokens_per_s'), 0)} tok/s (first call {common.fmt(r.get('first_call_s'), 1)} s)"
+            if r["status"] == "ok" else r["status"] + (f": {r['error']}" if r.get("error") else ""))
+    print(f"{r['cache']:>8} batch {r['batch']:>2} prompt {r['prompt']:>5} {r['impl']:>6}: {what}", flush=True)
 
 
 def report(rows, args):

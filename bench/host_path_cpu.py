@@ -11,6 +11,16 @@ launchers' config lookup, fingerprint and argument assembly. Useful to
 measure host-side changes without a GPU; the numbers are this machine's, not
 a GPU host's.
 
+The decode rows time the split-KV decoding path the same way (one query,
+a long cache: what ``generate()`` calls once per layer per token), through
+``flashfuse.attention`` (no grad, bottom-right causal, grouped heads),
+``flashfuse.attention_with_kvcache`` (per-row lengths, the value check off:
+on a GPU it synchronises) and ``decode_forward`` itself, and count the
+Python function calls one such call makes (``calls/op``: independent of
+the machine's speed). On this path a CPU tensor goes through one more
+dispatcher hop than a CUDA one (the opaque CPU op of
+``attention_with_kvcache``), so its time is a little above a GPU host's.
+
     python bench/host_path_cpu.py
     python bench/host_path_cpu.py --smoke
 """
@@ -19,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
+import types
 
 import common
 import torch
@@ -51,13 +63,16 @@ def force_cuda_path_on_cpu():
     import triton
 
     from flashfuse import ops
-    from flashfuse.kernels import backward, forward, launch, mask_ranges
+    from flashfuse.kernels import backward, decode, forward, launch, mask_ranges
 
     triton.runtime.driver.set_active(_StubDriver())
     launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: (grid(cfg.kwargs), _StubBinary())[1]
     ops._use_triton = lambda q: True
     forward._interpreting = backward._interpreting = mask_ranges._interpreting = lambda t: False
-    launch._interpreting = lambda t: False
+    decode._interpreting = launch._interpreting = lambda t: False
+    # An H200's multiprocessors, for the decode path's split count.
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(multi_processor_count=132)
     backward._max_shared_mem = lambda device: 227 * 1024
     torch.cuda.device = lambda device: contextlib.nullcontext()
     launch._capability = lambda index: (9, 0)  # a Hopper GPU
@@ -74,6 +89,54 @@ def best_us(fn, loops: int, calls: int) -> float:
             fn()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
+
+
+def python_calls(fn) -> int:
+    """Python function calls (not C functions) one call of ``fn`` makes."""
+    fn()
+    count = 0
+
+    def prof(frame, event, arg):
+        nonlocal count
+        if event == "call":
+            count += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count - 1  # fn itself
+
+
+def decode_rows(loops: int, calls: int, smoke: bool) -> None:
+    """Host time of one decode call (see the module docstring)."""
+    import flashfuse
+    from flashfuse.kernels.decode import decode_forward
+
+    B, Hq, Hkv, M, D = (1, 4, 2, 64, 16) if smoke else (1, 32, 8, 4096, 128)
+    os.environ["FLASHFUSE_DECODE"] = "1"  # whatever the (smoke) sizes
+    os.environ["FLASHFUSE_KVCACHE_CHECKS"] = "0"
+    q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, M, D, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    kc, vc = k.transpose(1, 2), v.transpose(1, 2)  # (B, M, Hkv, D) views, as a cache hands them over
+    lens = torch.full((B,), M, dtype=torch.int32)
+    scale = D ** -0.5
+
+    def op():
+        with torch.no_grad():
+            flashfuse.attention(q, k, v, is_causal=True, enable_gqa=True, alignment="bottom_right")
+
+    def kvcache():
+        flashfuse.attention_with_kvcache(q, kc, vc, lens)
+
+    def kernel():
+        decode_forward(q, k, v, scale=scale, window_right=0)
+
+    for name, fn in (("attention", op), ("attention_with_kvcache", kvcache), ("decode_forward", kernel)):
+        print(f"decode host path, B={B} Hq={Hq} Hkv={Hkv} N=1 M={M} D={D} bf16, {name:>22}: "
+              f"{best_us(fn, loops, calls):6.1f} us, {python_calls(fn):4d} calls/op", flush=True)
 
 
 def main():
@@ -106,7 +169,8 @@ def main():
     print(f"{info['gpu']}, torch {info['torch_version']}, triton {info['triton_version']}, {info['date']}")
     print(f"host path, B={B} H={H} N={N} D={D} causal, launches stubbed: "
           f"fwd {best_us(fwd, loops, calls):.1f} us, fwd+bwd {best_us(fwd_bwd, loops, calls):.1f} us "
-          f"(best of {loops} loops of {calls} calls)")
+          f"(best of {loops} loops of {calls} calls)", flush=True)
+    decode_rows(loops, calls, args.smoke)
 
 
 if __name__ == "__main__":

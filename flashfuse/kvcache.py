@@ -185,24 +185,7 @@ def _err(msg: str) -> ValueError:
 def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, window_left, num_splits) -> None:
     """Raise ``ValueError`` for anything checkable without reading the
     tensors' values. Runs on real and fake tensors."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"flashfuse.attention_with_kvcache: {name} must be a Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise _err(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-        if t.layout != torch.strided:
-            raise _err(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise _err(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (q.device == k_cache.device == v_cache.device):
-        raise _err(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, "
-                   f"{v_cache.device}")
-    dev = q.device.type
-    if dev not in ("cuda", "cpu", "meta"):
-        raise _err(f"tensors on {dev!r} are not supported; use CUDA or CPU tensors")
-    allowed = ops.SUPPORTED_DTYPES + (ops.CPU_ONLY_DTYPES if dev != "cuda" else ())
-    if q.dtype not in allowed:
-        raise _err(f"dtype {q.dtype} is not supported on {dev}; supported: {ops._dtype_names(allowed)}")
+    ops.check_tensors("flashfuse.attention_with_kvcache", (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
     B, Hq, N, D = q.shape
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise _err(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in all but "

@@ -64,6 +64,42 @@ def _dtype_names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def check_tensors(where: str, named: tuple, dims: str = "", fix: str = "") -> None:
+    """The checks every op of flashfuse starts with, on its (name, tensor)
+    pairs, first the query's: tensors, 4-D (``dims`` and ``fix`` say which
+    dimensions and how to get them), dense, one dtype and device, a device and dtype the op
+    runs on. Raises ``TypeError`` / ``ValueError`` prefixed by ``where``
+    (the op's public name)."""
+    for name, t in named:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{where}: {name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{where}: {name} must be 4-D{dims}, got shape {tuple(t.shape)}{fix}")
+    for name, t in named:
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"{where}: {name} has layout {t.layout}; only dense (strided) tensors "
+                "are supported, convert with .to_dense()"
+            )
+    names = ", ".join(n for n, _ in named[:-1]) + f" and {named[-1][0]}"
+    q = named[0][1]
+    if any(t.dtype != q.dtype for _, t in named):
+        raise ValueError(
+            f"{where}: {names} must share a dtype, got "
+            f"{', '.join(str(t.dtype) for _, t in named)}; cast them to one dtype first"
+        )
+    if any(t.device != q.device for _, t in named):
+        raise ValueError(f"{where}: {names} must be on one device, got {', '.join(str(t.device) for _, t in named)}")
+    device_type = q.device.type
+    if device_type not in ("cuda", "cpu", "meta"):
+        raise ValueError(f"{where}: tensors on {device_type!r} are not supported; use CUDA or CPU tensors")
+    allowed = SUPPORTED_DTYPES + (CPU_ONLY_DTYPES if device_type != "cuda" else ())
+    if q.dtype not in allowed:
+        raise ValueError(
+            f"{where}: dtype {q.dtype} is not supported on {device_type}; supported: {_dtype_names(allowed)}"
+        )
+
+
 def check_inputs(
     query: Tensor,
     key: Tensor,
@@ -77,42 +113,9 @@ def check_inputs(
 ) -> None:
     """Raise ``ValueError`` naming the problem and the fix for any input the
     op cannot compute exactly. Runs on real and fake tensors alike."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"flashfuse.attention: {name} must be a Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"flashfuse.attention: {name} must be 4-D (batch, heads, seq_len, head_dim), "
-                f"got shape {tuple(t.shape)}; add a heads dimension with .unsqueeze(1) or "
-                "reshape (B, N, H*D) inputs to (B, H, N, D)"
-            )
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.layout != torch.strided:
-            raise ValueError(
-                f"flashfuse.attention: {name} has layout {t.layout}; only dense (strided) tensors "
-                "are supported, convert with .to_dense()"
-            )
-    if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError(
-            "flashfuse.attention: query, key and value must share a dtype, got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}; cast them to one dtype first"
-        )
-    if not (query.device == key.device == value.device):
-        raise ValueError(
-            "flashfuse.attention: query, key and value must be on one device, got "
-            f"{query.device}, {key.device}, {value.device}"
-        )
-    device_type = query.device.type
-    if device_type not in ("cuda", "cpu", "meta"):
-        raise ValueError(
-            f"flashfuse.attention: tensors on {device_type!r} are not supported; use CUDA or CPU tensors"
-        )
-    allowed = SUPPORTED_DTYPES + (CPU_ONLY_DTYPES if device_type != "cuda" else ())
-    if query.dtype not in allowed:
-        raise ValueError(
-            f"flashfuse.attention: dtype {query.dtype} is not supported on {device_type}; "
-            f"supported: {_dtype_names(allowed)}"
-        )
+    check_tensors("flashfuse.attention", (("query", query), ("key", key), ("value", value)),
+                  dims=" (batch, heads, seq_len, head_dim)",
+                  fix="; add a heads dimension with .unsqueeze(1) or reshape (B, N, H*D) inputs to (B, H, N, D)")
     B, Hq, N, D = query.shape
     Bk, Hkv, M, Dk = key.shape
     Bv, Hv, Mv, Dv = value.shape
@@ -269,7 +272,11 @@ def _attention_composite(
                          new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
                          tables=tables, softcap=softcap, sinks=sinks)
     if _plain_eager_call(query, key, value, attn_mask, sinks):
-        out = _EagerAttention.apply(*args)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask,
+                                                                                       sinks)):
+            out = _EagerAttention.apply(*args)
+        else:  # nothing to differentiate (inference, decoding): no autograd node to build
+            out, _ = _attention_forward(*args)
     else:
         out, _ = torch.ops.flashfuse._attention_forward(*args)
     if dropout_p >= 1.0:

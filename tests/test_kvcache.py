@@ -28,17 +28,20 @@ def path(request, monkeypatch):
 
 def _reference(q, k, v, lens, causal=True, window_left=None):
     """float64 out and lse of each row against its own first lens[b] keys,
-    bottom-right aligned; k, v (B, Hkv, M, D)."""
-    B, _, N, _ = q.shape
-    M = k.shape[2]
-    j = torch.arange(M, device=q.device)
-    diag = (lens.long() - N).view(B, 1, 1) + torch.arange(N, device=q.device).view(1, N, 1)
-    mask = j < lens.long().view(B, 1, 1)
-    if causal:
-        mask = mask & (j <= diag)
-    if window_left is not None:
-        mask = mask & (j >= diag - window_left)
-    return ref.reference_attention(q, k, v, mask[:, None]), ref.reference_lse(q, k, mask[:, None])
+    bottom-right aligned; k, v (B, Hkv, M, D): the reference attention of
+    each batch row alone, on its keys cut to its length."""
+    outs, lses = [], []
+    band = dict(window_right=0 if causal else None, window_left=window_left, bottom_right=True)
+    for b in range(q.shape[0]):
+        L = int(lens[b])
+        qb, kb, vb = q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L]
+        if L == 0:  # an empty row sees nothing: output 0, lse +inf (as the op documents)
+            outs.append(torch.zeros(*qb.shape[:3], v.shape[-1], dtype=torch.float64, device=q.device))
+            lses.append(torch.full(qb.shape[:3], float("inf"), dtype=torch.float64, device=q.device))
+            continue
+        outs.append(ref.reference_attention(qb, kb, vb, **band))
+        lses.append(ref.reference_lse(qb, kb, **band))
+    return torch.cat(outs), torch.cat(lses)
 
 
 def _close(out, lse, want, want_lse, tol=2e-6):

@@ -17,12 +17,11 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
     against many keys take the split-KV decoding kernels instead
     (:func:`flashfuse.kernels.decode.decode_suits`); their ``out`` and
     ``lse`` have the same layout and meaning."""
-    from .decode import decode_forward, decode_suits
+    from .decode import DecodeCall, decode_forward, decode_suits
 
-    # The decode kernels have no soft-capping and no sinks.
-    plain = kwargs.get("softcap") is None and kwargs.get("sinks") is None
-    if plain and decode_suits(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
-                              kwargs["bottom_right"], kwargs.get("mask_fill")):
+    if decode_suits(DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
+                               kwargs["bottom_right"], kwargs.get("mask_fill"), kwargs.get("softcap"),
+                               kwargs.get("sinks"))):
         return decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
                               window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
                               attn_mask=attn_mask)

@@ -45,7 +45,9 @@ existing backward kernels differentiate a decode forward unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,11 +56,14 @@ import triton.language as tl
 from .. import config
 from .forward import _LOG2E, _clamp_window, _dot
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, hint,
-    next_pow2, static_int,
+    _DRY_RUN, ConfigLauncher, _autotune_enabled, _bucket, _current_stream, _dot_precision, _fingerprint,
+    _interpreting, bool_mask_as_bytes, cdiv, hint, next_pow2, run_binary, static_int,
 )
 
-__all__ = ["decode_forward", "decode_suits", "choose_splits"]
+__all__ = ["decode_forward", "decode_suits", "decode_refusal", "DecodeCall", "choose_splits"]
+
+# Tensor types whose calls may keep a launch plan (real tensors).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 
@@ -96,9 +101,16 @@ def _mask_bounds(
     tl.store(out + 1, tl.max(last, 0))
 
 
+@triton.jit
+def _parts(Part, rows, S, BLOCK_DV: tl.constexpr):
+    """OPart and LPart within Part, for ``rows`` (B * Hq * N) rows: the
+    partial outputs first (so LPart starts 16-byte aligned), then the lse."""
+    return Part, Part + rows.to(tl.int64) * S * BLOCK_DV
+
+
 @triton.jit(do_not_specialize=["N", "G", "M_CAP", "NUM_PAGES", "S", "window_left", "window_right"])
 def _decode_split(
-    Q, K, V, SeqLens, Table, Mask, Bounds, OPart, LPart, Out, Lse,
+    Q, K, V, SeqLens, Table, Mask, Bounds, Part, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -121,8 +133,9 @@ def _decode_split(
     index; with PAGED, page is ``Table[b, j // PAGE_SIZE]`` and slot
     ``j % PAGE_SIZE``. ``M_CAP`` is the keys a row can hold (the cache
     length, or max_pages * PAGE_SIZE). DIRECT (S == 1): write Out (q's dtype)
-    and Lse (natural log) directly; else OPart (B, Hq, N, S, BLOCK_DV) and
-    LPart (B, Hq, N, S) float32, base 2. HAS_MASK: a bool mask (bytes,
+    and Lse (natural log) directly; else the float32 buffer Part, which holds
+    OPart (B, Hq, N, S, BLOCK_DV) then LPart (B, Hq, N, S), base 2 (one
+    allocation per call, see ``_parts``). HAS_MASK: a bool mask (bytes,
     nonzero takes part) at ``Mask + b * stride_mb + h * stride_mh + i *
     stride_mn + j * stride_mm`` also decides visibility, and the keys are
     first narrowed to the row's ``Bounds`` (``_mask_bounds``, CHUNKS
@@ -246,20 +259,22 @@ def _decode_split(
         tl.store(Lse + row_base, lse, mask=row_ok)
     else:
         part = row_base * S + s
+        OPart, LPart = _parts(Part, tl.num_programs(2) * Hq * N, S, BLOCK_DV)
         tl.store(OPart + part[:, None] * BLOCK_DV + offs_dv[None, :], out, mask=row_ok[:, None])
         tl.store(LPart + part, tl.where(empty, float("-inf"), lse2), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["N", "S"])
 def _decode_combine(
-    OPart, LPart, Out, Lse,
+    Part, Out, Lse,
     stride_ob, stride_oh, stride_om, stride_od,
     Hq, N, S,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Grid (B * Hq * N,): merge the S partials of one row (flattened
-    (b, h, i)) exactly."""
+    (b, h, i)) exactly; Part as ``_decode_split`` writes it."""
     row = tl.program_id(0).to(tl.int64)
+    OPart, LPart = _parts(Part, tl.num_programs(0), S, BLOCK_DV)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < S
@@ -305,8 +320,19 @@ _INTERPRET_BOUNDS_BLOCK_K, _INTERPRET_BOUNDS_CHUNKS = 16, 4
 _INTERPRET_BLOCK_N = 16
 _INTERPRET_SMS = 4
 
-# Splits: enough programs for this many per SM, each at least this many keys
-# (a multiple of every BLOCK_N), at most this many splits.
+# The split count (``choose_splits``). The grid is (splits, Hkv * row
+# tiles, B): without splits a decode call has B * Hkv programs, a few per SM
+# of an H200 (132 SMs) at batch 1, and reading the cache is then limited by
+# how many loads those few programs keep in flight. Splitting every row
+# tile's keys over S programs fills the GPU: S is the smallest count that
+# gives WAVES programs per SM over the whole grid (a few waves hide the
+# uneven finish of the programs and of batch rows of different lengths).
+# Each split also costs a partial output and its share of the combine, and
+# a split with few keys spends its time on set-up rather than streaming: no
+# split is given fewer than MIN_SPLIT_KEYS keys (a multiple of every
+# BLOCK_N, so every split streams whole key blocks), and at most MAX_SPLITS
+# (the combine reads all of a row's partials in one tile).
+# FLASHFUSE_DECODE_SPLITS (or ``num_splits``) forces the count.
 WAVES = 4
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 128
@@ -337,39 +363,240 @@ def row_tile(G: int, N: int) -> int:
     return min(MAX_ROWS, max(16, next_pow2(G * N)))
 
 
-def choose_splits(B: int, Hkv: int, row_tiles: int, keys: int, sms: int) -> int:
-    """How many programs share a row tile's keys: enough for ``WAVES``
-    programs per SM over the whole grid, none with fewer than
-    ``MIN_SPLIT_KEYS`` keys. ``FLASHFUSE_DECODE_SPLITS`` forces a count."""
-    forced = config.decode_splits()
-    if forced is not None:
-        return forced
-    base = max(1, B * Hkv * row_tiles)
-    want = cdiv(WAVES * sms, base)
+def _wanted_splits(B: int, Hkv: int, row_tiles: int, sms: int) -> int:
+    """Splits that give WAVES programs per SM, before the keys' limit."""
+    return max(1, cdiv(WAVES * sms, max(1, B * Hkv * row_tiles)))
+
+
+def _splits_for_keys(want: int, keys: int) -> int:
     return max(1, min(want, cdiv(max(keys, 1), MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
-def decode_suits(q, k, attn_mask, dropout_p, window_left, window_right, bottom_right, mask_fill) -> bool:
-    """Whether ``_attention_forward``'s arguments take the split-KV path:
+def choose_splits(B: int, Hkv: int, row_tiles: int, keys: int, sms: int) -> int:
+    """How many programs share a row tile's keys (see the comment at
+    ``WAVES``): enough for ``WAVES`` programs per SM over the whole grid,
+    none with fewer than ``MIN_SPLIT_KEYS`` keys, at most ``MAX_SPLITS``.
+    ``FLASHFUSE_DECODE_SPLITS`` forces a count."""
+    forced = config.decode_splits()
+    if forced is not None:
+        return forced
+    return _splits_for_keys(_wanted_splits(B, Hkv, row_tiles, sms), keys)
+
+
+class DecodeCall(NamedTuple):
+    """A forward call as ``_attention_forward`` gets it, as far as the
+    choice of the split-KV path goes (``decode_refusal``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    window_left: int | None = None
+    window_right: int | None = None
+    bottom_right: bool = True
+    mask_fill: float | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
+def decode_refusal(call: DecodeCall) -> str | None:
+    """Why ``call`` does not take the split-KV path, or None when it does:
     few queries, many keys, no mask tensor or a bool one whose hidden pairs
-    take no part (no ``mask_fill``), no dropout, and a band aligned
-    bottom-right, or none (without a band the alignment means nothing: a
-    static cache's mask arrives so). ``FLASHFUSE_DECODE=0`` turns the path
-    off, ``=1`` takes it whenever the arguments allow, whatever the sizes."""
+    take no part (no ``mask_fill``), no dropout, no soft-capping or sinks,
+    and a band aligned bottom-right, or none (without a band the alignment
+    means nothing: a static cache's mask arrives so). ``FLASHFUSE_DECODE=0``
+    turns the path off, ``=1`` takes it whenever the arguments allow,
+    whatever the sizes."""
     mode = config.decode()
     if mode == "0":
-        return False
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        return False  # a float mask's all-hidden rows need the forward's lse marker
-    if dropout_p > 0.0 or mask_fill is not None:
-        return False
-    if (window_left is not None or window_right is not None) and not bottom_right:
-        return False
-    N, M = q.shape[2], k.shape[2]
-    G = q.shape[1] // k.shape[1]
+        return "FLASHFUSE_DECODE=0"
+    if call.softcap is not None or call.sinks is not None:
+        return "soft-capping and sinks: the decode kernels have neither"
+    if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
+        return "a float mask: rows it hides entirely need the forward kernel's lse marker"
+    if call.dropout_p > 0.0:
+        return "dropout"
+    if call.mask_fill is not None:
+        return "a mask_fill: the pairs a bool mask hides take part"
+    if (call.window_left is not None or call.window_right is not None) and not call.bottom_right:
+        return "a band aligned top-left"
     if mode == "1":
-        return True
-    return N <= MAX_QUERIES and G * N <= MAX_ROWS and M >= MIN_KEYS
+        return None
+    N, M = call.q.shape[2], call.k.shape[2]
+    G = call.q.shape[1] // call.k.shape[1]
+    if N > MAX_QUERIES:
+        return f"{N} queries per head, more than {MAX_QUERIES}"
+    if G * N > MAX_ROWS:
+        return f"{G * N} rows (queries x grouped heads) per key/value head, more than {MAX_ROWS}"
+    if M < MIN_KEYS:
+        return f"{M} keys, fewer than {MIN_KEYS}: the forward kernel's grid is full enough"
+    return None
+
+
+def decode_suits(call: DecodeCall) -> bool:
+    """Whether ``call`` takes the split-KV path (``decode_refusal``)."""
+    return decode_refusal(call) is None
+
+
+# ---------------------------------------------------------------------------
+# Launch plans
+# ---------------------------------------------------------------------------
+#
+# A decode call's host work is mostly fixed by its signature: the split count,
+# tiles, grids, meta-parameters, the chosen configs and compiled binaries.
+# ``decode_forward`` keeps it in a plan per signature (``_plan_key``), and
+# each exact call signature (every size and stride, ``_Call``) in a second
+# dict, so that a repeated call builds one key, finds its call, allocates its
+# outputs and launches the binaries directly. The cache length changes at every step of
+# a dynamic cache, so it is no part of the key: the key holds the sizes
+# and strides that do not move with it exactly, and for the strides that
+# do, only what Triton specialises on (``launch._fingerprint``); the length
+# itself decides the split count per call, and a plan keeps one entry per
+# (split count, tuning bucket) (``_Launches``). Knobs read through
+# ``config`` (split count, autotuning, the interpreter) are part of the key.
+
+_PLANS: dict = {}  # signature (``_plan_key``) -> _Plan
+_CALLS: dict = {}  # exact call signature (``decode_forward``) -> _Call, to skip even the plan key
+_MAX_PLANS = 512  # signatures kept, each; past this a cache starts afresh
+PLAN_MISSES = [0]  # plans built (tests count them)
+
+
+def forget_plans() -> None:
+    """Drop every launch plan (the next call of each signature builds one)."""
+    _PLANS.clear()
+    _CALLS.clear()
+
+
+for _launcher in (_split_launcher, _combine_launcher, _bounds_launcher):
+    _launcher.forget_hooks.append(forget_plans)
+
+
+class _Plan:
+    """What a signature fixes (see above): sizes, scalar arguments and
+    meta-parameters; ``launches`` per (splits, bucket)."""
+
+    __slots__ = ("B", "Hq", "N", "Hkv", "G", "Dv", "block_r", "tiles", "want", "forced", "interp", "tune",
+                 "meta", "chunks", "bounds_meta", "m_rows", "m_queries", "block_dv", "launches", "device_index")
+
+
+class _Launches:
+    """The launches of one plan at one split count: grids, meta, launcher
+    keys and, once known, the binaries (``ConfigLauncher.binary``)."""
+
+    __slots__ = ("S", "direct", "grid", "comb_grid", "part_numel", "meta", "launch_meta", "comb_meta", "key", "comb_key",
+                 "bounds_key", "binaries")
+
+
+def _mask_strides(mask: torch.Tensor) -> tuple:
+    """The strides of ``mask`` broadcast to 4-D (what ``expand`` gives,
+    without making the view): 0 for a dimension it lacks or has once."""
+    pad = 4 - mask.dim()
+    return (0,) * pad + tuple(0 if n == 1 else st for n, st in zip(mask.shape, mask.stride()))
+
+
+def _plan_key(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, layout,
+              num_splits, heads, page_size, m_cap, k_ints):
+    """The signature of a decode call (see "Launch plans"). ``k_ints``: the
+    strides of k, v, the table and the mask, which may move with the cache
+    length: only their specialisation enters."""
+    return (
+        q.shape, q.stride(), q.dtype, k.dtype, v.dtype, q.device, layout, block_table is None, heads, page_size,
+        k.shape[-1], v.shape[-1], _fingerprint(k_ints), q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+        None if cache_seqlens is None else (cache_seqlens.dtype, cache_seqlens.data_ptr() & 15),
+        None if block_table is None else (block_table.dtype, block_table.data_ptr() & 15),
+        None if attn_mask is None else (attn_mask.shape[:-1], attn_mask.shape[-1] == m_cap,
+                                        attn_mask.shape[-1] == 1, attn_mask.data_ptr() & 15),
+        window_left is None, window_right is None, bool(bottom_right), num_splits,
+        config.decode_splits(), config.autotune(), config.interpreter_on(), _dot_precision(q),
+    )
+
+
+def _check_mask_shape(mask: torch.Tensor, target: tuple) -> None:
+    """The kernels read a mask through broadcast strides: its shape must
+    broadcast to ``target`` (B, Hq, N, M) (as ``expand`` would demand)."""
+    shape = tuple(mask.shape)
+    if len(shape) > 4 or any(n != 1 and n != t for n, t in zip(reversed(shape), reversed(target))):
+        raise ValueError(f"decode_forward: attn_mask of shape {shape} does not broadcast to {tuple(target)}")
+
+
+def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, Hkv,
+               page_size, m_cap):
+    p = _Plan()
+    B, Hq, N, D = q.shape
+    D = static_int(D)
+    Dv = static_int(v.shape[-1])
+    page_size = static_int(page_size)
+    G = Hq // Hkv
+    p.B, p.Hq, p.N, p.Hkv, p.G, p.Dv = B, Hq, N, Hkv, G, Dv
+    # Sizes may be symbolic (a traced graph): the tile and the split count
+    # are choices, made from example values; the grid stays symbolic.
+    p.block_r = row_tile(hint(G), hint(N))
+    p.tiles = cdiv(G * N, p.block_r)
+    p.forced = config.decode_splits()
+    p.want = _wanted_splits(hint(B), hint(Hkv), hint(p.tiles), sm_count(q))
+    p.interp = _interpreting(q)
+    p.tune = _autotune_enabled()
+    p.block_dv = max(16, next_pow2(Dv))
+    p.chunks = _INTERPRET_BOUNDS_CHUNKS if p.interp else _BOUNDS_CHUNKS
+    p.meta = dict(
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=p.block_dv,
+        HAS_SEQLENS=cache_seqlens is not None, PAGED=block_table is not None, PAGE_SIZE=page_size,
+        BOTTOM_RIGHT=bool(bottom_right), HAS_WINDOW_LEFT=window_left is not None,
+        HAS_WINDOW_RIGHT=window_right is not None, INPUT_PRECISION=_dot_precision(q),
+        BLOCK_R=p.block_r, HAS_MASK=attn_mask is not None, CHUNKS=p.chunks,
+    )
+    if attn_mask is not None:
+        _check_mask_shape(attn_mask, (B, Hq, N, m_cap))
+        mst = _mask_strides(attn_mask)
+        # The mask's own rows: a broadcast dimension (stride 0) is read once.
+        p.m_queries = N if mst[2] != 0 else 1
+        p.m_rows = (Hq if mst[1] != 0 else 1) * p.m_queries
+        p.bounds_meta = dict(BLOCK_K=_INTERPRET_BOUNDS_BLOCK_K if p.interp else _BOUNDS_BLOCK_K, CHUNKS=p.chunks)
+    p.launches = {}
+    p.device_index = q.device.index
+    return p
+
+
+def _make_launches(p: _Plan, S: int, bucket: int, q) -> _Launches:
+    L = _Launches()
+    L.S, L.direct = S, S == 1
+    B, Hq, N = p.B, p.Hq, p.N
+    L.grid = (S, p.Hkv * p.tiles, B)
+    L.comb_grid = (B * Hq * N, 1, 1)
+    L.part_numel = 0 if L.direct else B * Hq * N * S * (p.block_dv + 1)
+    L.meta = dict(p.meta, DIRECT=L.direct)
+    # What the split kernel is launched with: under the interpreter its block
+    # too; on CUDA the configs give it.
+    L.launch_meta = (dict(L.meta, DOT_UPCAST=q.dtype == torch.bfloat16, BLOCK_N=_INTERPRET_BLOCK_N) if p.interp
+                     else dict(L.meta, DOT_UPCAST=False))
+    L.comb_meta = dict(HEAD_DIM_V=p.Dv, BLOCK_DV=p.block_dv, BLOCK_S=max(2, next_pow2(S)))
+    L.key = (q.dtype, q.device, bucket, tuple(L.meta.items()))
+    L.comb_key = (q.device, tuple(L.comb_meta.items()))
+    L.bounds_key = (q.device, tuple(p.bounds_meta.items())) if p.meta["HAS_MASK"] else None
+    L.binaries = [None, None, None]  # split, combine, bounds
+    return L
+
+
+def _one_config():
+    return [triton.Config({}, num_warps=4, num_stages=1)]
+
+
+def _split_configs():
+    return _CONFIGS
+
+
+def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream, cache: bool) -> None:
+    """Launch kernel ``i`` of ``L``: its binary directly once known, else
+    through its launcher (which chooses the config and compiles), then ask
+    the launcher for the binary."""
+    binary = L.binaries[i]
+    if binary is not None:
+        run_binary(binary[0], binary[1], grid, args, stream)
+        return
+    cands = _split_configs if i == 0 else _one_config
+    launcher(key, cands, lambda m: grid, *args, tune=tune, **meta)
+    if cache:
+        L.binaries[i] = launcher.binary(key, args, meta, tune)
 
 
 def decode_forward(
@@ -414,96 +641,144 @@ def decode_forward(
         ``(out, lse)`` as the forward kernel returns them: out (B, Hq, N, Dv)
         in q's dtype laid out as ``empty(B, N, Hq, Dv).transpose(1, 2)``,
         lse float32 (B, Hq, N) natural log, +inf for rows that see no key.
+
+    A repeated signature takes its launch plan (see "Launch plans" above).
     """
-    B, Hq, N, D = q.shape
-    D = static_int(D)
-    Dv = static_int(v.shape[-1])
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(f"decode_forward: attn_mask must be bool, got {attn_mask.dtype}")
+    # Calls are kept for real tensors only: a traced or dry-run call (fake or
+    # symbolic) builds its own and launches through the launchers.
+    cache = (type(q) in _PLAIN and type(k) in _PLAIN and type(v) in _PLAIN
+             and (cache_seqlens is None or type(cache_seqlens) in _PLAIN)
+             and (block_table is None or type(block_table) in _PLAIN)
+             and (attn_mask is None or type(attn_mask) in _PLAIN) and not _DRY_RUN.get())
+    if cache:
+        key = (
+            q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype, q.device,
+            layout, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+            None if cache_seqlens is None else (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+                                                cache_seqlens.data_ptr() & 15),
+            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                              block_table.data_ptr() & 15),
+            None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
+            window_left, window_right, bottom_right, num_splits,
+            config.decode_splits(), config.autotune(), config.interpreter_on(), _dot_precision(q),
+        )
+        call = _CALLS.get(key)
+        if call is None:
+            call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right,
+                              bottom_right, layout, num_splits, True)
+            if len(_CALLS) >= _MAX_PLANS:
+                _CALLS.clear()
+            _CALLS[key] = call
+    else:
+        call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right,
+                          layout, num_splits, False)
+    return _run(call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache)
+
+
+class _Call:
+    """One exact call signature: its plan, its launches and every integer
+    argument (strides, sizes, split count, clamped window)."""
+
+    __slots__ = ("plan", "L", "ints", "windows", "bounds_ints")
+
+
+def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, layout,
+               num_splits, cache: bool) -> _Call:
+    # The strides that may move with the cache length, in the kernel's
+    # (page or batch row, slot, head, dim) order, and the capacity.
+    ks, vs = k.stride(), v.stride()
     if block_table is not None:
-        num_pages, page_size, Hkv = k.shape[0], static_int(k.shape[1]), k.shape[2]
+        num_pages, page_size, Hkv = k.shape[0], k.shape[1], k.shape[2]
         m_cap = block_table.shape[1] * page_size
-        kst = (k.stride(0), k.stride(1), k.stride(2), k.stride(3))
-        vst = (v.stride(0), v.stride(1), v.stride(2), v.stride(3))
-        table, tst = block_table, (block_table.stride(0), block_table.stride(1))
+        kst, vst = ks, vs
+        tst = block_table.stride()
     else:
         num_pages, page_size = 1, 1
+        tst = (0, 0)
         if layout == "bhsd":
             Hkv, m_cap = k.shape[1], k.shape[2]
-            kst = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
-            vst = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+            kst, vst = (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3])
         else:
             Hkv, m_cap = k.shape[2], k.shape[1]
-            kst = (k.stride(0), k.stride(1), k.stride(2), k.stride(3))
-            vst = (v.stride(0), v.stride(1), v.stride(2), v.stride(3))
-        table, tst = q, (0, 0)  # never read
-    G = Hq // Hkv
-    # Sizes may be symbolic (a traced graph): the tile and the split count
-    # are choices, made from example values; the grid stays symbolic.
-    block_r = row_tile(hint(G), hint(N))
-    tiles = cdiv(G * N, block_r)
-    S = num_splits if num_splits is not None else choose_splits(hint(B), hint(Hkv), hint(tiles), hint(m_cap),
-                                                                sm_count(q))
-    S = max(1, int(S))
-    direct = S == 1
-    block_d, block_dv = max(16, next_pow2(D)), max(16, next_pow2(Dv))
-
-    out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
-    if direct:
-        opart = lpart = lse  # never read
+            kst, vst = ks, vs
+    mst = _mask_strides(attn_mask) if attn_mask is not None else (0, 0, 0, 0)
+    plan = None
+    if cache:
+        key = _plan_key(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right,
+                        layout, num_splits, Hkv, page_size, m_cap, (*kst, *vst, *tst, *mst))
+        plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, Hkv,
+                          page_size, m_cap)
+        if cache:
+            PLAN_MISSES[0] += 1
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    elif attn_mask is not None:
+        _check_mask_shape(attn_mask, (plan.B, plan.Hq, plan.N, m_cap))
+    if num_splits is not None:
+        S = max(1, int(num_splits))
+    elif plan.forced is not None:
+        S = plan.forced
     else:
-        opart = torch.empty((B, Hq, N, S, block_dv), dtype=torch.float32, device=q.device)
-        lpart = torch.empty((B, Hq, N, S), dtype=torch.float32, device=q.device)
-    seqlens = cache_seqlens if cache_seqlens is not None else q  # never read without HAS_SEQLENS
-    interp = _interpreting(q)
-    chunks = _INTERPRET_BOUNDS_CHUNKS if interp else _BOUNDS_CHUNKS
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool:
-            raise ValueError(f"decode_forward: attn_mask must be bool, got {attn_mask.dtype}")
-        mask = bool_mask_as_bytes(attn_mask.expand(B, Hq, N, m_cap))
-        mst = mask.stride()
-        bounds = torch.empty((B, chunks, 2), dtype=torch.int32, device=q.device)
-        # The mask's own rows: a broadcast dimension (stride 0) is read once.
-        m_heads = Hq if mst[1] != 0 else 1
-        m_queries = N if mst[2] != 0 else 1
-        bounds_args = (mask, bounds, *mst, m_cap, m_heads * m_queries, m_queries)
-        bounds_meta = dict(BLOCK_K=_INTERPRET_BOUNDS_BLOCK_K if interp else _BOUNDS_BLOCK_K, CHUNKS=chunks)
-    else:
-        mask, mst, bounds = q, (0, 0, 0, 0), lse  # never read
+        S = _splits_for_keys(plan.want, hint(m_cap))
+    bucket = 0 if plan.interp else _bucket(cdiv(m_cap, S), 1 << 16)
+    L = plan.launches.get((S, bucket))
+    if L is None:
+        L = _make_launches(plan, S, bucket, q)
+        if cache:
+            plan.launches[(S, bucket)] = L
+    c = _Call()
+    c.plan, c.L = plan, L
+    B, Hq, N, Dv = plan.B, plan.Hq, plan.N, plan.Dv
+    c.ints = (*q.stride(), *kst, *vst, *tst, *mst, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, plan.G, m_cap, num_pages, S)
     limit = N + m_cap
-    args = (
-        q, k, v, seqlens, table, mask, bounds, opart, lpart, out, lse,
-        *q.stride(), *kst, *vst, *tst, *mst, *out.stride(),
-        Hq, N, G, m_cap, num_pages, S,
-        float(scale) * _LOG2E, _clamp_window(window_left, limit), _clamp_window(window_right, limit),
-    )
-    meta = dict(
-        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_SEQLENS=cache_seqlens is not None, PAGED=block_table is not None, PAGE_SIZE=page_size,
-        BOTTOM_RIGHT=bool(bottom_right), HAS_WINDOW_LEFT=window_left is not None,
-        HAS_WINDOW_RIGHT=window_right is not None, DIRECT=direct, INPUT_PRECISION=_dot_precision(q),
-        BLOCK_R=block_r, HAS_MASK=attn_mask is not None, CHUNKS=chunks,
-    )
-    grid = (S, Hkv * tiles, B)
-    comb_args = (opart, lpart, out, lse, *out.stride(), Hq, N, S)
-    comb_meta = dict(HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_S=max(2, next_pow2(S)))
-    comb_grid = (B * Hq * N,)
-    if interp:
+    c.windows = (_clamp_window(window_left, limit), _clamp_window(window_right, limit))
+    c.bounds_ints = (*mst, m_cap, plan.m_rows, plan.m_queries) if attn_mask is not None else None
+    return c
+
+
+def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool):
+    """Allocate the outputs of call ``c`` and launch its kernels."""
+    plan, L = c.plan, c.L
+    B, Hq, N, Dv = plan.B, plan.Hq, plan.N, plan.Dv
+    dev = q.device
+    # Fresh allocations are 16-byte aligned (PyTorch's allocators align far
+    # more), as the binaries kept for these arguments assume.
+    out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, Hq, N), dtype=torch.float32, device=dev)
+    # Partial outputs and lse in one buffer (``_parts``); none when direct.
+    part = lse if L.direct else torch.empty((L.part_numel,), dtype=torch.float32, device=dev)
+    seqlens = cache_seqlens if cache_seqlens is not None else q  # never read without HAS_SEQLENS
+    table = block_table if block_table is not None else q  # never read without PAGED
+    if attn_mask is not None:
+        # The kernels read the mask through broadcast strides, unexpanded.
+        mask = bool_mask_as_bytes(attn_mask)
+        bounds = torch.empty((B, plan.chunks, 2), dtype=torch.int32, device=dev)
+        bounds_args = (mask, bounds, *c.bounds_ints)
+    else:
+        mask, bounds = q, lse  # never read
+    args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, *c.ints, float(scale) * _LOG2E, *c.windows)
+    comb_args = (part, out, lse, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, L.S)
+    if plan.interp:
         if attn_mask is not None:
-            _mask_bounds[(chunks, B)](*bounds_args, **bounds_meta)
-        _decode_split[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16, BLOCK_N=_INTERPRET_BLOCK_N)
-        if not direct:
-            _decode_combine[comb_grid](*comb_args, **comb_meta)
+            _mask_bounds[(plan.chunks, B)](*bounds_args, **plan.bounds_meta)
+        _decode_split[L.grid](*args, **L.launch_meta)
+        if not L.direct:
+            _decode_combine[L.comb_grid](*comb_args, **L.comb_meta)
         return out, lse
-    key = (q.dtype, q.device, _bucket(cdiv(m_cap, S), 1 << 16), tuple(meta.items()))
-    with torch.cuda.device(q.device):
+    index = plan.device_index
+    # A device without an index is the current one.
+    guard = index is not None and index != torch.cuda.current_device()
+    with torch.cuda.device(dev) if guard else contextlib.nullcontext():
+        stream = _current_stream()
         if attn_mask is not None:
-            _bounds_launcher((q.device, tuple(bounds_meta.items())),
-                             lambda: [triton.Config({}, num_warps=4, num_stages=1)],
-                             lambda m: (chunks, B), *bounds_args, **bounds_meta)
-        _split_launcher(key, lambda: _CONFIGS, lambda m: grid, *args, tune=_autotune_enabled(), **meta,
-                        DOT_UPCAST=False)
-        if not direct:
-            _combine_launcher((q.device, tuple(comb_meta.items())),
-                              lambda: [triton.Config({}, num_warps=4, num_stages=1)],
-                              lambda m: comb_grid, *comb_args, **comb_meta)
+            _launch(2, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
+                    False, stream, cache)
+        _launch(0, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
+        if not L.direct:
+            _launch(1, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream, cache)
     return out, lse

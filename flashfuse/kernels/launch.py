@@ -71,6 +71,9 @@ class ConfigLauncher:
         self.timings: dict = {}  # (key, True) -> [(config, ms)] of a tuned choice
         self.fitting: dict = {}  # key -> first candidate that fits, for traced launches
         self._binaries: dict = {}
+        # Called by forget(): callers holding this launcher's binaries (the
+        # decode path's launch plans) drop them too.
+        self.forget_hooks: list = []
         fn = getattr(kernel, "fn", None)  # the JITFunction's Python function
         self._params = list(inspect.signature(fn).parameters.values()) if fn is not None else None
         names = [p.name for p in self._params] if self._params is not None else []
@@ -84,6 +87,18 @@ class ConfigLauncher:
         self.timings.clear()
         self.fitting.clear()
         self._binaries.clear()
+        for hook in self.forget_hooks:
+            hook()
+
+    def binary(self, key, args, kwargs, tune=False):
+        """``(binary, tail)`` this launcher launches for these arguments
+        under ``key`` (``run_binary`` takes them), or None while it has none
+        yet (the first launches of a key go through the chooser and Triton's
+        own path). For callers that cache a launch whole: the same key and
+        specialisation fingerprint then launch the same binary."""
+        if self._params is None:
+            return None
+        return self._binaries.get(((key, tune), _fingerprint(args), tuple(kwargs.items())))
 
     def __call__(self, key, candidates, grid, *args, tune=False, **kwargs):
         """``candidates()``: configs in preference order; ``grid(cfg)``: the
@@ -265,15 +280,21 @@ class ConfigLauncher:
                 self._binaries[fp] = (binary, self._tail(cfg, args, kwargs))
             return
         binary, tail = cached
-        # Every parameter in order, constexprs included: Triton's launcher
-        # takes the bound arguments as they are and skips the constexprs.
-        full = (*args, *tail)
         g = grid(cfg.kwargs)
-        g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
-        stream = _current_stream()
-        enter, leave = _launch_hooks()
-        metadata = binary.launch_metadata(g, stream, *full) if enter is not None else None
-        binary.run(g0, g1, g2, stream, binary.function, binary.packed_metadata, metadata, enter, leave, *full)
+        run_binary(binary, tail, (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1), args,
+                   _current_stream())
+
+
+def run_binary(binary, tail, grid3, args, stream) -> None:
+    """Launch a compiled binary on ``grid3`` (three ints) with the runtime
+    ``args``; ``tail`` the parameters after them (``ConfigLauncher.binary``)."""
+    # Every parameter in order, constexprs included: Triton's launcher
+    # takes the bound arguments as they are and skips the constexprs.
+    full = (*args, *tail)
+    enter, leave = _launch_hooks()
+    metadata = binary.launch_metadata(grid3, stream, *full) if enter is not None else None
+    binary.run(grid3[0], grid3[1], grid3[2], stream, binary.function, binary.packed_metadata, metadata, enter, leave,
+               *full)
 
 
 # Set by ``dry_run``: launchers choose their configs but launch nothing.

@@ -13,7 +13,7 @@ import torch
 import flashfuse
 from flashfuse import reference as ref
 from flashfuse.kernels import decode
-from flashfuse.kernels.decode import choose_splits, decode_forward, decode_suits
+from flashfuse.kernels.decode import DecodeCall, choose_splits, decode_forward, decode_refusal, decode_suits
 
 from .padding import in_nan_padding, poison_empty
 
@@ -87,14 +87,83 @@ def test_split_count_env_knob(monkeypatch):
 def test_dispatch_rule(monkeypatch):
     q = torch.empty(1, 32, 1, 128)
     k = torch.empty(1, 8, 4096, 128)
-    assert decode_suits(q, k, None, 0.0, None, 0, True, None)
-    assert not decode_suits(q, k, None, 0.0, None, 0, False, None)  # top-left causal
-    assert not decode_suits(q, k, torch.ones(1), 0.0, None, None, True, None)  # float masks: see below
-    assert not decode_suits(q, k, None, 0.1, None, None, True, None)
-    assert not decode_suits(q, k[:, :, :64], None, 0.0, None, 0, True, None)  # few keys
-    assert not decode_suits(torch.empty(1, 32, 64, 128), k, None, 0.0, None, 0, True, None)
+    assert decode_suits(DecodeCall(q, k, None, 0.0, None, 0, True, None))
+    assert not decode_suits(DecodeCall(q, k, None, 0.0, None, 0, False, None))  # top-left causal
+    assert not decode_suits(DecodeCall(q, k, torch.ones(1), 0.0, None, None, True, None))  # float masks: see below
+    assert not decode_suits(DecodeCall(q, k, None, 0.1, None, None, True, None))
+    assert not decode_suits(DecodeCall(q, k[:, :, :64], None, 0.0, None, 0, True, None))  # few keys
+    assert not decode_suits(DecodeCall(torch.empty(1, 32, 64, 128), k, None, 0.0, None, 0, True, None))
     monkeypatch.setenv("FLASHFUSE_DECODE", "0")
-    assert not decode_suits(q, k, None, 0.0, None, 0, True, None)
+    assert not decode_suits(DecodeCall(q, k, None, 0.0, None, 0, True, None))
+
+
+def test_refusal_reasons(monkeypatch):
+    """Every reason to leave a call to the forward kernel is decode_refusal's,
+    soft-capping and sinks included."""
+    q = torch.empty(1, 32, 1, 128)
+    k = torch.empty(1, 8, 4096, 128)
+    assert decode_refusal(DecodeCall(q, k, window_right=0)) is None
+    assert "soft-capping" in decode_refusal(DecodeCall(q, k, window_right=0, softcap=30.0))
+    assert "sinks" in decode_refusal(DecodeCall(q, k, window_right=0, sinks=torch.zeros(32)))
+    assert "top-left" in decode_refusal(DecodeCall(q, k, window_right=0, bottom_right=False))
+    assert "fewer than" in decode_refusal(DecodeCall(q, k[:, :, :64]))
+    monkeypatch.setenv("FLASHFUSE_DECODE", "1")  # sizes no longer count, the kernels' limits still do
+    assert decode_refusal(DecodeCall(q, k[:, :, :64])) is None
+    assert "sinks" in decode_refusal(DecodeCall(q, k, sinks=torch.zeros(32)))
+
+
+def _plan_call(q, k, v, **kw):
+    before = decode.PLAN_MISSES[0]
+    out, lse = decode_forward(q, k, v, scale=0.5, window_right=0, bottom_right=True, **kw)
+    return out, lse, decode.PLAN_MISSES[0] - before
+
+
+def test_repeated_call_takes_its_plan(monkeypatch):
+    """A second identical call takes the cached plan and gives the same
+    bits; a new dtype, new strides or a new split knob build a new one. A
+    longer cache (a dynamic cache's next step) keeps the plan."""
+    decode.forget_plans()
+    torch.manual_seed(6)
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    k = torch.randn(1, 2, 40, 16, device=DEVICE)
+    v = torch.randn(1, 2, 40, 16, device=DEVICE)
+    monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "2")
+    out1, lse1, miss1 = _plan_call(q, k, v)
+    out2, lse2, miss2 = _plan_call(q, k, v)
+    assert (miss1, miss2) == (1, 0)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    decode.forget_plans()  # a miss again: the same bits as a hit
+    out3, lse3, miss3 = _plan_call(q, k, v)
+    assert miss3 == 1 and torch.equal(out1, out3) and torch.equal(lse1, lse3)
+    assert _plan_call(q.half(), k.half(), v.half())[2] == 1  # dtype
+    qt = in_nan_padding(q)  # same values, other strides
+    out4, lse4, miss4 = _plan_call(qt, k, v)
+    assert miss4 == 1 and torch.equal(out1, out4)
+    monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "3")  # the knob
+    out5, _, miss5 = _plan_call(q, k, v)
+    assert miss5 == 1
+    torch.testing.assert_close(out5, out1)
+    k2, v2 = torch.cat([k, k[:, :, :8]], 2), torch.cat([v, v[:, :, :8]], 2)
+    out6, lse6, miss6 = _plan_call(q, k2, v2)
+    assert miss6 == 0
+    _check(q, k2, v2, out6, lse6, window_right=0, bottom_right=True)
+
+
+@pytest.mark.parametrize("forced", ["1", "2", "9"])
+def test_split_knob_forces_the_count(monkeypatch, forced):
+    """FLASHFUSE_DECODE_SPLITS decides the split count the kernels run
+    with (one split writes the output directly; 9 splits of 40 keys leave
+    some with none)."""
+    decode.forget_plans()
+    monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", forced)
+    torch.manual_seed(7)
+    q = torch.randn(1, 4, 2, 16, device=DEVICE)
+    k = torch.randn(1, 2, 40, 16, device=DEVICE)
+    v = torch.randn(1, 2, 40, 16, device=DEVICE)
+    out, lse = decode_forward(q, k, v, scale=0.5, window_right=0, bottom_right=True)
+    (call,) = decode._CALLS.values()
+    assert call.L.S == int(forced) and call.L.direct == (forced == "1")
+    _check(q, k, v, out, lse, window_right=0, bottom_right=True)
 
 
 def test_op_takes_decode_path_and_its_gradients(monkeypatch):
@@ -241,13 +310,14 @@ def test_dispatch_rule_with_masks(monkeypatch):
     q = torch.empty(1, 32, 1, 128)
     k = torch.empty(1, 8, 4096, 128)
     bool_mask = torch.ones(1, 1, 1, 4096, dtype=torch.bool)
-    assert decode_suits(q, k, bool_mask, 0.0, None, None, True, None)
+    assert decode_suits(DecodeCall(q, k, bool_mask, 0.0, None, None, True, None))
     # Without a band the alignment changes nothing: top-left is taken too.
-    assert decode_suits(q, k, bool_mask, 0.0, None, None, False, None)
-    assert not decode_suits(q, k, bool_mask, 0.0, None, 0, False, None)  # top-left causal
-    assert not decode_suits(q, k, bool_mask, 0.0, None, None, True, -1e4)  # a fill: the forward kernel
-    assert not decode_suits(q, k, bool_mask.float(), 0.0, None, None, True, None)  # float: the forward kernel
-    assert not decode_suits(q, k, bool_mask, 0.1, None, None, True, None)
+    assert decode_suits(DecodeCall(q, k, bool_mask, 0.0, None, None, False, None))
+    assert not decode_suits(DecodeCall(q, k, bool_mask, 0.0, None, 0, False, None))  # top-left causal
+    assert not decode_suits(DecodeCall(q, k, bool_mask, 0.0, None, None, True, -1e4))  # a fill: the forward kernel
+    # A float mask: the forward kernel.
+    assert not decode_suits(DecodeCall(q, k, bool_mask.float(), 0.0, None, None, True, None))
+    assert not decode_suits(DecodeCall(q, k, bool_mask, 0.1, None, None, True, None))
 
 
 def test_op_with_bool_mask_takes_decode_path_and_its_gradients(monkeypatch):

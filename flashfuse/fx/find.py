@@ -167,6 +167,23 @@ def _storage(x: Any):
 _UNKNOWN = object()
 
 
+def _storages_held(x: Any) -> list:
+    """The storages of the tensors a node's value holds: its own, or those of
+    a tuple's or list's items (``unbind``, ``split``); empty for a number."""
+    v = N.val(x)
+    items = v if isinstance(v, (tuple, list)) else (v,)
+    out = []
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            try:
+                from torch.multiprocessing.reductions import StorageWeakRef
+
+                out.append(StorageWeakRef(t.untyped_storage()))
+            except Exception:  # noqa: BLE001 - a tensor without a plain storage
+                out.append(_UNKNOWN)
+    return out
+
+
 class Mutations:
     """The graph's in-place ops, in order, with the storages they write."""
 
@@ -706,8 +723,12 @@ def _writes_private_tensor(m: torch.fx.Node) -> bool:
         for other in m.graph.nodes:
             if other is m:
                 break
-            if other is not w and _storage(other) == key:
-                return False
+            if other is w:
+                continue
+            # A storage PyTorch cannot name may be this one: not private.
+            for theirs in _storages_held(other):
+                if theirs is _UNKNOWN or theirs == key:
+                    return False
     return True
 
 

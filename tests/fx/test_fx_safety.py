@@ -509,3 +509,32 @@ def test_finite_fill_with_additive_bias_is_left_alone():
     bias = torch.randn(1, 4, 7, 7)
     _, backend = compile_and_compare(bias_then_finite_fill, q, k, v, _left_padded_keep(), bias, expect=0)
     assert "additive mask" in backend.candidates[0].reason
+
+
+class UnbindQKVWithInplaceBias(torch.nn.Module):
+    """timm's Swin-v2 spelling: q, k, v from one ``unbind`` (a node whose value
+    is a tuple, not a tensor) and a bias MLP with an in-place ReLU between the
+    two products."""
+
+    def __init__(self, h=2, n=7, d=16):
+        super().__init__()
+        self.h, self.d = h, d
+        self.qkv = torch.nn.Linear(h * d, 3 * h * d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, h))
+        self.register_buffer("coords", torch.randn(n, n, 2))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+        s = q @ k.transpose(-2, -1) * SCALE
+        s = s + self.mlp(self.coords).permute(2, 0, 1)
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1)
+
+
+def test_inplace_private_write_after_a_tuple_node():
+    """A non-tensor node (the unbind's tuple) before the in-place write must
+    not break the private-write check: rewritten, gradients match."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    _, backend = compile_and_compare(UnbindQKVWithInplaceBias(), x, expect=1)
+    assert all(c.rewritten for c in backend.candidates), [c.reason for c in backend.candidates]

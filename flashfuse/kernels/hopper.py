@@ -1,0 +1,288 @@
+"""Warp-specialised attention kernels for Hopper (compute capability 9.0).
+
+The portable kernels (``forward.py``, ``backward.py``) run one warp group
+that issues its loads, its matrix products and its softmax in turn. On an
+H100/H200 Triton can instead split a loop into a *producer* warp that only
+issues tensor-memory-accelerator (TMA) copies and *consumer* warp groups that
+only compute (``tl.range(..., warp_specialize=True)``), with registers moved
+from the producer to the consumers (``setmaxnreg``). Triton applies it only
+under conditions these kernels are written to meet:
+
+- ``num_warps=4`` (the pass gives up otherwise; it then adds the producer
+  and, for 128-row tiles, splits the consumer into two 64-row groups);
+- loads through tensor descriptors made *inside* the kernel
+  (``tl.make_tensor_descriptor``);
+- one loop with no data-dependent branch in its body: band and bounds masks
+  are applied to every block unconditionally (compile-time flags only), not
+  split into boundary and interior phases as the portable kernels do.
+
+Coverage (anything else stays on the portable kernels; see
+:func:`hopper_unsuitable`, the one selection rule): fp16/bf16, head dims 64
+and 128 (the same for keys and values), no mask tensor, no dropout, no
+soft-cap, no sinks; causal (either alignment), sliding windows and grouped
+heads are covered. Conventions match ``forward.py`` exactly: ``out`` laid out
+as ``empty(B, N, Hq, D).transpose(1, 2)``, ``lse`` float32 (B, Hq, N) in
+natural-log units, ``+inf`` with a zero output for rows that see no key, so
+the portable backward can consume this forward's ``lse`` and vice versa.
+
+Supported Triton versions: 3.6 (the GPU machine's) and 3.9; both have
+``tl.make_tensor_descriptor`` and ``tl.range(warp_specialize=...)``; older
+versions are declined by the selection rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import config
+from .launch import ConfigLauncher, _autotune_enabled, _bucket, _traced, cdiv, ensure_scratch_allocator, static_int
+
+__all__ = ["hopper_unsuitable", "hopper_forward", "hopper_backward", "HOPPER_HEAD_DIMS"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+HOPPER_HEAD_DIMS = (64, 128)
+_DTYPES = (torch.float16, torch.bfloat16)
+_MIN_TRITON = (3, 6)
+
+
+def _triton_version() -> tuple[int, int]:
+    parts = triton.__version__.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):  # a development build without a plain version
+        return (0, 0)
+
+
+def _triton_supports_ws() -> str | None:
+    """Why this Triton cannot build the kernels, or None."""
+    if _triton_version() < _MIN_TRITON:
+        return f"Triton {triton.__version__} is older than {'.'.join(map(str, _MIN_TRITON))}"
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return "this Triton has no tl.make_tensor_descriptor"
+    import inspect
+
+    try:
+        params = inspect.signature(tl.range.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "warp_specialize" not in params:
+        return "this Triton's tl.range has no warp_specialize"
+    return None
+
+
+def _descriptor_layout(t: torch.Tensor) -> bool:
+    """(B, H, L, D) tensor the copy engine can read as per-(b, h) 2-d tiles:
+    unit last stride, 16-byte aligned base and strides."""
+    elt = t.element_size()
+    if t.stride(3) != 1 or t.data_ptr() % 16:
+        return False
+    return all(size <= 1 or (st > 0 and (st * elt) % 16 == 0) for size, st in zip(t.shape[:3], t.stride()[:3]))
+
+
+def hopper_unsuitable(q, k, v, attn_mask=None, *, dropout_p: float = 0.0, softcap=None, sinks=None,
+                      mask_fill=None, grad_out=None, device_capability=None) -> str | None:
+    """The one selection rule of the Hopper kernels: None when they may run
+    this call, else the first reason they may not (for ``explain`` and
+    benchmark rows). ``FLASHFUSE_HOPPER`` decides whether a suitable call
+    takes them (:func:`hopper_enabled`); this function only says whether it
+    could. ``grad_out``: also check the backward's extra tensor.
+    ``device_capability``: for tests, in place of the tensors' device's."""
+    if _traced((q,)):
+        return "traced call (tensor descriptors need real addresses to check)"
+    if q.device.type != "cuda" and device_capability is None:
+        return f"tensors on {q.device.type}, not a CUDA GPU"
+    cap = device_capability if device_capability is not None else _capability(q.device.index)
+    if tuple(cap) != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}, not 9.0 (Hopper)"
+    why = _triton_supports_ws()
+    if why:
+        return why
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype}, not float16/bfloat16"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "q, k, v dtypes differ"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D != Dv:
+        return f"head dims differ (q/k {D}, v {Dv})"
+    if D not in HOPPER_HEAD_DIMS:
+        return f"head dim {D}, not one of {HOPPER_HEAD_DIMS}"
+    if attn_mask is not None:
+        return "mask tensor"
+    if dropout_p > 0.0:
+        return "dropout"
+    if softcap is not None:
+        return "soft-cap"
+    if sinks is not None:
+        return "sinks"
+    if q.shape[1] % k.shape[1]:
+        return "query heads not a multiple of key/value heads"
+    for name, t in (("q", q), ("k", k), ("v", v), ("grad_out", grad_out)):
+        if t is not None and not _descriptor_layout(t):
+            return f"{name}'s layout does not suit tensor descriptors (unit last stride, 16-byte aligned)"
+    return None
+
+
+def hopper_enabled() -> bool:
+    """``FLASHFUSE_HOPPER=1``: suitable calls take the Hopper kernels (off by
+    default until measured)."""
+    return config.hopper() == "1"
+
+
+def _capability(index):
+    from .launch import _capability as cap
+
+    return cap(index)
+
+
+# ---------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
+def _hopper_fwd(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    Hq, Hkv, N, M,
+    qk_scale, diag_off, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, CHECK_M: tl.constexpr,
+    WARP_SPEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_M), Hq, B): one query tile of one (batch, head).
+
+    ``qk_scale`` is ``scale * log2(e)`` (scores in base 2). A key j is
+    visible to query i when ``i + diag_off - window_left <= j`` (HAS_WL) and
+    ``j <= i + diag_off + window_right`` (HAS_WR); CHECK_M: M is not a
+    multiple of BLOCK_N, so the last block needs its column mask.
+    """
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes fp64 scalars
+    # Last tiles first: under a causal band they have the most keys.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = h // (Hq // Hkv)
+    b64 = b.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+
+    # Per-(b, h) 2-d descriptors: rows past N or M read as zeros and stores
+    # past N are dropped by the copy engine, so no bounds masks on data.
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, shape=[N, HEAD_DIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh, shape=[M, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh, shape=[M, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + h.to(tl.int64) * stride_oh, shape=[N, HEAD_DIM],
+                                       strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM])
+
+    # Key blocks that any row of the tile may see; outside them nothing.
+    row_last = tl.minimum(start_m + BLOCK_M, N) - 1
+    lo = start_m * 0
+    hi = lo + M
+    if HAS_WL:
+        lo = tl.maximum(start_m + diag_off - window_left, 0)
+    if HAS_WR:
+        hi = tl.minimum(row_last + diag_off + window_right + 1, M)
+    lo_blk = (lo // BLOCK_N) * BLOCK_N
+    hi_blk = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo_blk)  # empty band: no block
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    MASKED: tl.constexpr = HAS_WL or HAS_WR or CHECK_M
+    q = q_desc.load([start_m, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # One loop, every block masked alike: the warp-specialisation pass does
+    # not take loops with branches (or two loops in a row for one band).
+    for start_n in tl.range(lo_blk, hi_blk, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = k_desc.load([start_n, 0])
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            j = (start_n + offs_n0)[None, :]
+            i = offs_m[:, None]
+            vis = j < M
+            if HAS_WR:
+                vis = vis & (j <= i + diag_off + window_right)
+            if HAS_WL:
+                vis = vis & (j >= i + diag_off - window_left)
+            qk = tl.where(vis, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with nothing visible yet keeps -inf: a finite shift
+            # keeps exp2 from -inf - -inf = NaN.
+            m_shift = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_shift = m_ij
+        p = tl.exp2(qk - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([start_n, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_ij
+
+    # Rows that saw no key (l == 0): output 0, lse +inf (forward.py's rule).
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    o_desc.store([start_m, 0], (acc * inv_l[:, None]).to(Out.dtype.element_ty))
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(Lse + (b64 * Hq + h) * N + offs_m, lse, mask=offs_m < N)
+
+
+# (BLOCK_M, BLOCK_N, num_stages) per head dim, best guess first; num_warps is
+# always 4 (see the module docstring). 128-row tiles give two 64-row consumer
+# groups.
+_FWD_TILES = {
+    64: [(128, 128, 2), (128, 64, 3), (128, 128, 3)],
+    128: [(128, 128, 2), (128, 64, 2), (128, 64, 3)],
+}
+_fwd_launcher = ConfigLauncher(_hopper_fwd, name="_hopper_fwd")
+
+
+def _configs(tiles):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=s) for bm, bn, s in tiles]
+
+
+def _clamp(w, limit):
+    return 0 if w is None else max(-limit, min(int(w), limit))
+
+
+def hopper_forward(q, k, v, *, scale: float, window_left, window_right, bottom_right: bool,
+                   warp_specialize: bool = True):
+    """Forward on the Hopper kernel, for calls :func:`hopper_unsuitable`
+    accepts; returns ``(out, lse)`` exactly as ``forward.attention_forward``."""
+    B, Hq, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    D = static_int(D)
+    out = torch.empty_strided((B, Hq, N, D), (N * Hq * D, D, Hq * D, 1), dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    if B * Hq * N == 0:
+        return out, lse
+    limit = N + M
+    args = (q, k, v, out, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            Hq, Hkv, N, M, float(scale) * _LOG2E, (M - N) if bottom_right else 0,
+            _clamp(window_left, limit), _clamp(window_right, limit))
+    ensure_scratch_allocator()
+    tiles = _FWD_TILES[D]
+    with torch.cuda.device(q.device):
+        meta = dict(HEAD_DIM=D, HAS_WL=window_left is not None, HAS_WR=window_right is not None,
+                    WARP_SPEC=warp_specialize)
+        # CHECK_M depends on the tile; every candidate of a head dim shares
+        # the smallest BLOCK_N's answer only if all divide M, so decide it
+        # per launch from the largest BLOCK_N (a multiple of the others).
+        meta["CHECK_M"] = M % max(bn for _, bn, _ in tiles) != 0
+        key = (q.dtype, q.device, _bucket(N, 1 << 16), _bucket(M, 1 << 16), tuple(meta.items()))
+        _fwd_launcher(key, lambda: _configs(tiles), lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), *args,
+                      tune=_autotune_enabled(), **meta)
+    return out, lse

@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from flashfuse.kernels import hopper  # noqa: E402
 
 _TARGET = GPUTarget("cuda", 90, 128)
+WS_CHOICES = [True]  # --baseline adds each kernel without warp specialisation
 
 
 def _compile(fn, signature, constexprs, num_warps, num_stages):
@@ -102,7 +103,7 @@ def forward_cases():
     for d in hopper.HOPPER_HEAD_DIMS:
         for causal in (False, True):
             for bm, bn, stages in hopper._FWD_TILES[d]:
-                for ws in (True, False):
+                for ws in WS_CHOICES:
                     const = dict(HEAD_DIM=d, HAS_WL=False, HAS_WR=causal, CHECK_M=True, WARP_SPEC=ws,
                                  BLOCK_M=bm, BLOCK_N=bn)
                     sig = _fwd_signature("bf16")
@@ -112,11 +113,11 @@ def forward_cases():
                     yield name, hopper._hopper_fwd, sig, const, 4, stages
 
 
-def _bwd_signature(dtype):
+def _bwd_signature(dtype, tensors, ints):
     sig = {}
-    for n in hopper.BWD_TENSORS:
-        sig[n] = "*fp32" if n in ("Lse", "Delta", "DQacc") else "*" + dtype
-    for n in hopper.BWD_INTS:
+    for n in tensors:
+        sig[n] = "*fp32" if n in ("Lse", "Delta") else "*" + dtype
+    for n in ints:
         sig[n] = "i32"
     sig["qk_scale"] = "fp32"
     sig["scale"] = "fp32"
@@ -124,26 +125,31 @@ def _bwd_signature(dtype):
 
 
 def backward_cases():
-    if not hasattr(hopper, "_hopper_dkdv"):
-        return
-    for d in hopper.HOPPER_HEAD_DIMS:
-        for causal in (False, True):
-            for bm, bn, stages in hopper._BWD_TILES[d]:
-                for ws in (True, False):
-                    const = dict(HEAD_DIM=d, HAS_WL=False, HAS_WR=causal, CHECK_N=True, WARP_SPEC=ws,
-                                 BLOCK_M=bm, BLOCK_N=bn)
-                    sig = _bwd_signature("bf16")
-                    for c in const:
-                        sig[c] = "constexpr"
-                    name = f"dkdv d{d} {'causal' if causal else 'full'} {bm}x{bn}x{stages}{' ws' if ws else ''}"
-                    yield name, hopper._hopper_dkdv, sig, const, 4, stages
+    kernels = (("dkdv", hopper._hopper_dkdv, hopper._BWD_TILES, hopper.BWD_TENSORS, hopper.BWD_INTS, None),
+               ("dq", hopper._hopper_dq, hopper._DQ_TILES, hopper.DQ_TENSORS, hopper.DQ_INTS, "CHECK_M"))
+    for kind, fn, tiles, tensors, ints, check in kernels:
+        for d in hopper.HOPPER_HEAD_DIMS:
+            for causal in (False, True):
+                for bm, bn, stages in tiles[d]:
+                    for ws in WS_CHOICES:
+                        const = dict(HEAD_DIM=d, HAS_WL=False, HAS_WR=causal, WARP_SPEC=ws, BLOCK_M=bm, BLOCK_N=bn)
+                        if check:
+                            const[check] = True
+                        sig = _bwd_signature("bf16", tensors, ints)
+                        for c in const:
+                            sig[c] = "constexpr"
+                        name = f"{kind} d{d} {'causal' if causal else 'full'} {bm}x{bn}x{stages}{' ws' if ws else ''}"
+                        yield name, fn, sig, const, 4, stages
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ttgir-dir", help="also write each kernel's TTGIR and PTX here")
     ap.add_argument("--only", default="", help="substring of the kernel names to compile")
+    ap.add_argument("--baseline", action="store_true", help="also compile each variant without warp specialisation")
     args = ap.parse_args()
+    if args.baseline:
+        WS_CHOICES.append(False)
     print(f"Triton {triton.__version__}, target sm_90")
     for cases in (forward_cases(), backward_cases()):
         for name, fn, sig, const, warps, stages in cases:

@@ -41,7 +41,7 @@ import triton.language as tl
 from .. import config
 from .launch import ConfigLauncher, _autotune_enabled, _bucket, _traced, cdiv, ensure_scratch_allocator, static_int
 
-__all__ = ["hopper_unsuitable", "hopper_forward", "hopper_backward", "HOPPER_HEAD_DIMS"]
+__all__ = ["hopper_problem", "hopper_unsuitable", "hopper_forward", "hopper_backward", "HOPPER_HEAD_DIMS"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -126,6 +126,17 @@ def hopper_unsuitable(q, k, v, attn_mask=None, *, dropout_p: float = 0.0, softca
         if t is not None and not _descriptor_layout(t):
             return f"{name}'s layout does not suit tensor descriptors (unit last stride, 16-byte aligned)"
     return None
+
+
+def hopper_problem(q, k, v, attn_mask=None, *, dropout_p: float = 0.0, softcap=None, sinks=None, mask_fill=None,
+                   grad_out=None) -> str | None:
+    """None when this call runs on the Hopper kernels now, else why not:
+    ``FLASHFUSE_HOPPER`` off, or :func:`hopper_unsuitable`'s reason. The
+    launch dispatch (``flashfuse.kernels``) asks exactly this."""
+    if not hopper_enabled():
+        return "FLASHFUSE_HOPPER is not 1"
+    return hopper_unsuitable(q, k, v, attn_mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
+                             mask_fill=mask_fill, grad_out=grad_out)
 
 
 def hopper_enabled() -> bool:
@@ -273,16 +284,285 @@ def hopper_forward(q, k, v, *, scale: float, window_left, window_right, bottom_r
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             Hq, Hkv, N, M, float(scale) * _LOG2E, (M - N) if bottom_right else 0,
             _clamp(window_left, limit), _clamp(window_right, limit))
-    ensure_scratch_allocator()
     tiles = _FWD_TILES[D]
-    with torch.cuda.device(q.device):
-        meta = dict(HEAD_DIM=D, HAS_WL=window_left is not None, HAS_WR=window_right is not None,
-                    WARP_SPEC=warp_specialize)
-        # CHECK_M depends on the tile; every candidate of a head dim shares
-        # the smallest BLOCK_N's answer only if all divide M, so decide it
-        # per launch from the largest BLOCK_N (a multiple of the others).
-        meta["CHECK_M"] = M % max(bn for _, bn, _ in tiles) != 0
-        key = (q.dtype, q.device, _bucket(N, 1 << 16), _bucket(M, 1 << 16), tuple(meta.items()))
-        _fwd_launcher(key, lambda: _configs(tiles), lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), *args,
-                      tune=_autotune_enabled(), **meta)
+    meta = dict(HEAD_DIM=D, HAS_WL=window_left is not None, HAS_WR=window_right is not None,
+                WARP_SPEC=warp_specialize)
+    # The candidates' BLOCK_N are powers of two, so M divisible by the
+    # largest is divisible by each: one CHECK_M for the whole list.
+    meta["CHECK_M"] = M % max(bn for _, bn, _ in tiles) != 0
+    _launch(_fwd_launcher, q, tiles, lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), args, meta, N, M)
     return out, lse
+
+
+# Under the interpreter (tests only: the selection rule never picks CPU
+# tensors) one small tile, as the portable kernels use there.
+_INTERPRET_TILE = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _launch(launcher, q, tiles, grid, args, meta, N, M):
+    """Launch one of the kernels: config chosen per key (and tuned when
+    autotuning is on) on CUDA, one small tile in Triton's interpreter."""
+    if q.device.type != "cuda" or config.interpreter_on():
+        launcher.kernel[grid(_INTERPRET_TILE)](*args, **meta, **_INTERPRET_TILE)
+        return
+    ensure_scratch_allocator()
+    key = (q.dtype, q.device, _bucket(N, 1 << 16), _bucket(M, 1 << 16), tuple(meta.items()))
+    with torch.cuda.device(q.device):
+        launcher(key, lambda: _configs(tiles), grid, *args, tune=_autotune_enabled(), **meta)
+
+
+# ---------------------------------------------------------------------------
+# Backward: dK and dV per key tile, then dQ per query tile
+# ---------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
+def _hopper_dkdv(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Hq, G, N, M, NP, diag_off, window_left, window_right,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    WARP_SPEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(M, BLOCK_N), Hkv, B): one key/value tile of one (batch,
+    key/value head), its dK and dV kept in registers over every query block
+    of the G query heads that read it. dQ is left to ``_hopper_dq``: with
+    its product in this loop (pointer or descriptor atomics into an fp32
+    buffer) the warp-specialisation pass fails to compile (Triton 3.9,
+    sm_90), since dQ sums over the keys that the two consumer groups split.
+
+    Lse (B, Hq, NP) natural log, +inf for rows that see no key; Delta
+    (B, Hq, NP) ``rowsum(dO * O)`` (minus any lse gradient), both contiguous
+    fp32, padded to NP (a multiple of every BLOCK_M) with lse +inf and delta
+    0, so the rows past N need no bounds mask: their probabilities are 0.
+    """
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    start_n = pid_n * BLOCK_N
+
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh, shape=[M, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh, shape=[M, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    # Rank-3 (head, row, dim) views of the batch: the loop walks the query
+    # heads of the group, and each head's rows stay bounded by N (a flat
+    # row view would read the next head's rows past the end).
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb, shape=[Hq, N, HEAD_DIM],
+                                       strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, HEAD_DIM])
+    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob, shape=[Hq, N, HEAD_DIM],
+                                        strides=[stride_doh, stride_dom, 1], block_shape=[1, BLOCK_M, HEAD_DIM])
+    k = k_desc.load([start_n, 0])
+    v = v_desc.load([start_n, 0])
+
+    # Query rows that see any key of the tile (the band read from the keys'
+    # side): j <= i + off + wr  <=>  i >= j - off - wr, and
+    # j >= i + off - wl  <=>  i <= j - off + wl.
+    n_last = tl.minimum(start_n + BLOCK_N, M) - 1
+    q_lo = start_n * 0
+    q_hi = q_lo + N
+    if HAS_WR:
+        q_lo = tl.maximum(start_n - diag_off - window_right, 0)
+    if HAS_WL:
+        q_hi = tl.minimum(n_last - diag_off + window_left + 1, N)
+    lo_blk = (q_lo // BLOCK_M) * BLOCK_M
+    n_blocks = tl.where(q_hi > q_lo, tl.cdiv(q_hi, BLOCK_M) - q_lo // BLOCK_M, 0)
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    MASKED: tl.constexpr = HAS_WL or HAS_WR
+    # One flat loop over (query head of the group, query block): the
+    # warp-specialisation pass takes a single loop without branches.
+    for t in tl.range(0, G * n_blocks, warp_specialize=WARP_SPEC):
+        g = t // n_blocks
+        start_m = lo_blk + (t - g * n_blocks) * BLOCK_M
+        h = kvh * G + g
+        offs_m = start_m + offs_m0
+        q = q_desc.load([h, start_m, 0]).reshape([BLOCK_M, HEAD_DIM])
+        do = do_desc.load([h, start_m, 0]).reshape([BLOCK_M, HEAD_DIM])
+        row = (b64 * Hq + h) * NP + offs_m
+        lse = tl.load(Lse + row)
+        delta = tl.load(Delta + row)
+        # Scores transposed, (keys, queries): dK and dV need P^T and dS^T.
+        # Key rows past M are zero (K reads zeros), their dK/dV never stored.
+        s_t = tl.dot(k, tl.trans(q))
+        p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+        if MASKED:
+            i = offs_m[None, :]
+            j = offs_n[:, None]
+            vis = j < M
+            if HAS_WR:
+                vis = vis & (j <= i + diag_off + window_right)
+            if HAS_WL:
+                vis = vis & (j >= i + diag_off - window_left)
+            p_t = tl.where(vis, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        ds16 = ds_t.to(q.dtype)
+        dk = tl.dot(ds16, q, dk)
+
+    dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + kvh.to(tl.int64) * stride_dkh, shape=[M, HEAD_DIM],
+                                        strides=[stride_dkn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dv_desc = tl.make_tensor_descriptor(DV + b64 * stride_dvb + kvh.to(tl.int64) * stride_dvh, shape=[M, HEAD_DIM],
+                                        strides=[stride_dvn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dk_desc.store([start_n, 0], (dk * scale).to(DK.dtype.element_ty))
+    dv_desc.store([start_n, 0], dv.to(DV.dtype.element_ty))
+
+
+BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV")
+BWD_INTS = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
+            "stride_vb", "stride_vh", "stride_vn", "stride_dob", "stride_doh", "stride_dom",
+            "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn", "Hq", "G", "N", "M", "NP",
+            "diag_off", "window_left", "window_right")
+
+# (BLOCK_M, BLOCK_N, num_stages) per head dim; 128 keys per program hold
+# dK and dV (2 x 128 x D fp32) across the consumer groups.
+_BWD_TILES = {
+    64: [(64, 128, 2), (128, 128, 2), (64, 128, 3)],
+    128: [(64, 128, 2), (64, 128, 3), (32, 128, 2)],
+}
+_dkdv_launcher = ConfigLauncher(_hopper_dkdv, name="_hopper_dkdv")
+
+
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
+def _hopper_dq(
+    Q, K, V, DO, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    Hq, G, N, M, NP, diag_off, window_left, window_right,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, CHECK_M: tl.constexpr,
+    WARP_SPEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_M), Hq, B): dQ of one query tile, streaming the
+    key blocks of its band as the forward does (scores and dP recomputed).
+    Lse and Delta as in ``_hopper_dkdv`` (padded to NP)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = h // G
+    b64 = b.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh, shape=[N, HEAD_DIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    do_desc = tl.make_tensor_descriptor(DO + b64 * stride_dob + h.to(tl.int64) * stride_doh, shape=[N, HEAD_DIM],
+                                        strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh, shape=[M, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh, shape=[M, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+
+    row_last = tl.minimum(start_m + BLOCK_M, N) - 1
+    lo = start_m * 0
+    hi = lo + M
+    if HAS_WL:
+        lo = tl.maximum(start_m + diag_off - window_left, 0)
+    if HAS_WR:
+        hi = tl.minimum(row_last + diag_off + window_right + 1, M)
+    lo_blk = (lo // BLOCK_N) * BLOCK_N
+    hi_blk = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N) * BLOCK_N, lo_blk)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    # lse and delta through descriptors too: with pointer loads feeding the
+    # loop the warp-specialisation pass fails ("unsupported load type for
+    # producer commit", Triton 3.9). Padded rows hold lse +inf, delta 0.
+    rows = Hq * tl.num_programs(2)
+    lse_desc = tl.make_tensor_descriptor(Lse, shape=[rows, NP], strides=[NP, 1], block_shape=[1, BLOCK_M])
+    delta_desc = tl.make_tensor_descriptor(Delta, shape=[rows, NP], strides=[NP, 1], block_shape=[1, BLOCK_M])
+    lse2 = lse_desc.load([b * Hq + h, start_m]).reshape([BLOCK_M]) * 1.4426950408889634
+    delta = delta_desc.load([b * Hq + h, start_m]).reshape([BLOCK_M])
+    q = q_desc.load([start_m, 0])
+    do = do_desc.load([start_m, 0])
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    MASKED: tl.constexpr = HAS_WL or HAS_WR or CHECK_M
+    for start_n in tl.range(lo_blk, hi_blk, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASKED:
+            j = (start_n + offs_n0)[None, :]
+            i = offs_m[:, None]
+            vis = j < M
+            if HAS_WR:
+                vis = vis & (j <= i + diag_off + window_right)
+            if HAS_WL:
+                vis = vis & (j >= i + diag_off - window_left)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh, shape=[N, HEAD_DIM],
+                                        strides=[stride_dqm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    dq_desc.store([start_m, 0], (dq * scale).to(DQ.dtype.element_ty))
+
+
+DQ_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ")
+DQ_INTS = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
+           "stride_vb", "stride_vh", "stride_vn", "stride_dob", "stride_doh", "stride_dom",
+           "stride_dqb", "stride_dqh", "stride_dqm", "Hq", "G", "N", "M", "NP", "diag_off", "window_left", "window_right")
+_DQ_TILES = {
+    64: [(128, 128, 2), (128, 64, 2), (128, 64, 3)],
+    128: [(128, 64, 2), (128, 128, 2), (128, 64, 3)],
+}
+_dq_launcher = ConfigLauncher(_hopper_dq, name="_hopper_dq")
+_ROW_PAD = 128  # a multiple of every BLOCK_M above (and of the interpreter's)
+
+
+def hopper_backward(grad_out, q, k, v, out, lse, *, scale: float, window_left, window_right, bottom_right: bool,
+                    grad_lse=None, warp_specialize: bool = True):
+    """dq, dk, dv on the Hopper kernels, for calls :func:`hopper_unsuitable`
+    accepts (``grad_out`` included); ``lse`` is either forward's. Returns
+    ``empty_like`` tensors of q, k, v, as ``backward.attention_backward``."""
+    B, Hq, N, D = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    D = static_int(D)
+    G = Hq // Hkv
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if B * Hq * N == 0 or M == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    # delta = rowsum(dO * O) in fp32 (the softmax gradient's row term); an
+    # lse gradient enters as delta - grad_lse (d lse / d s = P).
+    delta = torch.einsum("bhnd,bhnd->bhn", grad_out.float(), out.float())
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
+    # Padded to a multiple of every query tile (lse +inf, delta 0): rows
+    # past N then take no part without a bounds mask, and every tile's start
+    # is aligned for the copy engine.
+    NP = cdiv(N, _ROW_PAD) * _ROW_PAD
+    lse_p = torch.full((B, Hq, NP), float("inf"), dtype=torch.float32, device=q.device)
+    lse_p[..., :N] = lse
+    delta_p = torch.zeros((B, Hq, NP), dtype=torch.float32, device=q.device)
+    delta_p[..., :N] = delta
+    limit = N + M
+    band = ((M - N) if bottom_right else 0, _clamp(window_left, limit), _clamp(window_right, limit))
+    scalars = (float(scale) * _LOG2E, float(scale))
+    flags = dict(HEAD_DIM=D, HAS_WL=window_left is not None, HAS_WR=window_right is not None,
+                 WARP_SPEC=warp_specialize)
+    s3 = lambda t: (t.stride(0), t.stride(1), t.stride(2))  # noqa: E731
+    _launch(_dkdv_launcher, q, _BWD_TILES[D], lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, B),
+            (q, k, v, grad_out, lse_p, delta_p, dk, dv, *s3(q), *s3(k), *s3(v), *s3(grad_out), *s3(dk), *s3(dv),
+             Hq, G, N, M, NP, *band, *scalars), flags, N, M)
+    _launch(_dq_launcher, q, _DQ_TILES[D], lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
+            (q, k, v, grad_out, lse_p, delta_p, dq, *s3(q), *s3(k), *s3(v), *s3(grad_out), *s3(dq),
+             Hq, G, N, M, NP, *band, *scalars), dict(flags, CHECK_M=M % max(bn for _, bn, _ in _DQ_TILES[D]) != 0),
+            N, M)
+    return dq, dk, dv

@@ -284,7 +284,7 @@ def hopper_forward(q, k, v, *, scale: float, window_left, window_right, bottom_r
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             Hq, Hkv, N, M, float(scale) * _LOG2E, (M - N) if bottom_right else 0,
             _clamp(window_left, limit), _clamp(window_right, limit))
-    tiles = _FWD_TILES[D]
+    tiles = _tiles(_FWD_TILES, D)
     meta = dict(HEAD_DIM=D, HAS_WL=window_left is not None, HAS_WR=window_right is not None,
                 WARP_SPEC=warp_specialize)
     # The candidates' BLOCK_N are powers of two, so M divisible by the
@@ -292,6 +292,12 @@ def hopper_forward(q, k, v, *, scale: float, window_left, window_right, bottom_r
     meta["CHECK_M"] = M % max(bn for _, bn, _ in tiles) != 0
     _launch(_fwd_launcher, q, tiles, lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), args, meta, N, M)
     return out, lse
+
+
+def _tiles(table, D):
+    """The candidates for head dim D; other head dims (never chosen by the
+    selection rule) only in the interpreter's tests, at its tile."""
+    return table.get(D, [(_INTERPRET_TILE["BLOCK_M"], _INTERPRET_TILE["BLOCK_N"], 1)])
 
 
 # Under the interpreter (tests only: the selection rule never picks CPU
@@ -430,7 +436,9 @@ BWD_INTS = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "st
 # (BLOCK_M, BLOCK_N, num_stages) per head dim; 128 keys per program hold
 # dK and dV (2 x 128 x D fp32) across the consumer groups.
 _BWD_TILES = {
-    64: [(64, 128, 2), (128, 128, 2), (64, 128, 3)],
+    # (128, 128) fails to compile warp-specialised (Triton 3.9: "unsupported
+    # load type for producer commit"), so 64-row query blocks.
+    64: [(64, 128, 2), (64, 128, 3)],
     128: [(64, 128, 2), (64, 128, 3), (32, 128, 2)],
 }
 _dkdv_launcher = ConfigLauncher(_hopper_dkdv, name="_hopper_dkdv")
@@ -485,11 +493,14 @@ def _hopper_dq(
     # lse and delta through descriptors too: with pointer loads feeding the
     # loop the warp-specialisation pass fails ("unsupported load type for
     # producer commit", Triton 3.9). Padded rows hold lse +inf, delta 0.
-    rows = Hq * tl.num_programs(2)
-    lse_desc = tl.make_tensor_descriptor(Lse, shape=[rows, NP], strides=[NP, 1], block_shape=[1, BLOCK_M])
-    delta_desc = tl.make_tensor_descriptor(Delta, shape=[rows, NP], strides=[NP, 1], block_shape=[1, BLOCK_M])
-    lse2 = lse_desc.load([b * Hq + h, start_m]).reshape([BLOCK_M]) * 1.4426950408889634
-    delta = delta_desc.load([b * Hq + h, start_m]).reshape([BLOCK_M])
+    # Flat 1-d views: a (row, column) view's [1, BLOCK_M] block reshaped to
+    # [BLOCK_M] fails the pass's split of the rows over the consumer groups.
+    total = Hq * tl.num_programs(2) * NP
+    lse_desc = tl.make_tensor_descriptor(Lse, shape=[total], strides=[1], block_shape=[BLOCK_M])
+    delta_desc = tl.make_tensor_descriptor(Delta, shape=[total], strides=[1], block_shape=[BLOCK_M])
+    row0 = (b * Hq + h) * NP + start_m
+    lse2 = lse_desc.load([row0]) * 1.4426950408889634
+    delta = delta_desc.load([row0])
     q = q_desc.load([start_m, 0])
     do = do_desc.load([start_m, 0])
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -558,11 +569,12 @@ def hopper_backward(grad_out, q, k, v, out, lse, *, scale: float, window_left, w
     flags = dict(HEAD_DIM=D, HAS_WL=window_left is not None, HAS_WR=window_right is not None,
                  WARP_SPEC=warp_specialize)
     s3 = lambda t: (t.stride(0), t.stride(1), t.stride(2))  # noqa: E731
-    _launch(_dkdv_launcher, q, _BWD_TILES[D], lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, B),
+    _launch(_dkdv_launcher, q, _tiles(_BWD_TILES, D), lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, B),
             (q, k, v, grad_out, lse_p, delta_p, dk, dv, *s3(q), *s3(k), *s3(v), *s3(grad_out), *s3(dk), *s3(dv),
              Hq, G, N, M, NP, *band, *scalars), flags, N, M)
-    _launch(_dq_launcher, q, _DQ_TILES[D], lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
+    dq_tiles = _tiles(_DQ_TILES, D)
+    _launch(_dq_launcher, q, dq_tiles, lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
             (q, k, v, grad_out, lse_p, delta_p, dq, *s3(q), *s3(k), *s3(v), *s3(grad_out), *s3(dq),
-             Hq, G, N, M, NP, *band, *scalars), dict(flags, CHECK_M=M % max(bn for _, bn, _ in _DQ_TILES[D]) != 0),
+             Hq, G, N, M, NP, *band, *scalars), dict(flags, CHECK_M=M % max(bn for _, bn, _ in dq_tiles) != 0),
             N, M)
     return dq, dk, dv

@@ -32,6 +32,7 @@ versions are declined by the selection rule.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -263,6 +264,14 @@ def _configs(tiles):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=s) for bm, bn, s in tiles]
 
 
+def _strides3(t):
+    """The batch, head and row strides of a (B, H, L, D) tensor for the
+    kernels' descriptors. A dimension of size 1 may carry any stride (the
+    selection rule does not check it), but a descriptor's strides must be
+    16-byte multiples; with one index only, D (64 or 128 elements) serves."""
+    return tuple(st if size > 1 else t.shape[3] for size, st in zip(t.shape[:3], t.stride()[:3]))
+
+
 def _clamp(w, limit):
     return 0 if w is None else max(-limit, min(int(w), limit))
 
@@ -279,9 +288,7 @@ def hopper_forward(q, k, v, *, scale: float, window_left, window_right, bottom_r
     if B * Hq * N == 0:
         return out, lse
     limit = N + M
-    args = (q, k, v, out, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+    args = (q, k, v, out, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
             Hq, Hkv, N, M, float(scale) * _LOG2E, (M - N) if bottom_right else 0,
             _clamp(window_left, limit), _clamp(window_right, limit))
     tiles = _tiles(_FWD_TILES, D)
@@ -538,6 +545,33 @@ _dq_launcher = ConfigLauncher(_hopper_dq, name="_hopper_dq")
 _ROW_PAD = 128  # a multiple of every BLOCK_M above (and of the interpreter's)
 
 
+@triton.jit(do_not_specialize=["N", "NP"])
+def _hopper_prep(
+    O, DO, Lse, Glse, LseP, DeltaP,
+    s_ob, s_oh, s_om, s_od, s_dob, s_doh, s_dom, s_dod, s_lb, s_lh, s_lm, s_gb, s_gh, s_gm,
+    N, NP,
+    HEAD_DIM: tl.constexpr, HAS_GLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid (NP // BLOCK_M, Hq, B): LseP = lse and DeltaP = rowsum(dO * O)
+    (minus the lse gradient) as contiguous (B, Hq, NP) fp32, rows past N
+    holding +inf and 0."""
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < N
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    o = tl.load(O + b * s_ob + h * s_oh + r64 * s_om + cols * s_od, mask=ok[:, None], other=0.0)
+    do = tl.load(DO + b * s_dob + h * s_doh + r64 * s_dom + cols * s_dod, mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_GLSE:  # d lse / d s = P: the lse gradient joins delta
+        delta -= tl.load(Glse + b * s_gb + h * s_gh + rows * s_gm, mask=ok, other=0.0).to(tl.float32)
+    lse = tl.load(Lse + b * s_lb + h * s_lh + rows * s_lm, mask=ok, other=float("inf"))
+    dst = (b * tl.num_programs(1) + h) * NP + rows
+    tl.store(LseP + dst, lse)
+    tl.store(DeltaP + dst, delta)
+
+
 def hopper_backward(grad_out, q, k, v, out, lse, *, scale: float, window_left, window_right, bottom_right: bool,
                     grad_lse=None, warp_specialize: bool = True):
     """dq, dk, dv on the Hopper kernels, for calls :func:`hopper_unsuitable`
@@ -550,25 +584,25 @@ def hopper_backward(grad_out, q, k, v, out, lse, *, scale: float, window_left, w
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * Hq * N == 0 or M == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    # delta = rowsum(dO * O) in fp32 (the softmax gradient's row term); an
-    # lse gradient enters as delta - grad_lse (d lse / d s = P).
-    delta = torch.einsum("bhnd,bhnd->bhn", grad_out.float(), out.float())
-    if grad_lse is not None:
-        delta = delta - grad_lse.float()
-    # Padded to a multiple of every query tile (lse +inf, delta 0): rows
-    # past N then take no part without a bounds mask, and every tile's start
-    # is aligned for the copy engine.
+    # lse and delta = rowsum(dO * O) - grad_lse, padded to a multiple of
+    # every query tile (lse +inf, delta 0): rows past N then take no part
+    # without a bounds mask, and every tile's start is aligned for the copy
+    # engine.
     NP = cdiv(N, _ROW_PAD) * _ROW_PAD
-    lse_p = torch.full((B, Hq, NP), float("inf"), dtype=torch.float32, device=q.device)
-    lse_p[..., :N] = lse
-    delta_p = torch.zeros((B, Hq, NP), dtype=torch.float32, device=q.device)
-    delta_p[..., :N] = delta
+    lse_p = torch.empty((B, Hq, NP), dtype=torch.float32, device=q.device)
+    delta_p = torch.empty((B, Hq, NP), dtype=torch.float32, device=q.device)
+    glse = grad_lse if grad_lse is not None else lse
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        _hopper_prep[(NP // _ROW_PAD, Hq, B)](
+            out, grad_out, lse, glse, lse_p, delta_p, *out.stride(), *grad_out.stride(), *lse.stride(),
+            *glse.stride(), N, NP, HEAD_DIM=D, HAS_GLSE=grad_lse is not None, BLOCK_M=_ROW_PAD,
+            num_warps=4)
     limit = N + M
     band = ((M - N) if bottom_right else 0, _clamp(window_left, limit), _clamp(window_right, limit))
     scalars = (float(scale) * _LOG2E, float(scale))
     flags = dict(HEAD_DIM=D, HAS_WL=window_left is not None, HAS_WR=window_right is not None,
                  WARP_SPEC=warp_specialize)
-    s3 = lambda t: (t.stride(0), t.stride(1), t.stride(2))  # noqa: E731
+    s3 = _strides3
     _launch(_dkdv_launcher, q, _tiles(_BWD_TILES, D), lambda m: (cdiv(M, m["BLOCK_N"]), Hkv, B),
             (q, k, v, grad_out, lse_p, delta_p, dk, dv, *s3(q), *s3(k), *s3(v), *s3(grad_out), *s3(dk), *s3(dv),
              Hq, G, N, M, NP, *band, *scalars), flags, N, M)

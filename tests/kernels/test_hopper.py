@@ -305,3 +305,23 @@ def test_gpu_lse_interchangeable(monkeypatch):
     b = attention_backward(go, q, k, v, None, None, out_h, lse_h, dropout_p=0.0, scale=0.09, mask_grad=False, **kw)
     for x, y in zip(a, b[:3]):
         assert _rel(x, y) < 2e-2
+
+
+def test_interpreter_single_row_odd_strides(monkeypatch):
+    """One query (a size-1 row dimension with an odd stride) against a few
+    keys; grouped heads of one key/value head (a size-1 head dimension)."""
+    poison_empty(monkeypatch)
+    q, k, v = _qkv(2, 3, 1, 1, 29, 16, seed=8)
+    q = q.as_strided(q.shape, (q.stride(0), q.stride(1), 7, 1))  # stride 7: never used with one row
+    k = k.as_strided(k.shape, (k.stride(0), 5, k.stride(2), 1))
+    assert all(hopper._descriptor_layout(t) for t in (q, k, v))  # the rule takes them
+    out, lse = hopper.hopper_forward(q, k, v, scale=0.25, window_left=None, window_right=None, bottom_right=False)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qd, kd, vd, scale=0.25)
+    assert _rel(out, ref) < 3e-3
+    go = torch.randn_like(out)
+    ref.backward(go.double())
+    dq, dk, dv = hopper.hopper_backward(go, q, k, v, out, lse, scale=0.25, window_left=None, window_right=None,
+                                        bottom_right=False)
+    for got, want in ((dq, qd.grad), (dk, kd.grad), (dv, vd.grad)):
+        assert _rel(got, want) < 5e-3

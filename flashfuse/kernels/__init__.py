@@ -29,12 +29,15 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
                               window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
                               attn_mask=attn_mask)
     if config.hopper() == "1":  # the module is imported only when asked for
-        from .hopper import hopper_forward, hopper_problem
+        from .hopper import HopperCompileFailed, hopper_forward, hopper_problem
 
         if hopper_problem(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
                           sinks=kwargs.get("sinks"), mask_fill=kwargs.get("mask_fill")) is None:
-            return hopper_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
-                                  window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"])
+            try:
+                return hopper_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
+                                      window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"])
+            except HopperCompileFailed:  # warned once; nothing ran
+                pass
     from .forward import attention_forward as launch
 
     return launch(q, k, v, attn_mask, seed, **kwargs)
@@ -45,14 +48,17 @@ def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):
     ``FLASHFUSE_HOPPER=1`` the calls :func:`flashfuse.kernels.hopper.hopper_problem`
     accepts run on the Hopper kernels (either forward's ``lse`` serves)."""
     if config.hopper() == "1":
-        from .hopper import hopper_backward, hopper_problem
+        from .hopper import HopperCompileFailed, hopper_backward, hopper_problem
 
         if hopper_problem(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
                           mask_fill=kwargs.get("mask_fill"), grad_out=grad_out) is None:
-            dq, dk, dv = hopper_backward(grad_out, q, k, v, out, lse, scale=kwargs["scale"],
-                                         window_left=kwargs["window_left"], window_right=kwargs["window_right"],
-                                         bottom_right=kwargs["bottom_right"], grad_lse=kwargs.get("grad_lse"))
-            return dq, dk, dv, None
+            try:
+                dq, dk, dv = hopper_backward(grad_out, q, k, v, out, lse, scale=kwargs["scale"],
+                                             window_left=kwargs["window_left"], window_right=kwargs["window_right"],
+                                             bottom_right=kwargs["bottom_right"], grad_lse=kwargs.get("grad_lse"))
+                return dq, dk, dv, None
+            except HopperCompileFailed:  # the portable kernels recompute all three
+                pass
     from .backward import attention_backward as launch
 
     return launch(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs)

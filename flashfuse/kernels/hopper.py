@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import torch
 import triton
@@ -320,8 +321,39 @@ def _launch(launcher, q, tiles, grid, args, meta, N, M):
         return
     ensure_scratch_allocator()
     key = (q.dtype, q.device, _bucket(N, 1 << 16), _bucket(M, 1 << 16), tuple(meta.items()))
-    with torch.cuda.device(q.device):
-        launcher(key, lambda: _configs(tiles), grid, *args, tune=_autotune_enabled(), **meta)
+    failed = _FAILED.get((launcher.name, key))
+    if failed:
+        raise HopperCompileFailed(failed)
+    try:
+        with torch.cuda.device(q.device):
+            launcher(key, lambda: _configs(tiles), grid, *args, tune=_autotune_enabled(), **meta)
+    except Exception as exc:
+        if not _compile_failure(exc):
+            raise
+        why = f"{launcher.name} does not compile here ({type(exc).__name__}: {str(exc).strip()[:200]})"
+        _FAILED[(launcher.name, key)] = why
+        warnings.warn(f"flashfuse: {why}; the portable kernels run instead", RuntimeWarning, stacklevel=3)
+        raise HopperCompileFailed(why) from exc
+
+
+class HopperCompileFailed(RuntimeError):
+    """A Hopper kernel failed to compile (before anything ran); the launch
+    dispatch then takes the portable kernels."""
+
+
+# (launcher, key) -> why: compile failures, remembered so that each is
+# warned about and paid for once.
+_FAILED: dict = {}
+
+
+def _compile_failure(exc: BaseException) -> bool:
+    """The compiler refused the kernel: the warp-specialisation pass is
+    young and fails on some variants (see the kernels' comments) with an
+    MLIR pass failure rather than a Python error."""
+    errors = getattr(getattr(triton, "compiler", None), "errors", None)
+    if errors is not None and isinstance(exc, getattr(errors, "CompilationError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and "PassManager" in str(exc)
 
 
 # ---------------------------------------------------------------------------

@@ -325,3 +325,22 @@ def test_interpreter_single_row_odd_strides(monkeypatch):
                                         bottom_right=False)
     for got, want in ((dq, qd.grad), (dk, kd.grad), (dv, vd.grad)):
         assert _rel(got, want) < 5e-3
+
+
+def test_dispatch_falls_back_when_a_kernel_does_not_compile(monkeypatch):
+    """A Hopper kernel the compiler refuses: the portable kernels run."""
+    monkeypatch.setenv("FLASHFUSE_HOPPER", "1")
+    monkeypatch.setattr(hopper, "hopper_unsuitable", lambda *a, **k: None)
+
+    def refuse(*a, **k):
+        raise hopper.HopperCompileFailed("_hopper_fwd does not compile here")
+    monkeypatch.setattr(hopper, "hopper_forward", refuse)
+    monkeypatch.setattr(hopper, "hopper_backward", refuse)
+    q, k, v = _qkv(1, 2, 2, 9, 11, 16)
+    out, lse = kernels.attention_forward(q, k, v, None, None, **_BAND)
+    assert _rel(out, reference_attention(q, k, v, scale=0.2, window_right=0)) < 3e-3
+    go = torch.randn_like(out)
+    dq, dk, dv, dmask = kernels.attention_backward(go, q, k, v, None, None, out, lse, **_BAND, mask_grad=False)
+    assert dmask is None and not dq.isnan().any()
+    assert hopper._compile_failure(RuntimeError("PassManager::run failed"))
+    assert not hopper._compile_failure(RuntimeError("CUDA error: an illegal memory access"))

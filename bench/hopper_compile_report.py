@@ -87,15 +87,24 @@ def report(name, compiled, requested_warps, ttgir_dir=None):
                 f.write(asm.get(ext, ""))
 
 
-def _fwd_signature(dtype):
-    sig = {n: "*" + dtype for n in ("Q", "K", "V", "Out")}
-    sig["Lse"] = "*fp32"
-    for n in ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
-              "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_om", "Hq", "Hkv", "N", "M"):
-        sig[n] = "i32"
-    sig["qk_scale"] = "fp32"
-    for n in ("diag_off", "window_left", "window_right"):
-        sig[n] = "i32"
+_TENSORS = ("Q", "K", "V", "Out", "Lse", "DO", "Delta", "DK", "DV", "DQ")
+
+
+def _signature(fn, dtype, const):
+    """Triton's signature for one of the kernels: tensors (lse and delta
+    fp32), the scales fp32, the other integers i32, the constexprs marked."""
+    import inspect
+
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in _TENSORS:
+            sig[name] = "*fp32" if name in ("Lse", "Delta") else "*" + dtype
+        elif name in ("qk_scale", "scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
     return sig
 
 
@@ -106,28 +115,15 @@ def forward_cases():
                 for ws in WS_CHOICES:
                     const = dict(HEAD_DIM=d, HAS_WL=False, HAS_WR=causal, CHECK_M=True, WARP_SPEC=ws,
                                  BLOCK_M=bm, BLOCK_N=bn)
-                    sig = _fwd_signature("bf16")
-                    for c in const:
-                        sig[c] = "constexpr"
+                    sig = _signature(hopper._hopper_fwd, "bf16", const)
                     name = f"fwd d{d} {'causal' if causal else 'full'} {bm}x{bn}x{stages}{' ws' if ws else ''}"
                     yield name, hopper._hopper_fwd, sig, const, 4, stages
 
 
-def _bwd_signature(dtype, tensors, ints):
-    sig = {}
-    for n in tensors:
-        sig[n] = "*fp32" if n in ("Lse", "Delta") else "*" + dtype
-    for n in ints:
-        sig[n] = "i32"
-    sig["qk_scale"] = "fp32"
-    sig["scale"] = "fp32"
-    return sig
-
-
 def backward_cases():
-    kernels = (("dkdv", hopper._hopper_dkdv, hopper._BWD_TILES, hopper.BWD_TENSORS, hopper.BWD_INTS, None),
-               ("dq", hopper._hopper_dq, hopper._DQ_TILES, hopper.DQ_TENSORS, hopper.DQ_INTS, "CHECK_M"))
-    for kind, fn, tiles, tensors, ints, check in kernels:
+    kernels = (("dkdv", hopper._hopper_dkdv, hopper._BWD_TILES, None),
+               ("dq", hopper._hopper_dq, hopper._DQ_TILES, "CHECK_M"))
+    for kind, fn, tiles, check in kernels:
         for d in hopper.HOPPER_HEAD_DIMS:
             for causal in (False, True):
                 for bm, bn, stages in tiles[d]:
@@ -135,9 +131,7 @@ def backward_cases():
                         const = dict(HEAD_DIM=d, HAS_WL=False, HAS_WR=causal, WARP_SPEC=ws, BLOCK_M=bm, BLOCK_N=bn)
                         if check:
                             const[check] = True
-                        sig = _bwd_signature("bf16", tensors, ints)
-                        for c in const:
-                            sig[c] = "constexpr"
+                        sig = _signature(fn, "bf16", const)
                         name = f"{kind} d{d} {'causal' if causal else 'full'} {bm}x{bn}x{stages}{' ws' if ws else ''}"
                         yield name, fn, sig, const, 4, stages
 

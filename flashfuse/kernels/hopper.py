@@ -466,11 +466,6 @@ def _hopper_dkdv(
     dv_desc.store([start_n, 0], dv.to(DV.dtype.element_ty))
 
 
-BWD_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV")
-BWD_INTS = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
-            "stride_vb", "stride_vh", "stride_vn", "stride_dob", "stride_doh", "stride_dom",
-            "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn", "Hq", "G", "N", "M", "NP",
-            "diag_off", "window_left", "window_right")
 
 # (BLOCK_M, BLOCK_N, num_stages) per head dim; 128 keys per program hold
 # dK and dV (2 x 128 x D fp32) across the consumer groups.
@@ -565,10 +560,6 @@ def _hopper_dq(
     dq_desc.store([start_m, 0], (dq * scale).to(DQ.dtype.element_ty))
 
 
-DQ_TENSORS = ("Q", "K", "V", "DO", "Lse", "Delta", "DQ")
-DQ_INTS = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
-           "stride_vb", "stride_vh", "stride_vn", "stride_dob", "stride_doh", "stride_dom",
-           "stride_dqb", "stride_dqh", "stride_dqm", "Hq", "G", "N", "M", "NP", "diag_off", "window_left", "window_right")
 _DQ_TILES = {
     64: [(128, 128, 2), (128, 64, 2), (128, 64, 3)],
     128: [(128, 64, 2), (128, 128, 2), (128, 64, 3)],

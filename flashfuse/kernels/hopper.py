@@ -124,6 +124,11 @@ def hopper_unsuitable(q, k, v, attn_mask=None, *, dropout_p: float = 0.0, softca
         return "sinks"
     if q.shape[1] % k.shape[1]:
         return "query heads not a multiple of key/value heads"
+    B, Hq, N = q.shape[:3]
+    if B * Hq * (cdiv(N, _ROW_PAD) * _ROW_PAD) >= 2**31:
+        # The dQ kernel indexes a flat copy of lse and delta by an int32
+        # descriptor coordinate.
+        return "more than 2**31 query rows over all heads"
     for name, t in (("q", q), ("k", k), ("v", v), ("grad_out", grad_out)):
         if t is not None and not _descriptor_layout(t):
             return f"{name}'s layout does not suit tensor descriptors (unit last stride, 16-byte aligned)"

@@ -82,6 +82,12 @@ def test_rule_reasons_of_tensors():
     assert "grad_out's layout" in _why(q, k, v, grad_out=go)
 
 
+def test_rule_row_limit():
+    q = torch.empty(1, 1, 8, 64, dtype=torch.float16).expand(2**16, 2**8, 8, 64)  # 2**31 rows once padded
+    k = v = torch.empty(1, 1, 8, 64, dtype=torch.float16).expand(2**16, 2**8, 8, 64)
+    assert "2**31" in _why(q, k, v)
+
+
 def test_rule_on_cpu_and_knob(monkeypatch):
     q, k, v = _qkv(1, 2, 2, 8, 8, 64)
     assert "not a CUDA GPU" in hopper.hopper_unsuitable(q, k, v)

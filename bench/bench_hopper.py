@@ -47,7 +47,7 @@ def parse_args():
 
 def cases(args):
     if args.smoke:
-        return [AttnCase(B=2, Hq=2, N=64, D=64, causal=c) for c in (False, True)]
+        return [AttnCase(B=1, Hq=2, N=32, D=32, causal=c) for c in (False, True)]
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     out = []
     for D in (int(x) for x in args.d.split(",")):

@@ -718,7 +718,7 @@ def attention(
         ``finfo.min``, or ``mask_fill``) averages them, as eager softmax
         does, with eager's gradients.
     """
-    if attn_mask is not None and type(attn_mask) is not Tensor and isinstance(attn_mask, _block_mask().BlockMask):
+    if attn_mask is not None and type(attn_mask) is not Tensor and isinstance(attn_mask, _block_mask_type()):
         # The mask, its band and its tables, built once by flashfuse.block_mask.
         kw = attn_mask.attention_args(query, key, is_causal, window_left, window_right, alignment, mask_fill)
         return torch.ops.flashfuse.attention(query, key, value, kw.pop("attn_mask"), dropout_p, kw.pop("is_causal"),
@@ -731,10 +731,10 @@ def attention(
     )
 
 
-def _block_mask():
-    from . import block_mask
+def _block_mask_type() -> type:
+    from .block_mask import BlockMask  # imports this module
 
-    return block_mask
+    return BlockMask
 
 
 from . import fastpath as _fastpath  # noqa: E402  (it calls back into this module)

@@ -14,9 +14,12 @@ a GPU host's.
 The decode rows time the split-KV decoding path the same way (one query,
 a long cache: what ``generate()`` calls once per layer per token), through
 ``flashfuse.attention`` (no grad, bottom-right causal, grouped heads),
+the op through the dispatcher (``torch.ops.flashfuse.attention``, as a
+graph calls it; no eager fast path, see ``flashfuse.fastpath``), the Hugging
+Face hook as a LLaMA layer calls it while decoding,
 ``flashfuse.attention_with_kvcache`` (per-row lengths, the value check off:
-on a GPU it synchronises) and ``decode_forward`` itself, and count the
-Python function calls one such call makes (``calls/op``: independent of
+on a GPU it synchronises), and ``decode_forward`` itself, and count
+the Python function calls one such call makes (``calls/op``: independent of
 the machine's speed). On this path a CPU tensor goes through one more
 dispatcher hop than a CUDA one (the opaque CPU op of
 ``attention_with_kvcache``), so its time is a little above a GPU host's.
@@ -134,9 +137,35 @@ def decode_rows(loops: int, calls: int, smoke: bool) -> None:
     def kernel():
         decode_forward(q, k, v, scale=scale, window_right=0)
 
-    for name, fn in (("attention", op), ("attention_with_kvcache", kvcache), ("decode_forward", kernel)):
+    def torch_op():  # the op through the dispatcher, as a graph would call it
+        with torch.no_grad():
+            torch.ops.flashfuse.attention(q, k, v, None, 0.0, True, None, True, alignment="bottom_right")
+
+    rows = [("attention", op), ("torch.ops attention", torch_op)]
+    hook = _hf_hook(q, k, v, scale)
+    if hook is not None:
+        rows.append(("hf hook", hook))
+    rows += [("attention_with_kvcache", kvcache), ("decode_forward", kernel)]
+    for name, fn in rows:
         print(f"decode host path, B={B} Hq={Hq} Hkv={Hkv} N=1 M={M} D={D} bf16, {name:>22}: "
               f"{best_us(fn, loops, calls):6.1f} us, {python_calls(fn):4d} calls/op", flush=True)
+
+
+def _hf_hook(q, k, v, scale):
+    """One call of the Hugging Face hook as a LLaMA layer makes it while
+    decoding (no mask: flashfuse_mask vouched for the causal pattern), or
+    None without transformers."""
+    try:
+        from flashfuse import hf
+    except ImportError:
+        return None
+    layer = types.SimpleNamespace(training=False, is_causal=True, config=None, layer_idx=0)
+
+    def hook():
+        with torch.no_grad():
+            hf.flashfuse_attention_forward(layer, q, k, v, None, dropout=0.0, scaling=scale, sliding_window=None)
+
+    return hook
 
 
 def main():

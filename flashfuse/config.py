@@ -30,8 +30,32 @@ from __future__ import annotations
 
 import os
 
+# ``os.environ.get`` encodes the name and decodes the value in Python at
+# every call, a few microseconds, and a decode call reads four variables.
+# CPython's ``os.environ`` keeps the encoded mapping in ``_data``, which its
+# own assignments and deletions (``monkeypatch.setenv`` included) update, so
+# reading it there sees the same values; anything else reads os.environ.
+_ENVIRON = os.environ
+_DATA = getattr(_ENVIRON, "_data", None)
+_KEYS: dict = {}  # name -> its encoding in _DATA
+_VALUES: dict = {}  # encoded value -> value
+
+
 def _get(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)
+    if os.environ is not _ENVIRON or not isinstance(_DATA, dict):
+        return os.environ.get(name, default)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = _ENVIRON.encodekey(name)
+    raw = _DATA.get(key)
+    if raw is None:
+        return default
+    value = _VALUES.get(raw)
+    if value is None:
+        if len(_VALUES) > 64:
+            _VALUES.clear()
+        value = _VALUES[raw] = _ENVIRON.decodevalue(raw)
+    return value
 
 
 def autotune() -> bool:

@@ -58,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "AttentionInterface / AttentionMaskInterface registries): pip install 'transformers>=5'"
     ) from exc
 
+from . import fastpath as _fastpath
 from . import ops as _ops  # noqa: F401  (importing registers torch.ops.flashfuse.attention)
 
 __all__ = [
@@ -71,8 +72,9 @@ __all__ = [
 #: "flash" (see the module docstring).
 ATTN_IMPLEMENTATION = "ffuse"
 
-# The op, looked up once; a module attribute so tests can wrap it to observe calls.
-_attention_op = torch.ops.flashfuse.attention
+# The op (through its eager fast path, ``flashfuse.fastpath``); a module
+# attribute so tests can wrap it to observe calls.
+_attention_op = _fastpath.attention_op
 
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = _ops.MIN_HEAD_DIM, _ops.MAX_HEAD_DIM
 
@@ -294,11 +296,12 @@ def flashfuse_attention_forward(
     """
     _check_supported(module, query, key, value, kwargs)
 
-    if query.shape[0] != key.shape[0] and query.shape[0] == 1:
+    qs, ks = query.shape, key.shape  # read once: this runs per layer per token
+    if qs[0] != ks[0] and qs[0] == 1:
         # Learned queries shared across the batch (SDPA broadcasts them).
-        query = query.expand(key.shape[0], *query.shape[1:])
+        query = query.expand(ks[0], *qs[1:])
 
-    kv_length = key.shape[2]
+    kv_length = ks[2]
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_length:
         # Some callers hand over a mask sized for a longer cache; its first
         # kv_length columns are the keys, as in eager attention.
@@ -326,27 +329,18 @@ def flashfuse_attention_forward(
     dropout_p = float(dropout) if training else 0.0
     softcap, sinks = _softcap_and_sinks(query, kwargs)
 
-    tables = {}
+    extra = {}  # only the keywords that apply (tests read which were passed)
     if attention_mask is not None and position_bias is None:
         # transformers hands every layer the same mask object: its tables
         # are built by the first layer and read by the others.
-        tables = _shared_tables(attention_mask, query, key, value)
+        extra = _shared_tables(attention_mask, query, key, value)
+    if softcap is not None:
+        extra["softcap"] = softcap
+    if sinks is not None:
+        extra["sinks"] = sinks
 
-    out = _attention_op(
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout_p,
-        bool(causal),
-        scaling,
-        query.shape[1] != key.shape[1],
-        window_left=window_left,
-        alignment="bottom_right",
-        **tables,
-        **({"softcap": softcap} if softcap is not None else {}),
-        **({"sinks": sinks} if sinks is not None else {}),
-    )
+    out = _attention_op(query, key, value, attention_mask, dropout_p, bool(causal), scaling, qs[1] != ks[1],
+                        window_left=window_left, alignment="bottom_right", **extra)
     # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
     # contiguous() is then free and gives callers the layout they expect.
     return out.transpose(1, 2).contiguous(), None

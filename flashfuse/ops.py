@@ -263,7 +263,18 @@ def _attention_composite(
     sinks: Tensor | None = None,
 ) -> Tensor:
     check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
-    tables = _check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
+    return run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                       alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+
+
+def run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right, alignment,
+                mask_fill, mask_key_table, mask_query_table, softcap, sinks, plain: bool | None = None) -> Tensor:
+    """The composite past ``check_inputs``: the remaining checks, the
+    normalised arguments, the forward. ``plain``: ``_plain_eager_call``'s
+    answer when the caller knows it (``fastpath``), else asked here."""
+    tables = (None, None)
+    if mask_key_table is not None or mask_query_table is not None:
+        tables = _check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
     # The seed is drawn from PyTorch's generator so torch.manual_seed
     # reproduces a run; a device tensor so CUDA graphs and Inductor's RNG
     # handling see it.
@@ -271,9 +282,12 @@ def _attention_composite(
                          alignment, mask_fill,
                          new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
                          tables=tables, softcap=softcap, sinks=sinks)
-    if _plain_eager_call(query, key, value, attn_mask, sinks):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask,
-                                                                                       sinks)):
+    if plain is None:
+        plain = _plain_eager_call(query, key, value, attn_mask, sinks)
+    if plain:
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                        or (attn_mask is not None and attn_mask.requires_grad)
+                                        or (sinks is not None and sinks.requires_grad)):
             out = _EagerAttention.apply(*args)
         else:  # nothing to differentiate (inference, decoding): no autograd node to build
             out, _ = _attention_forward(*args)
@@ -291,8 +305,10 @@ def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, win
     inputs are checked: the default scale, ``is_causal`` as the window's
     right bound, the fill normalised, and a seed from ``new_seed()`` when
     dropout draws."""
-    mask_fill = check_mask_fill(attn_mask, mask_fill)
-    softcap = check_softcap_sinks(query, softcap, sinks)
+    if mask_fill is not None:
+        mask_fill = check_mask_fill(attn_mask, mask_fill)
+    if softcap is not None or sinks is not None:
+        softcap = check_softcap_sinks(query, softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif not math.isfinite(scale):
@@ -326,9 +342,11 @@ def _plain_eager_call(*tensors: Tensor | None) -> bool:
     compiler, tracer, dispatch mode or functorch transform watching. Only then
     may the op skip its private ops (see ``_EagerAttention``); anything that
     records or transforms the call must see the ops."""
+    for t in tensors:  # a loop, not all(...): this runs at every eager call
+        if t is not None and type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+            return False
     return (
-        all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
-        and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None
         and torch._C._get_tracing_state() is None
@@ -419,8 +437,9 @@ def _attention_forward(
         return out, lse
     # A block mask's tables (the forward reads the key table; the query
     # table is an input only so that autograd saves it for the backward).
-    tables = {"key_table": mask_key_table} if mask_key_table is not None and _use_triton(q) else {}
-    impl = _kernels.attention_forward if _use_triton(q) else reference.blockwise_forward
+    triton_ = _use_triton(q)
+    tables = {"key_table": mask_key_table} if mask_key_table is not None and triton_ else {}
+    impl = _kernels.attention_forward if triton_ else reference.blockwise_forward
     return impl(
         q, k, v, attn_mask, seed,
         dropout_p=dropout_p, scale=scale, window_left=window_left,
@@ -699,15 +718,23 @@ def attention(
         ``finfo.min``, or ``mask_fill``) averages them, as eager softmax
         does, with eager's gradients.
     """
-    from .block_mask import BlockMask
-
-    if isinstance(attn_mask, BlockMask):
+    if attn_mask is not None and type(attn_mask) is not Tensor and isinstance(attn_mask, _block_mask_type()):
         # The mask, its band and its tables, built once by flashfuse.block_mask.
         kw = attn_mask.attention_args(query, key, is_causal, window_left, window_right, alignment, mask_fill)
         return torch.ops.flashfuse.attention(query, key, value, kw.pop("attn_mask"), dropout_p, kw.pop("is_causal"),
                                              scale, enable_gqa, **kw, softcap=softcap, sinks=sinks)
-    return torch.ops.flashfuse.attention(
+    # The op, or its eager fast path for a signature that passed it before.
+    return _fastpath.attention_op(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         window_left=window_left, window_right=window_right, alignment=alignment, mask_fill=mask_fill,
         softcap=softcap, sinks=sinks,
     )
+
+
+def _block_mask_type() -> type:
+    from .block_mask import BlockMask  # imports this module
+
+    return BlockMask
+
+
+from . import fastpath as _fastpath  # noqa: E402  (it calls back into this module)

@@ -1,0 +1,146 @@
+"""The eager fast path of ``flashfuse::attention``.
+
+Decoding calls the op once per layer per token, eagerly, with arguments that
+repeat: the same shapes, dtypes and flags at every layer. Through
+``torch.ops.flashfuse.attention`` each such call pays the dispatcher's trip
+into the Python composite (arguments boxed and unboxed against the schema)
+and every argument check again, which together cost more host time than the
+decode kernels' launches.
+
+:func:`attention_op` takes the op's arguments. A call that is not a plain
+eager call (``may_skip_dispatch``) goes to the op. A plain eager call whose
+*signature* (``_signature``) has passed the op before runs the composite's
+work past its checks (``ops.run_checked``) directly; any other call goes to
+the op, and its signature is remembered once the op returns. So every call
+with a signature not yet seen to pass, every bad input included, takes the
+op's full path and raises what it always raised.
+
+Why skipping the dispatcher is legal, when ``may_skip_dispatch`` holds:
+``flashfuse::attention`` has one kernel, the CompositeImplicitAutograd
+composite, and nothing else is registered for it. With only real tensors
+(no subclass, so no ``__torch_function__`` / ``__torch_dispatch__`` of
+theirs), no torch-function or dispatch mode (fake tensors, ``make_fx``,
+functionalization, flop counters), no functorch transform, no Dynamo and no
+JIT tracer, the dispatcher would run exactly that composite, which is a
+Python function: calling it ourselves computes the same thing. Autograd is
+unaffected: the composite builds its own node (``ops._EagerAttention``)
+either way. Anything that records or transforms the call sees the op.
+
+Why a signature that passed may skip the checks: the checks read only the
+properties the signature holds (tensor types, shapes, dtypes, devices,
+layouts; every scalar argument, with its type, which the dispatcher's schema
+conversion also looks at), so an input with the signature of one that passed
+passes too. Strides are no part of it: no check reads them (the kernels keep
+their own launch plans per stride signature). Neither is the key length of a
+call without block-mask tables: the checks only compare it (key against
+value, mask against keys), so the signature holds those comparisons, and a
+dynamic cache, one key longer at every token, keeps one signature for all
+its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+__all__ = ["attention_op", "may_skip_dispatch", "forget_signatures"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+# Signatures that passed the op's checks (``_signature``); cleared when full.
+_PASSED: set = set()
+_MAX_SIGNATURES = 1024
+# Calls that took the fast path (tests count them).
+HITS = [0]
+
+
+def forget_signatures() -> None:
+    """Forget every signature (the next call of each takes the op)."""
+    _PASSED.clear()
+
+
+def may_skip_dispatch(*tensors: Tensor | None) -> bool:
+    """The fast path's rule (see the module docstring): a plain eager call,
+    ``ops._plain_eager_call``, with no torch-function mode either (the
+    dispatcher hands the op to one; the private ops skipped by the
+    composite's own eager path have no such hop)."""
+    return ops._plain_eager_call(*tensors) and not torch._C._is_torch_function_mode_enabled()
+
+
+def _tensor(t) -> tuple | None:
+    return None if t is None else (type(t), t.shape, t.dtype, t.device, t.layout, t.requires_grad)
+
+
+def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left, window_right,
+               alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks) -> tuple:
+    """What the op's checks read of a call (see the module docstring)."""
+    ks, vs = key.shape, value.shape
+    M = ks[2] if len(ks) == 4 else None
+    tables = mask_key_table is not None or mask_query_table is not None
+    if M is not None and not tables:
+        # The key length only as the checks compare it; None can equal no
+        # size, so a 4-D shape never meets another rank's.
+        ks = (ks[0], ks[1], None, ks[3])
+        vs = (vs[0], vs[1], vs[2] == M, vs[3]) if len(vs) == 4 else vs
+    mask = None
+    if attn_mask is not None:
+        mask = _tensor(attn_mask)
+        ms = mask[1]
+        if M is not None and not tables and len(ms) >= 1 and ms[-1] == M:
+            mask = (mask[0], (*ms[:-1], None), *mask[2:])
+    return (
+        type(query), query.shape, query.dtype, query.device, query.layout, query.requires_grad,
+        type(key), ks, key.dtype, key.device, key.layout, key.requires_grad,
+        type(value), vs, value.dtype, value.device, value.layout, value.requires_grad,
+        mask, None if sinks is None else _tensor(sinks),
+        None if mask_key_table is None else _tensor(mask_key_table),
+        None if mask_query_table is None else _tensor(mask_query_table),
+        dropout_p, is_causal, scale, enable_gqa, window_left, window_right, alignment, mask_fill, softcap,
+        type(dropout_p), type(is_causal), type(scale), type(enable_gqa), type(window_left), type(window_right),
+        type(alignment), type(mask_fill), type(softcap),
+    )
+
+
+def attention_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    alignment: str = "top_left",
+    mask_fill: float | None = None,
+    mask_key_table: Tensor | None = None,
+    mask_query_table: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """``torch.ops.flashfuse.attention`` with the same arguments and
+    results, minus the dispatcher and the checks for a plain eager call
+    whose signature passed them before (see the module docstring)."""
+    if not may_skip_dispatch(query, key, value, attn_mask, sinks, mask_key_table, mask_query_table):
+        return torch.ops.flashfuse.attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
+            window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
+            mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
+    sig = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
+                     window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+    if sig in _PASSED:
+        HITS[0] += 1
+        return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                               alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks, plain=True)
+    out = torch.ops.flashfuse.attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
+        window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
+        mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
+    # Reached only when the op's checks passed (a bad input raised above).
+    if len(_PASSED) >= _MAX_SIGNATURES:
+        _PASSED.clear()
+    _PASSED.add(sig)
+    return out

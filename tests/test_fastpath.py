@@ -1,0 +1,237 @@
+"""The eager fast path of ``flashfuse::attention`` (``flashfuse.fastpath``):
+a plain eager call whose signature passed the op's checks before skips the
+dispatcher and the checks. It must give bitwise the op's results, raise the
+op's errors for every bad input, never reuse a signature whose keyed
+properties changed, and leave tracing to the op."""
+
+import math
+
+import pytest
+import torch
+
+import flashfuse
+from flashfuse import config, fastpath
+from flashfuse.kernels import decode
+
+OP = torch.ops.flashfuse.attention
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    fastpath.forget_signatures()
+    yield
+    fastpath.forget_signatures()
+
+
+def _qkv(Hq=4, Hkv=2, N=1, M=37, D=16, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, D, generator=g).to(dtype) for h, n in ((Hq, N), (Hkv, M), (Hkv, M)))
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _hits():
+    return fastpath.HITS[0]
+
+
+DECODE = dict(is_causal=True, alignment="bottom_right", enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,kw", [(1, DECODE), (5, dict(enable_gqa=True, window_left=7, scale=0.3)),
+                                  (3, dict(enable_gqa=True, softcap=5.0))])
+def test_fast_path_is_bitwise_the_op(monkeypatch, dtype, N, kw):
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)  # the decode kernels at these sizes
+    q, k, v = _qkv(N=N, dtype=dtype)
+    want = OP(q, k, v, **kw)
+    first = flashfuse.attention(q, k, v, **kw)  # takes the op, remembers the signature
+    before = _hits()
+    got = flashfuse.attention(q, k, v, **kw)
+    assert _hits() == before + 1
+    assert torch.equal(first, want) and torch.equal(got, want)
+    assert got.stride() == want.stride()
+
+
+def test_fast_path_gradients_are_bitwise_the_op():
+    q, k, v = _qkv(N=5, grad=True)
+    g = torch.randn(1, 4, 5, 16)
+    want = torch.autograd.grad(OP(q, k, v, is_causal=True, enable_gqa=True), (q, k, v), g)
+    flashfuse.attention(q, k, v, is_causal=True, enable_gqa=True)
+    before = _hits()
+    out = flashfuse.attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert _hits() == before + 1
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_growing_cache_keeps_its_signature():
+    # A dynamic cache is one key longer at every token: one signature.
+    q, k, v = _qkv(M=40)
+    flashfuse.attention(q, k[:, :, :30], v[:, :, :30], **DECODE)
+    before = _hits()
+    for M in (31, 33, 40):
+        got = flashfuse.attention(q, k[:, :, :M], v[:, :, :M], **DECODE)
+        assert torch.equal(got, OP(q, k[:, :, :M], v[:, :, :M], **DECODE))
+    assert _hits() == before + 3
+
+
+def _bad_calls():
+    """(name, args, kwargs) of bad inputs, each a small change of the good
+    decode call ``(q, k, v), DECODE``."""
+    q, k, v = _qkv()
+    mask = torch.ones(1, 1, 1, 37, dtype=torch.bool)
+    return [
+        ("value dtype", (q, k, v.double()), DECODE),
+        ("value length", (q, k, v[:, :, :36]), DECODE),
+        ("key length", (q, k[:, :, :36], v), DECODE),
+        ("value 3-D", (q, k, v[0]), DECODE),
+        ("key 5-D", (q, k[None], v), DECODE),
+        ("head dim", (q[..., :8], k[..., :8], v), DECODE),
+        ("no enable_gqa", (q, k, v), dict(DECODE, enable_gqa=False)),
+        ("alignment", (q, k, v), dict(DECODE, alignment="center")),
+        ("alignment type", (q, k, v), dict(DECODE, alignment=3)),
+        ("dropout", (q, k, v), dict(DECODE, dropout_p=1.5)),
+        ("dropout nan", (q, k, v), dict(DECODE, dropout_p=math.nan)),
+        ("window", (q, k, v), dict(DECODE, window_left=-1)),
+        ("window type", (q, k, v), dict(DECODE, window_left=1.5)),
+        ("scale", (q, k, v), dict(DECODE, scale=math.inf)),
+        ("softcap", (q, k, v), dict(DECODE, softcap=-1.0)),
+        ("sinks", (q, k, v), dict(DECODE, sinks=torch.zeros(3))),
+        ("mask length", (q, k, v, mask[..., :36]), DECODE),
+        ("mask dtype", (q, k, v, mask.int()), DECODE),
+        ("mask_fill", (q, k, v, mask), dict(DECODE, mask_fill=math.nan)),
+        ("mask_fill float mask", (q, k, v, mask.float()), dict(DECODE, mask_fill=-1.0)),
+    ]
+
+
+def _error(fn, *args, **kwargs):
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("i", range(len(_bad_calls())), ids=[c[0] for c in _bad_calls()])
+def test_bad_input_on_a_cached_signature_raises_the_op_error(i):
+    q, k, v = _qkv()
+    mask = torch.ones(1, 1, 1, 37, dtype=torch.bool)
+    for good in ((q, k, v), (q, k, v, mask)):  # both good signatures cached, twice
+        flashfuse.attention(*good, **DECODE)
+        flashfuse.attention(*good, **DECODE)
+    _, args, kwargs = _bad_calls()[i]
+    before = _hits()
+    want = _error(OP, *args, **kwargs)
+    assert _error(flashfuse.attention, *args, **kwargs) == want
+    assert _error(fastpath.attention_op, *args, **kwargs) == want  # still, the second time
+    assert _hits() == before
+
+
+@pytest.mark.parametrize("change", ["dtype", "requires_grad", "query length", "heads", "scale", "is_causal type",
+                                    "window", "mask", "sinks", "parameter"])
+def test_changed_signature_takes_the_op_first(change):
+    q, k, v = _qkv(N=2)
+    kw = dict(enable_gqa=True, is_causal=True)
+    args = (q, k, v)
+    flashfuse.attention(*args, **kw)
+    flashfuse.attention(*args, **kw)
+    if change == "dtype":
+        args = tuple(t.bfloat16() for t in args)
+    elif change == "requires_grad":
+        args = (q.detach().requires_grad_(), k, v)
+    elif change == "query length":
+        args = (q[:, :, :1], k, v)
+    elif change == "heads":
+        args = (q[:, :2], k, v)
+    elif change == "scale":
+        kw["scale"] = 0.5
+    elif change == "is_causal type":
+        kw["is_causal"] = 1
+    elif change == "window":
+        kw["window_left"] = 3
+    elif change == "mask":
+        args = (q, k, v, torch.ones(2, 37, dtype=torch.bool))
+    elif change == "sinks":
+        kw["sinks"] = torch.zeros(4)
+    elif change == "parameter":
+        args = (torch.nn.Parameter(q.clone()), k, v)
+    before = _hits()
+    try:
+        got = flashfuse.attention(*args, **kw)
+    except Exception as exc:  # a change the op refuses is refused here too
+        assert _error(OP, *args, **kw) == (type(exc), str(exc))
+        return
+    assert _hits() == before, "a changed signature must first take the op"
+    assert torch.equal(got, OP(*args, **kw))
+    flashfuse.attention(*args, **kw)
+    assert _hits() == before + 1
+
+
+def _decode_fn(q, k, v):
+    return flashfuse.attention(q, k, v, **DECODE) * 2
+
+
+def test_make_fx_records_the_op_after_the_signature_is_cached():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = _qkv()
+    _decode_fn(q, k, v)
+    _decode_fn(q, k, v)
+    before = _hits()
+    gm = make_fx(_decode_fn)(q, k, v)
+    assert _hits() == before
+    # make_fx decomposes the composite: its private forward op is recorded.
+    assert any("flashfuse._attention_forward" in str(n.target) for n in gm.graph.nodes), gm.graph
+    assert torch.equal(gm(q, k, v), _decode_fn(q, k, v))
+
+
+def test_compile_records_the_op_after_the_signature_is_cached(fresh_dynamo):
+    q, k, v = _qkv()
+    _decode_fn(q, k, v)
+    _decode_fn(q, k, v)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, inputs)
+
+    got = torch.compile(_decode_fn, backend=backend, fullgraph=True)(q, k, v)
+    assert graphs and any("flashfuse.attention" in str(n.target) for n in graphs[0].graph.nodes)
+    assert torch.equal(got, _decode_fn(q, k, v))
+
+
+def test_fake_tensors_and_modes_take_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    q, k, v = _qkv()
+    _decode_fn(q, k, v)
+    ref = _decode_fn(q, k, v) / 2
+    before = _hits()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        assert flashfuse.attention(fq, fk, fv, **DECODE).shape == q.shape
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        flashfuse.attention(q, k, v, **DECODE)
+    assert OP in seen or OP.default in seen
+    assert torch.equal(torch.vmap(lambda a: flashfuse.attention(a[None], k, v, **DECODE)[0])(q),
+                       ref)
+    assert _hits() == before
+
+
+def test_config_reads_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "3")
+    assert config.decode_splits() == 3
+    monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "5")
+    assert config.decode_splits() == 5
+    monkeypatch.delenv("FLASHFUSE_DECODE_SPLITS")
+    assert config.decode_splits() is None
+    monkeypatch.setenv("FLASHFUSE_DECODE", "0")
+    assert config.decode() == "0"

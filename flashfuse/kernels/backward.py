@@ -39,11 +39,9 @@ import triton.language as tl
 
 from .. import config
 from .common import (
-    MASK_BOOL,
     MASK_BOOL_C,
     MASK_FLOAT,
     MASK_FLOAT_C,
-    MASK_NONE,
     MASK_NONE_C,
     _block_crosses_edge,
     _dropout_keep_block,
@@ -54,21 +52,17 @@ from .common import (
     _narrow_span,
     _tanh_parts,
     _visible,
-    dropout_threshold,
 )
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    BACKWARD_BUCKET_CAP, DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, device_shared_mem,
-    kernel_band, next_pow2, static_int,
+    ConfigLauncher, _autotune_enabled, _bucket, cdiv, config_tuple, BACKWARD_BUCKET_CAP, DESCRIPTOR_MIN_STAGES,
+    ensure_scratch_allocator, device_shared_mem,
 )
 from .mask_ranges import COL_GROUP as _COL_GROUP
 from .mask_ranges import ROW_GROUP as _ROW_GROUP
-from .forward import fill_kind
-from .mask_ranges import fill_hides, mask_key_table, mask_query_table, table_strides
+from .mask_ranges import mask_key_table, mask_query_table, table_strides
+from .problem import AttentionProblem
 
 __all__ = ["attention_backward"]
-
-_LOG2E = 1.4426950408889634
 
 # Cap on the float32 dS buffer for a mask that broadcasts over the batch
 # (module-level so tests can shrink it); a non-broadcast batch needs no cap,
@@ -855,16 +849,15 @@ def attention_backward(
     ``_one_pass_enabled`` decides: ``FLASHFUSE_BWD``, and always two passes,
     bitwise reproducible, under ``torch.use_deterministic_algorithms(True)``.
     """
-    B, Hq, N, D = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
-    # Tile widths are compiled in: a symbolic head dim is specialised.
-    D, Dv = static_int(D), static_int(v.shape[3])
-    G = Hq // Hkv
-    device = q.device
     if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(f"mask_grad needs a floating attn_mask, got {attn_mask.dtype}")
-
-    has_dropout = dropout_p > 0.0
+    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
+                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
+                               softcap=softcap, backward=True)
+    B, Hq, Hkv, N, M, D, Dv = p.B, p.Hq, p.Hkv, p.N, p.M, p.D, p.Dv
+    G = Hq // Hkv
+    device = q.device
+    has_dropout = p.dropout
     one_pass = _one_pass_enabled(has_dropout, max(D, Dv))
     if one_pass:
         # float32 dQ accumulator in dq's layout, zeroed since the kernel only
@@ -879,18 +872,9 @@ def attention_backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
 
-    BLOCK_D = max(16, next_pow2(D))
-    BLOCK_DV = max(16, next_pow2(Dv))
-
-    # mask through its expanded view: broadcast dims have stride 0
-    if attn_mask is None:
-        mask_kind, mask_arg, mask_strides = MASK_NONE, q, (0, 0, 0, 0)
-    else:
-        mask_kind = MASK_BOOL if attn_mask.dtype == torch.bool else MASK_FLOAT
-        mask_arg = attn_mask.expand(B, Hq, N, M)
-        if mask_kind == MASK_BOOL:
-            mask_arg = bool_mask_as_bytes(mask_arg)
-        mask_strides = mask_arg.stride()
+    BLOCK_D, BLOCK_DV = p.block_d, p.block_dv
+    mask_kind, mask_strides = p.mask_kind, p.mask_strides
+    mask_arg = p.mask if p.mask is not None else q  # q: never read
 
     do_grad = bool(mask_grad) and attn_mask is not None and mask_kind == MASK_FLOAT
     chunk = B
@@ -907,23 +891,11 @@ def attention_backward(
         rowsum = colsum = False
         gbuf, g_strides = q, (0, 0, 0, 0)
 
-    if has_dropout:
-        threshold = dropout_threshold(dropout_p)
-        inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
-        seed_arg = seed
-    else:
-        threshold, inv_keep, seed_arg = 0, 1.0, q
-
-    band = kernel_band(N, M, window_left, window_right, bottom_right)
-    has_wl, has_wr = band["has_window_left"], band["has_window_right"]
-    wl, wr, diag_off = band["window_left"], band["window_right"], band["diag_off"]
-
-    prec = _dot_precision(q)
-
-    fill, fill_arg = fill_kind(mask_kind == MASK_BOOL, mask_fill)
-    skip_hidden = mask_kind != MASK_NONE and SKIP_HIDDEN_BLOCKS and (fill == 0 or fill_hides(mask_fill))
+    seed_arg = seed if has_dropout else q  # q: never read
+    fill, fill_arg = p.fill, p.fill_arg
+    skip_hidden = SKIP_HIDDEN_BLOCKS and p.tables_apply()
     if skip_hidden:
-        band = dict(band, fills=fill != 0)
+        band = dict(p.band(), fills=fill != 0)
         # The key table serves dQ, and the query table's pass for float masks
         # and fills (rows that average); one pass with a plain bool mask needs
         # only the latter.
@@ -942,19 +914,17 @@ def attention_backward(
 
     # With a soft-cap the base-2 scores are tanh(...) * cap * log2(e) (see
     # the forward); dQ and dK still end with the true scale.
-    common_scalars = (Hq, G, N, M, D, Dv,
-                      (softcap if softcap is not None else scale) * _LOG2E, scale, inv_keep, threshold,
-                      diag_off, wl, wr)
-    softcap_args = (scale / softcap, softcap) if softcap is not None else (0.0, 1.0)
+    common_scalars = (Hq, G, N, M, D, Dv, p.qk_scale, p.scale, p.keep_scale, p.threshold,
+                      p.diag_off, p.window_left, p.window_right)
+    softcap_args = (p.softcap_scale, softcap) if softcap is not None else (0.0, 1.0)
     lse_strides = lse.stride()
-    interp = _interpreting(q)
-    flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, FILL=fill, HAS_DROPOUT=has_dropout, PREC=prec,
-                 SKIP_HIDDEN=skip_hidden, SOFTCAP=softcap is not None,
+    interp = p.interpret
+    flags = dict(HAS_WL=p.has_window_left, HAS_WR=p.has_window_right, MASK_KIND=mask_kind, FILL=fill,
+                 HAS_DROPOUT=has_dropout, PREC=p.precision, SKIP_HIDDEN=skip_hidden, SOFTCAP=softcap is not None,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
-    # dQ streams K and V through tensor descriptors where the layout allows
-    # (measured 3-6 % faster at D = 128; dK/dV, whose best tiles need a
-    # two-stage pipeline, was not: bench/NOTES.md run 11).
-    dq_desc = descriptor_loads(k, v)
+    # dQ's K/V loads (the problem's descriptor rule for the backward; dK/dV,
+    # whose best tiles need a two-stage pipeline, never takes descriptors).
+    dq_desc = p.kv_descriptors
     if not interp:
         tune = _autotune_enabled()
         # Everything the candidate lists and the compiled kernels depend on.
@@ -1011,7 +981,8 @@ def attention_backward(
                 rows(query_ranges) if qr_strides[0] else query_ranges,
                 seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if chunked else gbuf,
                 rows(dq_acc) if one_pass else dq_acc,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *qr_strides,
+                *p.q_strides, *p.k_strides, *p.v_strides, *grad_out.stride(), *lse_strides, *mask_strides,
+                *qr_strides,
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
                 *common_scalars, b0, fill_arg, *softcap_args,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
@@ -1029,7 +1000,8 @@ def attention_backward(
             launch(
                 "dq", lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
                 q, k, v, grad_out, lse, delta, cap, mask_arg, key_ranges, seed_arg, dq,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *kr_strides,
+                *p.q_strides, *p.k_strides, *p.v_strides, *grad_out.stride(), *lse_strides, *mask_strides,
+                *kr_strides,
                 *dq.stride(),
                 *common_scalars, fill_arg, *softcap_args,
                 RANGE_GROUP=_ROW_GROUP, DESC=dq_desc, **flags,

@@ -28,17 +28,16 @@ import triton
 import triton.language as tl
 
 from .common import AVERAGE_AT_BASE2, _dropout_keep_block, _lse_marked, _mask_key_span, _tanh, _visible
-from .common import MASK_BOOL, MASK_BOOL_C, MASK_FLOAT, MASK_FLOAT_C, MASK_NONE, MASK_NONE_C
+from .common import MASK_BOOL_C, MASK_FLOAT_C, MASK_NONE, MASK_NONE_C
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    DESCRIPTOR_MIN_STAGES, FORWARD_BUCKET_CAP, descriptor_loads, ensure_scratch_allocator, kernel_band, next_pow2,
-    static_int,
+    ConfigLauncher, _autotune_enabled, _bucket, cdiv, config_tuple, DESCRIPTOR_MIN_STAGES, FORWARD_BUCKET_CAP,
+    ensure_scratch_allocator,
 )
 from .launch import clamp_window as _clamp_window  # noqa: F401 - the decode launcher's name for it
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
-from .mask_ranges import fill_hides, mask_key_table, table_strides
-from .. import reference as _reference
+from .mask_ranges import mask_key_table, table_strides
+from .problem import AttentionProblem
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
@@ -515,19 +514,6 @@ _INTERPRET_BLOCK_M = 16
 _INTERPRET_BLOCK_N = 32  # >= 32: the block dropout draw
 
 
-def fill_kind(bool_mask: bool, mask_fill: float | None) -> tuple[int, float]:
-    """The kernels' FILL flag and fill argument for a call: ``(0, 0.0)``
-    without a fill (or without a bool mask), else the fill in base 2 (values
-    at or below -1e38 kept as they are, as the kernels convert float masks)
-    and 2 when it is low enough that a row scoring the fill at most is taken
-    as hidden entirely (``reference.FILL_MARKS_AT``), 1 otherwise."""
-    if not bool_mask or mask_fill is None or mask_fill == float("-inf"):
-        return 0, 0.0
-    fill = float(mask_fill)
-    base2 = fill * _LOG2E if fill > -1.0e38 else fill
-    return (2 if fill <= _reference.FILL_MARKS_AT else 1), base2
-
-
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -576,78 +562,48 @@ def attention_forward(
         contiguous, natural log, +inf for rows with no visible key,
         ``reference.lse_marker`` for rows that average their keys.
     """
-    B, Hq, N, D = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
-    # Tile widths are compiled in: a symbolic head dim is specialised.
-    D, Dv = static_int(D), static_int(v.shape[3])
+    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
+                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
+                               softcap=softcap)
+    B, Hq, N, M = p.B, p.Hq, p.N, p.M
     # (B, N, Hq, Dv) in memory; a tensor of its own, not a view (see launch._traced).
-    out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=q.device)
+    out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    mask = p.mask if p.mask is not None else q  # q: never read
+    seed_arg = seed if p.dropout else q  # q: never read
 
-    if attn_mask is None:
-        mask_kind = MASK_NONE
-        mask = q  # never read
-        mask_strides = (0, 0, 0, 0)
-    else:
-        mask = attn_mask.expand(B, Hq, N, M)
-        if mask.dtype == torch.bool:
-            mask_kind = MASK_BOOL
-            mask = bool_mask_as_bytes(mask)
-        else:
-            mask_kind = MASK_FLOAT
-        mask_strides = mask.stride()
-
-    fill, fill_arg = fill_kind(mask_kind == MASK_BOOL, mask_fill)
-
-    dropout = dropout_p > 0.0
-    if dropout:
-        threshold = _keep_threshold(dropout_p)
-        # p == 1 drops everything; scale 0 keeps the (zero) output finite.
-        dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
-        seed_arg = seed
-    else:
-        threshold, dropout_scale, seed_arg = 0, 1.0, q  # seed never read
-
-    precision = _dot_precision(q)
-    # With a mask tensor the descriptor path's tiles measured 19-25 % slower
-    # (bench/NOTES.md run 11): pointer loads then, unless forced.
-    kv_desc = descriptor_loads(k, v, faster=mask_kind == MASK_NONE)
-
-    band = kernel_band(N, M, window_left, window_right, bottom_right)
-    skip_hidden = mask_kind != MASK_NONE and SKIP_HIDDEN_BLOCKS and (fill == 0 or fill_hides(mask_fill))
+    skip_hidden = SKIP_HIDDEN_BLOCKS and p.tables_apply()
     if skip_hidden:
         if key_table is None:
-            key_table = mask_key_table(mask, N, M, **band, fills=fill != 0)
+            key_table = mask_key_table(mask, N, M, **p.band(), fills=p.fill != 0)
         range_strides = table_strides(key_table)
     else:
         key_table, range_strides = lse, (0, 0)  # never read
     args = (
         q, k, v, mask, key_table, seed_arg, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *range_strides, *out.stride(),
-        Hq, Hkv, N, M,
+        *p.q_strides, *p.k_strides, *p.v_strides, *p.mask_strides, *range_strides, *out.stride(),
+        Hq, p.Hkv, N, M,
         # With a soft-cap the kernel takes tanh(scale / cap * q.k) first and
         # then multiplies by cap in base 2, where it multiplied by the scale.
-        float(softcap if softcap is not None else scale) * _LOG2E,
-        band["diag_off"], band["window_left"], band["window_right"],
-        threshold, dropout_scale, fill_arg,
+        p.qk_scale, p.diag_off, p.window_left, p.window_right,
+        p.threshold, p.keep_scale, p.fill_arg,
         sinks if sinks is not None else lse,  # never read without sinks
-        float(scale) / softcap if softcap is not None else 0.0,
+        p.softcap_scale,
     )
     meta = dict(
-        HEAD_DIM=D, HEAD_DIM_V=Dv,
-        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
-        MASK_KIND=mask_kind, FILL=fill, DROPOUT=dropout, INPUT_PRECISION=precision,
+        HEAD_DIM=p.D, HEAD_DIM_V=p.Dv, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+        HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
+        MASK_KIND=p.mask_kind, FILL=p.fill, DROPOUT=p.dropout, INPUT_PRECISION=p.precision,
         SKIP_HIDDEN=skip_hidden,
-        SCALE_NONNEG=scale >= 0 or softcap is not None, RANGE_GROUP=_RANGE_GROUP, KV_DESC=kv_desc,
+        SCALE_NONNEG=scale >= 0 or softcap is not None, RANGE_GROUP=_RANGE_GROUP, KV_DESC=p.kv_descriptors,
         SOFTCAP=softcap is not None, SINKS=sinks is not None,
     )
-    if _interpreting(q):
+    if p.interpret:
         grid = (cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
         _attn_fwd[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16,
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
-        if kv_desc:
+        if p.kv_descriptors:
             ensure_scratch_allocator()
         with torch.cuda.device(q.device):
             # A bool mask is keyed as the bytes eager calls pass, so that a

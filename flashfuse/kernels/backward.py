@@ -59,7 +59,7 @@ from .launch import (
 )
 from .mask_ranges import COL_GROUP as _COL_GROUP
 from .mask_ranges import ROW_GROUP as _ROW_GROUP
-from .mask_ranges import mask_key_table, mask_query_table, table_strides
+from .mask_ranges import mask_tables, table_strides
 from .problem import AttentionProblem
 
 __all__ = ["attention_backward"]
@@ -895,17 +895,14 @@ def attention_backward(
     fill, fill_arg = p.fill, p.fill_arg
     skip_hidden = SKIP_HIDDEN_BLOCKS and p.tables_apply()
     if skip_hidden:
-        band = dict(p.band(), fills=fill != 0)
         # The key table serves dQ, and the query table's pass for float masks
         # and fills (rows that average); one pass with a plain bool mask needs
         # only the latter.
         need_keys = key_table is not None or not one_pass or mask_kind == MASK_FLOAT or fill != 0
-        if key_table is not None:
-            key_ranges = key_table
-        else:
-            key_ranges = mask_key_table(mask_arg, N, M, **band) if need_keys else lse
-        query_ranges = query_table if query_table is not None else mask_query_table(mask_arg, key_ranges, N, M,
-                                                                                     **band)
+        key_ranges, query_ranges = mask_tables(mask_arg, N, M, p.band(), fills=fill != 0, key_table=key_table,
+                                               query_table=query_table, keys=need_keys, unread=lse)
+        if key_ranges is None:
+            key_ranges = lse  # never read
         kr_strides = table_strides(key_ranges) if need_keys else (0, 0)
         qr_strides = table_strides(query_ranges)
     else:

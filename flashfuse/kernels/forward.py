@@ -36,7 +36,7 @@ from .launch import (
 )
 from .launch import clamp_window as _clamp_window  # noqa: F401 - the decode launcher's name for it
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
-from .mask_ranges import mask_key_table, table_strides
+from .mask_ranges import mask_tables, table_strides
 from .problem import AttentionProblem
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
@@ -573,9 +573,8 @@ def attention_forward(
     seed_arg = seed if p.dropout else q  # q: never read
 
     skip_hidden = SKIP_HIDDEN_BLOCKS and p.tables_apply()
-    if skip_hidden:
-        if key_table is None:
-            key_table = mask_key_table(mask, N, M, **p.band(), fills=p.fill != 0)
+    if skip_hidden:  # a block mask's table, else built here (the forward reads no query table)
+        key_table, _ = mask_tables(mask, N, M, p.band(), fills=p.fill != 0, key_table=key_table, queries=False)
         range_strides = table_strides(key_table)
     else:
         key_table, range_strides = lse, (0, 0)  # never read

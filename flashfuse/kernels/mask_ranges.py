@@ -34,7 +34,7 @@ from .common import MASK_BOOL_C, MASK_FLOAT, MASK_FLOAT_C, _visible, mask_kind
 from .launch import ConfigLauncher, _interpreting, cdiv
 
 __all__ = ["COL_GROUP", "ROW_GROUP", "fill_hides", "mask_hidden_at", "mask_key_table", "mask_query_table",
-           "table_strides"]
+           "mask_tables", "table_strides"]
 
 # Query rows per key-table entry: a divisor of every forward and dQ BLOCK_M.
 ROW_GROUP = 16
@@ -286,6 +286,40 @@ def mask_query_table(
     meta = dict(_meta(mask, has_window_left, has_window_right, fills), GROUP=COL_GROUP, ROW_GROUP=ROW_GROUP)
     _launch(_query_launcher, lambda: _QUERY_CONFIG, mask, (groups, Hm, Bm), args, meta)
     return table
+
+
+def mask_tables(
+    mask: torch.Tensor, N: int, M: int, band: dict, *, fills: bool, key_table: torch.Tensor | None = None,
+    query_table: torch.Tensor | None = None, keys: bool = True, queries: bool = True,
+    unread: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The key and query tables of a mask for one band and fill: the one
+    builder of the forward and backward launchers and of block masks, so
+    that tables built ahead (``flashfuse.block_mask``) are the ones a
+    launcher would build.
+
+    Args:
+        mask: as ``mask_key_table`` takes it (expanded; a bool mask as bytes).
+        N, M: queries and keys.
+        band: ``launch.kernel_band``'s dict (or ``AttentionProblem.band()``).
+        fills: a bool mask whose hidden pairs score a finite fill.
+        key_table, query_table: tables already built for this mask, band
+            and fill (a block mask's), kept as they are.
+        keys, queries: which tables are wanted when not given; the query
+            pass reads the key table only for float masks and fills, so
+            ``keys=False`` is for a bool mask without a fill.
+        unread: what the query pass gets in place of a key table it never
+            reads (``keys=False``).
+
+    Returns:
+        ``(key_table, query_table)``, None for one neither given nor wanted.
+    """
+    if key_table is None and keys:
+        key_table = mask_key_table(mask, N, M, **band, fills=fills)
+    if query_table is None and queries:
+        query_table = mask_query_table(mask, key_table if key_table is not None else unread, N, M, **band,
+                                       fills=fills)
+    return key_table, query_table
 
 
 def _launch(launcher: ConfigLauncher, config, mask: torch.Tensor, grid: tuple, args: tuple, meta: dict) -> None:

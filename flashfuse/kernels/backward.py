@@ -140,7 +140,7 @@ def _bwd_dkdv_inner(
     lo, hi, lo2, hi2, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
     stride_q_q, stride_q_d, stride_do_q, stride_do_d, stride_lse_q, stride_mask_q, stride_mask_k, stride_dmask_q,
     stride_dmask_k, stride_dqacc_q, stride_dqacc_d,
-    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left, window_right, mask_fill,
     softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -218,8 +218,9 @@ def _bwd_dkdv_inner(
         # band or of the tensor. The transposed tile is _visible with the
         # roles of queries and keys swapped (offset negated, windows
         # exchanged), which is the same integer test.
-        if _block_crosses_edge(start_m, n0, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N):
-            visT = _visible(offs_n, offs_m, M, N, -DIAG_OFF, WR, WL, HAS_WR, HAS_WL)
+        if _block_crosses_edge(start_m, n0, N, M, diag_off, window_left, window_right, HAS_WL, HAS_WR, BLOCK_M,
+                               BLOCK_N):
+            visT = _visible(offs_n, offs_m, M, N, -diag_off, window_right, window_left, HAS_WR, HAS_WL)
             pT = tl.where(visT, pT, 0.0)
 
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -259,7 +260,7 @@ def _bwd_dkdv_inner(
     return dk, dv, col_acc
 
 
-@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "B_OFF"])
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right", "B_OFF"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
     stride_q_b, stride_q_h, stride_q_q, stride_q_d,
@@ -275,7 +276,7 @@ def _bwd_dkdv(
     stride_dqacc_b, stride_dqacc_h, stride_dqacc_q, stride_dqacc_d,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR, B_OFF, mask_fill, softcap_scale, softcap,
+    diag_off, window_left, window_right, B_OFF, mask_fill, softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
@@ -336,14 +337,15 @@ def _bwd_dkdv(
         seed = tl.load(SEED)
 
     # Query rows that can see some key of [n0, n0 + BLOCK_N):
-    # j <= i + off + WR  <=>  i >= j - off - WR;  j >= i + off - WL  <=>  i <= j - off + WL.
+    # j <= i + off + window_right  <=>  i >= j - off - window_right;
+    # j >= i + off - window_left   <=>  i <= j - off + window_left.
     lo = 0
     hi = N
     if HAS_WR:
-        lo = tl.maximum(n0 - DIAG_OFF - WR, 0)
+        lo = tl.maximum(n0 - diag_off - window_right, 0)
         lo = (lo // BLOCK_M) * BLOCK_M
     if HAS_WL:
-        hi = tl.minimum(n0 + BLOCK_N - DIAG_OFF + WL, N)
+        hi = tl.minimum(n0 + BLOCK_N - diag_off + window_left, N)
 
     for g in range(0, G):
         h = hk * G + g
@@ -392,7 +394,8 @@ def _bwd_dkdv(
             q_lo, free_lo, free_hi, q_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
             stride_q_q, stride_q_d, stride_do_q, stride_do_d, stride_lse_q, stride_mask_q, stride_mask_k,
             stride_dmask_q, stride_dmask_k, stride_dqacc_q, stride_dqacc_d,
-            N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+            N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left, window_right,
+            mask_fill,
             softcap_scale, softcap,
             HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
             PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
@@ -402,7 +405,8 @@ def _bwd_dkdv(
                 free_lo, free_hi, free_hi, free_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
                 stride_q_q, stride_q_d, stride_do_q, stride_do_d, stride_lse_q, stride_mask_q, stride_mask_k,
                 stride_dmask_q, stride_dmask_k, stride_dqacc_q, stride_dqacc_d,
-                N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+                N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left,
+                window_right, mask_fill,
                 softcap_scale, softcap,
                 HAS_WL, HAS_WR, MASK_NONE_C, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
                 PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
@@ -428,7 +432,7 @@ def _bwd_dq_inner(
     dq, q, do, shift, cap, delta, kT_cols, vT_cols, mask_rows,
     lo, hi, lo2, hi2, m0, offs_m, m_ok, rn, rd, rdv,
     stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_k,
-    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left, window_right, mask_fill,
     softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -494,8 +498,9 @@ def _bwd_dq_inner(
                 p = tl.where(bt != 0, p, 0.0)
         else:
             p = tl.exp2(s - shift[:, None])
-        if _block_crosses_edge(m0, start_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N):
-            vis = _visible(offs_m, offs_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR)
+        if _block_crosses_edge(m0, start_n, N, M, diag_off, window_left, window_right, HAS_WL, HAS_WR, BLOCK_M,
+                               BLOCK_N):
+            vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right, HAS_WL, HAS_WR)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PREC)
         if HAS_DROPOUT:
@@ -510,7 +515,7 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR"])
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DQ,
     stride_q_b, stride_q_h, stride_q_q, stride_q_d,
@@ -523,7 +528,7 @@ def _bwd_dq(
     stride_dq_b, stride_dq_h, stride_dq_q, stride_dq_d,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap,
+    diag_off, window_left, window_right, mask_fill, softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
@@ -575,10 +580,10 @@ def _bwd_dq(
     lo = 0
     hi = M
     if HAS_WL:
-        lo = tl.maximum(m0 + DIAG_OFF - WL, 0)
+        lo = tl.maximum(m0 + diag_off - window_left, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
     if HAS_WR:
-        hi = tl.minimum(m0 + BLOCK_M + DIAG_OFF + WR, M)
+        hi = tl.minimum(m0 + BLOCK_M + diag_off + window_right, M)
 
     # K^T and V^T tiles (BLOCK_D, BLOCK_N) read through transposed pointers.
     # Column pointers and row offsets only; the 2-D pointer tiles are formed
@@ -607,14 +612,16 @@ def _bwd_dq(
         dq, q, do, shift, cap, delta, kT_cols, vT_cols, mask_rows, lo, free_lo, free_hi, hi, m0, offs_m, m_ok,
         rn, rd, rdv, stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_k, N, M, D_QK, D_V, qk_scale,
         scale, inv_keep, threshold, seed,
-        bh, DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT,
+        bh, diag_off, window_left, window_right, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, MASK_KIND,
+        FILL, HAS_DROPOUT,
         PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
     if SKIP_HIDDEN:
         dq = _bwd_dq_inner(
             dq, q, do, lse, cap, delta, kT_cols, vT_cols, mask_rows, free_lo, free_hi, free_hi, free_hi, m0,
             offs_m, m_ok, rn, rd, rdv, stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_k, N, M, D_QK,
             D_V, qk_scale, scale, inv_keep,
-            threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, MASK_NONE_C, 0,
+            threshold, seed, bh, diag_off, window_left, window_right, mask_fill, softcap_scale, softcap, HAS_WL,
+            HAS_WR, MASK_NONE_C, 0,
             HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
 
     tl.store(DQ + b * stride_dq_b + hl * stride_dq_h + m0l * stride_dq_q + rm[:, None] * stride_dq_q + rd[None,

@@ -19,14 +19,13 @@ attentions rewritten. One CSV per world size (``data_parallel_<W>gpu.csv``).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import common
 import torch
 import torch.distributed as dist
-from bench_context_parallel import start
+from distcommon import start
 
 MODELS = ["gpt2", "llama"]
 VARIANTS = ["flashfuse", "sdpa"]

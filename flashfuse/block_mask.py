@@ -97,29 +97,27 @@ def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int
                 window_right: Optional[int] = None, bottom_right: bool = False,
                 mask_fill: Optional[float] = None, queries: bool = True) -> tuple[Tensor, Tensor]:
     """The tables, exactly as the attention launchers would build them for
-    this mask, band and fill (same band clamping, same fill rule)."""
+    this mask, band and fill: the same band (``launch.kernel_band``) and the
+    same builder (``mask_ranges.mask_tables``)."""
     key_shape, query_shape = table_shapes(mask, q_len, kv_len, mask_fill, queries)
     if len(key_shape) == 1 or q_len == 0 or kv_len == 0 or not _kernels_available(mask):
         # No tables to build (CPU's blockwise path reads none, nothing reads
         # them for an empty N or M): zeros of the promised shapes, two
         # tensors (an op's outputs may not alias each other).
         return mask.new_zeros(key_shape, dtype=torch.int32), mask.new_zeros(query_shape, dtype=torch.int32)
-    from .kernels.forward import _clamp_window
-    from .kernels.launch import bool_mask_as_bytes
-    from .kernels.mask_ranges import mask_key_table, mask_query_table
+    from .kernels.launch import bool_mask_as_bytes, kernel_band
+    from .kernels.mask_ranges import mask_tables
 
     N, M = q_len, kv_len
     Bm, Hm = _mask_batch_heads(mask)
     arg = mask.expand(Bm, Hm, N, M)
     if arg.dtype == torch.bool:
         arg = bool_mask_as_bytes(arg)
-    limit = N + M
-    band = dict(diag_off=(M - N) if bottom_right else 0, window_left=_clamp_window(window_left, limit),
-                window_right=_clamp_window(window_right, limit), has_window_left=window_left is not None,
-                has_window_right=window_right is not None,
-                fills=mask.dtype == torch.bool and mask_fill is not None)
-    keys = mask_key_table(arg, N, M, **band)
-    qs = mask_query_table(arg, keys, N, M, **band) if queries else mask.new_empty((0,), dtype=torch.int32)
+    band = kernel_band(N, M, window_left, window_right, bottom_right)
+    keys, qs = mask_tables(arg, N, M, band, fills=mask.dtype == torch.bool and mask_fill is not None,
+                           queries=queries)
+    if not queries:
+        qs = mask.new_empty((0,), dtype=torch.int32)
 
     def full(t, shape):
         # A dimension the mask broadcasts through stride 0 gets one entry

@@ -3,11 +3,12 @@ key/value cache as serving code holds it.
 
 ``flashfuse::attention_with_lse``
     ``flashfuse::attention``'s arguments, returning ``(out, lse)``; the
-    gradient flows into lse too. A composite over the private ops
+    gradient flows into lse too. A composite over the private op
     ``_attention_forward_lse`` (the same forward as ``_attention_forward``,
-    with lse differentiable) and ``_attention_backward_lse`` (the same
-    backward, with lse's gradient folded into ``delta``). The public
-    ``attention`` op and its graph pass are left as they are.
+    with lse differentiable), whose autograd calls the shared
+    ``_attention_backward`` with its last argument, ``grad_lse`` (folded
+    into ``delta``). The public ``attention`` op and its graph pass are left
+    as they are.
 ``flashfuse::attention_with_kvcache``
     few (or many) new queries against a contiguous cache with per-row
     lengths or a paged cache with a block table, on the split-KV decoding
@@ -34,24 +35,10 @@ _lib = torch.library.Library("flashfuse", "FRAGMENT")
 
 _lib.define(ops._ATTENTION_SCHEMA.replace("attention(", "attention_with_lse(", 1).replace(
     "-> Tensor", "-> (Tensor, Tensor)"))
-_lib.define(f"_attention_backward_lse_cpu({ops._BACKWARD_ARGS}, Tensor? grad_lse=None) "
-            "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
-# ops._attention_backward takes lse's gradient as a last argument.
-_backward_lse = ops._attention_backward
-
-
-def _backward_lse_fake(*args, grad_lse=None, **kwargs):
-    return ops._attention_backward_fake(*args, **kwargs)
-
-
-_lib.impl("_attention_backward_lse_cpu", _backward_lse, "CPU")
-torch.library.register_fake("flashfuse::_attention_backward_lse_cpu", _backward_lse_fake, lib=_lib)
-
-
-# The same arguments as the private ops (ops._attention_forward /
-# _attention_backward), in their order; only the autograd differs.
+# The same arguments as ops._attention_forward, in their order; only the
+# autograd differs (lse is differentiable).
 @torch.library.triton_op("flashfuse::_attention_forward_lse", mutates_args=())
 def _forward_lse_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
@@ -64,24 +51,7 @@ def _forward_lse_op(
                            mask_fill, mask_key_table, mask_query_table, softcap, sinks)
 
 
-@torch.library.triton_op("flashfuse::_attention_backward_lse", mutates_args=())
-def _backward_lse_op(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor],
-    out: Tensor, lse: Tensor, dropout_p: float, scale: float, window_left: Optional[int],
-    window_right: Optional[int], bottom_right: bool, mask_grad: bool, mask_fill: Optional[float] = None,
-    mask_key_table: Optional[Tensor] = None, mask_query_table: Optional[Tensor] = None,
-    softcap: Optional[float] = None, grad_lse: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``_attention_backward`` with the gradient of lse."""
-    args = (grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-            bottom_right, mask_grad, mask_fill, mask_key_table, mask_query_table, softcap, grad_lse)
-    if q.device.type == "cuda":
-        return _backward_lse(*args)
-    return torch.ops.flashfuse._attention_backward_lse_cpu(*args)
-
-
 _forward_lse_op.register_fake(ops._attention_forward_fake)
-_backward_lse_op.register_fake(_backward_lse_fake)
 
 
 def _lse_setup_context(ctx, inputs, output):
@@ -90,17 +60,8 @@ def _lse_setup_context(ctx, inputs, output):
 
 
 def _lse_backward(ctx, grad_out, grad_lse):
-    q, k, v, attn_mask, seed, out, lse, key_table, query_table, sinks = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = torch.ops.flashfuse._attention_backward_lse(
-        grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad, ctx.mask_fill, key_table,
-        query_table, ctx.softcap, grad_lse)
-    dsinks = None
-    if sinks is not None and ctx.needs_input_grad[14]:
-        dsinks = ops.sink_gradient(grad_out, out, lse, sinks, grad_lse)
-    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 10 + (dsinks,)
+    # The shared backward op, with lse's gradient folded into its delta.
+    return ops._gradients(ctx, grad_out, torch.ops.flashfuse._attention_backward, grad_lse)
 
 
 _forward_lse_op.register_autograd(_lse_backward, setup_context=_lse_setup_context)
@@ -110,14 +71,11 @@ def _attention_with_lse_composite(query, key, value, attn_mask=None, dropout_p=0
                                   enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
                                   mask_fill=None, mask_key_table=None, mask_query_table=None, softcap=None,
                                   sinks=None):
-    ops.check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
-    tables = ops._check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
-    args = ops._forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                             alignment, mask_fill,
-                             new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
-                             tables=tables, softcap=softcap, sinks=sinks)
+    args = ops.checked_forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                    window_left, window_right, alignment, mask_fill, mask_key_table,
+                                    mask_query_table, softcap, sinks)
     out, lse = torch.ops.flashfuse._attention_forward_lse(*args)
-    fill = args[10]  # the normalised mask_fill
+    fill = args.mask_fill  # normalised
     if fill is not None and fill <= reference.FILL_MARKS_AT:
         # Rows the fill hides entirely store a marker of their key count l
         # (see reference.lse_marker); their true lse is fill + log(l).

@@ -24,7 +24,7 @@ kernels can assume valid input.
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -299,6 +299,48 @@ def run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, windo
     return out
 
 
+def checked_forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
+                         window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
+                         sinks) -> "ForwardArgs":
+    """The start of a public composite (``attention``,
+    ``attention_with_lse``), with its arguments in order: every check, then
+    ``_forward_args`` with a fresh seed. The seed is drawn from PyTorch's
+    generator so torch.manual_seed reproduces a run; a device tensor so CUDA
+    graphs and Inductor's RNG handling see it."""
+    check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
+    tables = _check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
+    return _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                         alignment, mask_fill,
+                         new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
+                         tables=tables, softcap=softcap, sinks=sinks)
+
+
+class ForwardArgs(NamedTuple):
+    """The inputs of ``_attention_forward`` (and of its op), in order: read
+    them by name (autograd's ``needs_input_grad`` through ``input_index``)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    attn_mask: Optional[Tensor]
+    seed: Optional[Tensor]
+    dropout_p: float
+    scale: float
+    window_left: Optional[int]
+    window_right: Optional[int]
+    bottom_right: bool
+    mask_fill: Optional[float]
+    mask_key_table: Optional[Tensor]
+    mask_query_table: Optional[Tensor]
+    softcap: Optional[float]
+    sinks: Optional[Tensor]
+
+
+def input_index(name: str) -> int:
+    """Position of a forward input (``ForwardArgs``), for ``needs_input_grad``."""
+    return ForwardArgs._fields.index(name)
+
+
 def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                   alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None) -> tuple:
     """The arguments of ``_attention_forward`` for a public call whose
@@ -315,7 +357,7 @@ def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, win
         raise ValueError(f"flashfuse.attention: scale must be a finite number, got {scale}")
     window_right = causal_window_right(is_causal, window_right)
     seed = new_seed() if 0.0 < dropout_p < 1.0 else None
-    return (
+    return ForwardArgs(
         query, key, value, attn_mask, seed, dropout_p if seed is not None else 0.0, float(scale),
         window_left, window_right, alignment == "bottom_right", mask_fill, *tables, softcap, sinks,
     )
@@ -401,7 +443,7 @@ _BACKWARD_ARGS = (
     "Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
     "Tensor? seed, Tensor out, Tensor lse, float dropout_p, float scale, SymInt? window_left, "
     "SymInt? window_right, bool bottom_right, bool mask_grad, float? mask_fill=None, "
-    "Tensor? mask_key_table=None, Tensor? mask_query_table=None, float? softcap=None"
+    "Tensor? mask_key_table=None, Tensor? mask_query_table=None, float? softcap=None, Tensor? grad_lse=None"
 )
 _lib.define(f"_attention_forward_cpu({_FORWARD_ARGS}) -> (Tensor, Tensor)")
 _lib.define(f"_attention_backward_cpu({_BACKWARD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -509,7 +551,7 @@ def _empty_dmask(attn_mask: Tensor | None, q: Tensor, mask_grad: bool) -> Tensor
 
 def _attention_backward_fake(grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left,
                              window_right, bottom_right, mask_grad, mask_fill=None, mask_key_table=None,
-                             mask_query_table=None, softcap=None):
+                             mask_query_table=None, softcap=None, grad_lse=None):
     return (
         torch.empty_like(q),
         torch.empty_like(k),
@@ -551,11 +593,12 @@ def _attention_backward_op(
     out: Tensor, lse: Tensor, dropout_p: float, scale: float, window_left: Optional[int],
     window_right: Optional[int], bottom_right: bool, mask_grad: bool, mask_fill: Optional[float] = None,
     mask_key_table: Optional[Tensor] = None, mask_query_table: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
+    softcap: Optional[float] = None, grad_lse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``_attention_backward`` as an op: see the module docstring."""
+    """``_attention_backward`` as an op: see the module docstring.
+    ``grad_lse``: the gradient of lse, for ``attention_with_lse``."""
     args = (grad_out, q, k, v, attn_mask, seed, out, lse, dropout_p, scale, window_left, window_right,
-            bottom_right, mask_grad, mask_fill, mask_key_table, mask_query_table, softcap)
+            bottom_right, mask_grad, mask_fill, mask_key_table, mask_query_table, softcap, grad_lse)
     if q.device.type == "cuda":
         return _attention_backward(*args)
     return torch.ops.flashfuse._attention_backward_cpu(*args)
@@ -567,29 +610,34 @@ _attention_backward_op.register_fake(_attention_backward_fake)
 
 
 def _save(ctx, inputs, out, lse):
-    (q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right, mask_fill,
-     key_table, query_table, softcap, sinks) = inputs
+    a = ForwardArgs(*inputs)
     # A block mask's tables are kept for the backward, which then does not
     # scan the mask again.
-    ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse, key_table, query_table, sinks)
-    ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
-    ctx.mask_fill = mask_fill
-    ctx.softcap = softcap
+    ctx.save_for_backward(a.q, a.k, a.v, a.attn_mask, a.seed, out, lse, a.mask_key_table, a.mask_query_table,
+                          a.sinks)
+    ctx.params = (a.dropout_p, a.scale, a.window_left, a.window_right, a.bottom_right)
+    ctx.mask_fill = a.mask_fill
+    ctx.softcap = a.softcap
 
 
-def _gradients(ctx, grad_out, backward_impl):
+def _gradients(ctx, grad_out, backward_impl, grad_lse=None):
     """The input gradients of a forward saved by ``_save``, computed by
-    ``backward_impl`` (the private op, or its implementation)."""
+    ``backward_impl`` (the private op, or its implementation); ``grad_lse``:
+    the gradient of lse where the forward returns it (``attention_with_lse``)."""
     q, k, v, attn_mask, seed, out, lse, key_table, query_table, sinks = ctx.saved_tensors
-    mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
+    mask_grad = attn_mask is not None and ctx.needs_input_grad[input_index("attn_mask")]
+    # grad_lse only when there is one: the plain op's graphs stay as they were.
+    lse_arg = () if grad_lse is None else (grad_lse,)
     dq, dk, dv, dmask = backward_impl(grad_out, q, k, v, attn_mask, seed, out, lse, *ctx.params, mask_grad,
-                                      ctx.mask_fill, key_table, query_table, ctx.softcap)
+                                      ctx.mask_fill, key_table, query_table, ctx.softcap, *lse_arg)
     dsinks = None
-    if sinks is not None and ctx.needs_input_grad[14]:
-        dsinks = sink_gradient(grad_out, out, lse, sinks)
-    # One gradient per forward input: q, k, v, the mask, ten non-tensor or
-    # non-differentiable inputs (seed ... softcap), the sinks.
-    return (dq, dk, dv, (dmask if mask_grad else None)) + (None,) * 10 + (dsinks,)
+    if sinks is not None and ctx.needs_input_grad[input_index("sinks")]:
+        dsinks = sink_gradient(grad_out, out, lse, sinks, grad_lse)
+    # One gradient per forward input; None for the non-differentiable ones.
+    grads = dict(q=dq, k=dk, v=dv, attn_mask=dmask if mask_grad else None, sinks=dsinks)
+    return tuple(grads.get(name) for name in ForwardArgs._fields)
 
 
 def sink_gradient(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,

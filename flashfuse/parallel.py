@@ -118,18 +118,30 @@ def _mask(qn, kn, delta, device):
     return j <= i + delta
 
 
-class _Plan:
-    """The blocks a query run computes against a key run, fixed per ring step."""
-
-    def __init__(self, q_segs, k_segs, off, causal, device):
-        self.items = []
-        for qi, (qs, ql, qn) in enumerate(q_segs):
+def _ring_plan(world, rank, n_local, m_local, off, causal, load_balanced):
+    """The ring's per-step plan for this rank: for each step, the blocks its
+    query runs compute against the key runs then held (they come from rank
+    ``(rank - step) % world``), as ``(q start, q len, k start, k len,
+    window_right or None, mask_delta or None)`` in local positions, where a
+    block with ``mask_delta`` takes the bool mask ``_mask(q len, k len,
+    mask_delta)``; blocks that see nothing are left out. Plain numbers: built
+    once by the forward and kept for the backward, which walks the same
+    blocks (the masks are made where they are used, so none stays alive
+    between the two)."""
+    q_segs = _segments(world, rank, n_local, load_balanced)
+    plan = []
+    for step in range(world):
+        k_segs = _segments(world, (rank - step) % world, m_local, load_balanced)
+        items = []
+        for (qs, ql, qn) in q_segs:
             for (ks, kl, kn) in k_segs:
                 kind, right = _block_visibility(qs, qn, ks, kn, off, causal)
                 if kind == "none":
                     continue
-                mask = _mask(qn, kn, qs + off - ks, device) if kind == "mask" else None
-                self.items.append((ql, qn, kl, kn, right if kind == "window" else None, mask))
+                delta = qs + off - ks if kind == "mask" else None
+                items.append((ql, qn, kl, kn, right if kind == "window" else None, delta))
+        plan.append(items)
+    return plan
 
 
 def _forward_block(q, k, v, mask, scale, window_right):
@@ -180,16 +192,15 @@ class _RingAttention(torch.autograd.Function):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ring = _Ring(group, world, rank)
         n, m = q.shape[2], k.shape[2]
-        q_segs = _segments(world, rank, n, load_balanced)
+        plan = _ring_plan(world, rank, n, m, off, causal, load_balanced)
         B, H, Dv = q.shape[0], q.shape[1], v.shape[-1]
         acc = q.new_zeros((B, H, n, Dv), dtype=_acc_dtype(q))
         lse = q.new_full((B, H, n), -math.inf, dtype=acc.dtype)
         kv = (k, v)
         for step in range(world):
             pending = ring.start(kv) if step < world - 1 else None
-            src = (rank - step) % world
-            plan = _Plan(q_segs, _segments(world, src, m, load_balanced), off, causal, q.device)
-            for ql, qn, kl, kn, right, mask in plan.items:
+            for ql, qn, kl, kn, right, delta in plan[step]:
+                mask = None if delta is None else _mask(qn, kn, delta, q.device)
                 o, l = _forward_block(q[:, :, ql:ql + qn], kv[0][:, :, kl:kl + kn], kv[1][:, :, kl:kl + kn],
                                       mask, scale, right)
                 acc[:, :, ql:ql + qn], lse[:, :, ql:ql + qn] = _merge(
@@ -200,18 +211,18 @@ class _RingAttention(torch.autograd.Function):
         # The op's backward convention: +inf for rows that see no key at all.
         lse = torch.where(lse == -math.inf, math.inf, lse).to(torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = (group, causal, scale, load_balanced, off)
+        ctx.params = (group, scale)
+        ctx.plan = plan  # the backward walks the same blocks
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, load_balanced, off = ctx.params
+        group, scale = ctx.params
+        plan = ctx.plan
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ring = _Ring(group, world, rank)
-        n, m = q.shape[2], k.shape[2]
-        q_segs = _segments(world, rank, n, load_balanced)
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
         dk = torch.zeros(k.shape, dtype=dq.dtype, device=q.device)
@@ -221,9 +232,8 @@ class _RingAttention(torch.autograd.Function):
             # The key/value block moves on while this one is used; its
             # gradient accumulators follow it, one step behind.
             pending_kv = ring.start(kv) if step < world - 1 else None
-            src = (rank - step) % world
-            plan = _Plan(q_segs, _segments(world, src, m, load_balanced), off, causal, q.device)
-            for ql, qn, kl, kn, right, mask in plan.items:
+            for ql, qn, kl, kn, right, delta in plan[step]:
+                mask = None if delta is None else _mask(qn, kn, delta, q.device)
                 qsl, ksl = slice(ql, ql + qn), slice(kl, kl + kn)
                 bdq, bdk, bdv, _ = torch.ops.flashfuse._attention_backward(
                     grad_out[:, :, qsl], q[:, :, qsl], kv[0][:, :, ksl], kv[1][:, :, ksl], mask, None,

@@ -39,6 +39,10 @@ import triton.language as tl
 
 from .. import config
 from .common import (
+    MASK_BOOL_C,
+    MASK_FLOAT,
+    MASK_FLOAT_C,
+    MASK_NONE_C,
     _block_crosses_edge,
     _dropout_keep,
     _dropout_keep_block,
@@ -49,28 +53,22 @@ from .common import (
     _narrow_span,
     _tanh_parts,
     _visible,
-    dropout_threshold,
 )
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, device_shared_mem, next_pow2, static_int,
+    ConfigLauncher, _autotune_enabled, _bucket, cdiv, config_tuple, BACKWARD_BUCKET_CAP, DESCRIPTOR_MIN_STAGES,
+    ensure_scratch_allocator, device_shared_mem,
 )
 from .mask_ranges import COL_GROUP as _COL_GROUP
 from .mask_ranges import ROW_GROUP as _ROW_GROUP
-from .forward import fill_kind
-from .mask_ranges import fill_hides, mask_key_table, mask_query_table, table_strides
+from .mask_ranges import mask_tables, table_strides
+from .problem import AttentionProblem
 
 __all__ = ["attention_backward"]
-
-_LOG2E = 1.4426950408889634
 
 # Cap on the float32 dS buffer for a mask that broadcasts over the batch
 # (module-level so tests can shrink it); a non-broadcast batch needs no cap,
 # the buffer is then at most the mask's own size expanded over the heads.
 _DMASK_BUFFER_BYTES = 1 << 30
-
-# mask kinds (constexpr)
-_NO_MASK, _BOOL_MASK, _FLOAT_MASK = 0, 1, 2
 
 # Skip the blocks a mask hides entirely, as the forward does (see
 # forward.SKIP_HIDDEN_BLOCKS), from the same per-call table of ranges.
@@ -104,9 +102,9 @@ def _fp32_scalars(qk_scale, scale, inv_keep, mask_fill):
 @triton.jit(do_not_specialize=["N"])
 def _bwd_preprocess(
     O, DO, DELTA, LSE, CAP,
-    s_ob, s_oh, s_on, s_od,
-    s_dob, s_doh, s_don, s_dod,
-    s_lb, s_lh, s_ln,
+    stride_o_b, stride_o_h, stride_o_q, stride_o_d,
+    stride_do_b, stride_do_h, stride_do_q, stride_do_d,
+    stride_lse_b, stride_lse_h, stride_lse_q,
     N, D_V,
     MARKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -122,14 +120,17 @@ def _bwd_preprocess(
     rm = tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_DV)
     ok = ((m0 + rm) < N)[:, None] & (rd < D_V)[None, :]
-    o = tl.load(O + (b * s_ob + h * s_oh + m0 * s_on) + rm[:, None] * s_on + rd[None, :] * s_od,
+    o = tl.load(O + (b * stride_o_b + h * stride_o_h + m0 * stride_o_q) + rm[:, None] * stride_o_q
+            + rd[None, :] * stride_o_d,
                 mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + (b * s_dob + h * s_doh + m0 * s_don) + rm[:, None] * s_don + rd[None, :] * s_dod,
+    do = tl.load(DO + (b * stride_do_b + h * stride_do_h + m0 * stride_do_q) + rm[:, None] * stride_do_q
+            + rd[None, :] * stride_do_d,
                  mask=ok, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
     tl.store(DELTA + (b * H + h) * N + m0 + rm, delta, mask=(m0 + rm) < N)
     if MARKS:
-        lse = tl.load(LSE + b * s_lb + h * s_lh + (m0 + rm) * s_ln, mask=(m0 + rm) < N, other=float("inf"))
+        lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + (m0 + rm) * stride_lse_q, mask=(m0 + rm) < N,
+                      other=float("inf"))
         tl.store(CAP + (b * H + h) * N + m0 + rm, _lse_cap(lse), mask=(m0 + rm) < N)
 
 
@@ -138,8 +139,9 @@ def _bwd_dkdv_inner(
     dk, dv, col_acc, k, v,
     q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
     lo, hi, lo2, hi2, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
-    s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
-    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    stride_q_q, stride_q_d, stride_do_q, stride_do_d, stride_lse_q, stride_mask_q, stride_mask_k, stride_dmask_q,
+    stride_dmask_k, stride_dqacc_q, stride_dqacc_d,
+    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left, window_right, mask_fill,
     softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -152,7 +154,7 @@ def _bwd_dkdv_inner(
     the key block ``n0``. One loop over both ranges: a loop of its own would
     keep its own pipeline state live and the kernel spilled.
 
-    MASK_KIND 0 with a mask present: blocks where its values are all neutral
+    MASK_KIND MASK_NONE with a mask present: blocks where its values are all neutral
     (``mask_ranges``); the mask is not read, its gradient still written.
     Probabilities follow ``common._lse_shift``: a float mask's scores are
     formed in natural-log units (its values of -3.4e38 would overflow in
@@ -166,27 +168,27 @@ def _bwd_dkdv_inner(
         sml = tl.cast(start_m, tl.int64)
         offs_m = start_m + rm
         m_ok = offs_m < N
-        q = tl.load((q_rows + sml * s_qn)[:, None] + rd[None, :] * s_qd,
+        q = tl.load((q_rows + sml * stride_q_q)[:, None] + rd[None, :] * stride_q_d,
                     mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
-        do = tl.load((do_rows + sml * s_don)[:, None] + rdv[None, :] * s_dod,
+        do = tl.load((do_rows + sml * stride_do_q)[:, None] + rdv[None, :] * stride_do_d,
                      mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        shift = _lse_shift(tl.load(lse_ptr + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf")),
+        shift = _lse_shift(tl.load(lse_ptr + offs_m.to(tl.int64) * stride_lse_q, mask=m_ok, other=float("inf")),
                            mask_fill, MASK_KIND, FILL)
         delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
-        if MASK_KIND == 2 or (MASK_KIND == 1 and FILL == 2):
+        if MASK_KIND == MASK_FLOAT_C or (MASK_KIND == MASK_BOOL_C and FILL == 2):
             cap = tl.load(cap_ptr + offs_m, mask=m_ok, other=1.0)
 
         # sT[j, i] in log2 units (natural ones with a float mask)
         if SOFTCAP:  # recomputed: tanh and its derivative (see common._tanh_parts)
             thT, sech2T = _tanh_parts(tl.dot(k, tl.trans(q), input_precision=PREC) * softcap_scale)
-            if MASK_KIND == 2:
+            if MASK_KIND == MASK_FLOAT_C:
                 sT = thT * softcap
             else:
                 sT = thT * qk_scale
-        elif MASK_KIND == 2:
+        elif MASK_KIND == MASK_FLOAT_C:
             sT = tl.dot(k, tl.trans(q), input_precision=PREC) * scale
         else:
             sT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
@@ -198,21 +200,23 @@ def _bwd_dkdv_inner(
                 keepT = tl.trans(_dropout_keep(seed, offs_m, offs_n, bh, threshold))
             else:
                 keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
-        if MASK_KIND == 2:
-            mT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+        if MASK_KIND == MASK_FLOAT_C:
+            mT = tl.load(mask_base + sml * stride_mask_q + rn[:, None] * stride_mask_k + rm[None, :] * stride_mask_q,
                          mask=n_ok[:, None] & m_ok[None, :], other=0.0)
             sT = sT + mT.to(tl.float32)
             pT = tl.minimum(tl.exp2((sT - shift[None, :]) * 1.4426950408889634), cap[None, :])
-        elif MASK_KIND == 1:
+        elif MASK_KIND == MASK_BOOL_C:
             if FILL != 0:
-                bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                bT = tl.load(mask_base + sml * stride_mask_q + rn[:, None] * stride_mask_k
+                        + rm[None, :] * stride_mask_q,
                              mask=n_ok[:, None] & m_ok[None, :], other=0)
                 pT = tl.exp2(tl.where(bT != 0, sT, mask_fill) - shift[None, :])
                 if FILL == 2:
                     pT = pT * cap[None, :]
             else:
                 pT = tl.exp2(sT - shift[None, :])
-                bT = tl.load(mask_base + sml * s_mn + rn[:, None] * s_mm + rm[None, :] * s_mn,
+                bT = tl.load(mask_base + sml * stride_mask_q + rn[:, None] * stride_mask_k
+                        + rm[None, :] * stride_mask_q,
                              mask=n_ok[:, None] & m_ok[None, :], other=0)
                 pT = tl.where(bT != 0, pT, 0.0)
         else:
@@ -221,8 +225,9 @@ def _bwd_dkdv_inner(
         # band or of the tensor. The transposed tile is _visible with the
         # roles of queries and keys swapped (offset negated, windows
         # exchanged), which is the same integer test.
-        if _block_crosses_edge(start_m, n0, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N):
-            visT = _visible(offs_n, offs_m, M, N, -DIAG_OFF, WR, WL, HAS_WR, HAS_WL)
+        if _block_crosses_edge(start_m, n0, N, M, diag_off, window_left, window_right, HAS_WL, HAS_WR, BLOCK_M,
+                               BLOCK_N):
+            visT = _visible(offs_n, offs_m, M, N, -diag_off, window_right, window_left, HAS_WR, HAS_WL)
             pT = tl.where(visT, pT, 0.0)
 
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -233,7 +238,7 @@ def _bwd_dkdv_inner(
             pdT = pT
         dv += tl.dot(pdT.to(dtype).to(q.dtype), do, input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
-        if MASK_KIND == 1 and FILL != 0:  # filled scores are constants
+        if MASK_KIND == MASK_BOOL_C and FILL != 0:  # filled scores are constants
             dsT = tl.where(bT != 0, dsT, 0.0)
         if SOFTCAP:  # to the uncapped scores; the mask's gradient stays dsT
             dsT_op = (dsT * sech2T).to(dtype).to(q.dtype)
@@ -246,39 +251,39 @@ def _bwd_dkdv_inner(
             # (query, d) with d contiguous in memory, so the adds coalesce;
             # only their sum matters, hence relaxed (no fences).
             dq_part = tl.dot(tl.trans(dsT_op), k, input_precision=PREC) * scale
-            tl.atomic_add((dq_rows + sml * s_aqn)[:, None] + rd[None, :] * s_aqd, dq_part,
+            tl.atomic_add((dq_rows + sml * stride_dqacc_q)[:, None] + rd[None, :] * stride_dqacc_d, dq_part,
                           mask=m_ok[:, None] & (rd < D_QK)[None, :], sem="relaxed")
 
         if MASK_GRAD:
             if DMASK_ROWSUM:
                 col_acc += tl.sum(dsT, axis=1)
             elif DMASK_COLSUM:
-                tl.store(g_base + offs_m.to(tl.int64) * s_gn + n0l * s_gm,
+                tl.store(g_base + offs_m.to(tl.int64) * stride_dmask_q + n0l * stride_dmask_k,
                          tl.sum(dsT, axis=0), mask=m_ok)
             else:
-                tl.store(g_base + sml * s_gn + n0l * s_gm
-                         + rn[:, None] * s_gm + rm[None, :] * s_gn,
+                tl.store(g_base + sml * stride_dmask_q + n0l * stride_dmask_k
+                         + rn[:, None] * stride_dmask_k + rm[None, :] * stride_dmask_q,
                          dsT, mask=n_ok[:, None] & m_ok[None, :])
     return dk, dv, col_acc
 
 
-@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR", "B_OFF"])
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right", "B_OFF"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DK, DV, DMASK, DQacc,
-    s_qb, s_qh, s_qn, s_qd,
-    s_kb, s_kh, s_kn, s_kd,
-    s_vb, s_vh, s_vn, s_vd,
-    s_dob, s_doh, s_don, s_dod,
-    s_lb, s_lh, s_ln,
-    s_mb, s_mh, s_mn, s_mm,
-    s_rb, s_rh,
-    s_dkb, s_dkh, s_dkn, s_dkd,
-    s_dvb, s_dvh, s_dvn, s_dvd,
-    s_gb, s_gh, s_gn, s_gm,
-    s_aqb, s_aqh, s_aqn, s_aqd,
+    stride_q_b, stride_q_h, stride_q_q, stride_q_d,
+    stride_k_b, stride_k_h, stride_k_k, stride_k_d,
+    stride_v_b, stride_v_h, stride_v_k, stride_v_d,
+    stride_do_b, stride_do_h, stride_do_q, stride_do_d,
+    stride_lse_b, stride_lse_h, stride_lse_q,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    stride_tab_b, stride_tab_h,
+    stride_dk_b, stride_dk_h, stride_dk_k, stride_dk_d,
+    stride_dv_b, stride_dv_h, stride_dv_k, stride_dv_d,
+    stride_dmask_b, stride_dmask_h, stride_dmask_q, stride_dmask_k,
+    stride_dqacc_b, stride_dqacc_h, stride_dqacc_q, stride_dqacc_d,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR, B_OFF, mask_fill, softcap_scale, softcap,
+    diag_off, window_left, window_right, B_OFF, mask_fill, softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
@@ -298,7 +303,7 @@ def _bwd_dkdv(
 
     DQ_ATOMIC (one-pass backward): also add each tile's ``scale * dS K``,
     (BLOCK_M, BLOCK_D) float32, into ``DQacc``, a zero-initialised float32
-    (B, Hq, N, D) buffer with strides ``s_aq*``, at the rows of query head
+    (B, Hq, N, D) buffer with strides ``stride_dqacc_*``, at the rows of query head
     ``h`` (not ``hk``). Every key block of a (batch, head) adds into the same
     rows, hence atomics; skipped blocks add nothing.
     """
@@ -317,11 +322,11 @@ def _bwd_dkdv(
 
     # K and V tiles stay in registers for the whole program.
     n0l = n0.to(tl.int64)
-    k_base = K + b * s_kb + hk.to(tl.int64) * s_kh + n0l * s_kn
-    v_base = V + b * s_vb + hk.to(tl.int64) * s_vh + n0l * s_vn
-    k = tl.load(k_base + rn[:, None] * s_kn + rd[None, :] * s_kd,
+    k_base = K + b * stride_k_b + hk.to(tl.int64) * stride_k_h + n0l * stride_k_k
+    v_base = V + b * stride_v_b + hk.to(tl.int64) * stride_v_h + n0l * stride_v_k
+    k = tl.load(k_base + rn[:, None] * stride_k_k + rd[None, :] * stride_k_d,
                 mask=n_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
-    v = tl.load(v_base + rn[:, None] * s_vn + rdv[None, :] * s_vd,
+    v = tl.load(v_base + rn[:, None] * stride_v_k + rdv[None, :] * stride_v_d,
                 mask=n_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
     # UPCAST (interpreter with bfloat16 only): the interpreter mis-computes
     # bfloat16 dots, so operands go to float32 after loading; P and dS are
@@ -339,14 +344,15 @@ def _bwd_dkdv(
         seed = tl.load(SEED)
 
     # Query rows that can see some key of [n0, n0 + BLOCK_N):
-    # j <= i + off + WR  <=>  i >= j - off - WR;  j >= i + off - WL  <=>  i <= j - off + WL.
+    # j <= i + off + window_right  <=>  i >= j - off - window_right;
+    # j >= i + off - window_left   <=>  i <= j - off + window_left.
     lo = 0
     hi = N
     if HAS_WR:
-        lo = tl.maximum(n0 - DIAG_OFF - WR, 0)
+        lo = tl.maximum(n0 - diag_off - window_right, 0)
         lo = (lo // BLOCK_M) * BLOCK_M
     if HAS_WL:
-        hi = tl.minimum(n0 + BLOCK_N - DIAG_OFF + WL, N)
+        hi = tl.minimum(n0 + BLOCK_N - diag_off + window_left, N)
 
     for g in range(0, G):
         h = hk * G + g
@@ -354,21 +360,21 @@ def _bwd_dkdv(
         # Row pointers and column offsets only: the 2-D pointer tiles are
         # formed inside the loop. Loop-invariant 2-D pointer tiles would hold
         # two registers per element across the loop and make it spill.
-        q_rows = Q + b * s_qb + hl * s_qh + rm * s_qn
-        do_rows = DO + b * s_dob + hl * s_doh + rm * s_don
-        lse_ptr = LSE + b * s_lb + hl * s_lh
+        q_rows = Q + b * stride_q_b + hl * stride_q_h + rm * stride_q_q
+        do_rows = DO + b * stride_do_b + hl * stride_do_h + rm * stride_do_q
+        lse_ptr = LSE + b * stride_lse_b + hl * stride_lse_h
         delta_ptr = DELTA + (b * H + hl) * N
         cap_ptr = CAP + (b * H + hl) * N  # delta's layout (read for float masks and marking fills)
         mask_base = MASK
-        if MASK_KIND != 0:
-            mask_base = MASK + b * s_mb + hl * s_mh + n0l * s_mm
+        if MASK_KIND != MASK_NONE_C:
+            mask_base = MASK + b * stride_mask_b + hl * stride_mask_h + n0l * stride_mask_k
         g_base = DMASK
         if MASK_GRAD:
-            g_base = DMASK + b * s_gb + hl * s_gh
+            g_base = DMASK + b * stride_dmask_b + hl * stride_dmask_h
         col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # DMASK_ROWSUM's column sums
         dq_rows = DQacc
         if DQ_ATOMIC:
-            dq_rows = DQacc + b * s_aqb + hl * s_aqh + rm * s_aqn
+            dq_rows = DQacc + b * stride_dqacc_b + hl * stride_dqacc_h + rm * stride_dqacc_q
         bh = (b + B_OFF) * H + hl  # global batch index: the dropout stream's key
         q_lo = lo
         q_hi = hi
@@ -382,7 +388,7 @@ def _bwd_dkdv(
             # a kernel writes treats every argument of a call whose result
             # reaches a store address as written, and these bounds reach
             # dQ's atomics; the loaded values may go through a call.
-            e = RANGES + b * s_rb + hl * s_rh + (offs_n // RANGE_GROUP) * 4
+            e = RANGES + b * stride_tab_b + hl * stride_tab_h + (offs_n // RANGE_GROUP) * 4
             r_lo = tl.min(tl.load(e, mask=n_ok, other=2147483647), 0)
             r_hi = tl.max(tl.load(e + 1, mask=n_ok, other=0), 0)
             f_lo = tl.max(tl.load(e + 2, mask=n_ok, other=0), 0)
@@ -393,8 +399,10 @@ def _bwd_dkdv(
         dk, dv, col_acc = _bwd_dkdv_inner(
             dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
             q_lo, free_lo, free_hi, q_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
-            s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
-            N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+            stride_q_q, stride_q_d, stride_do_q, stride_do_d, stride_lse_q, stride_mask_q, stride_mask_k,
+            stride_dmask_q, stride_dmask_k, stride_dqacc_q, stride_dqacc_d,
+            N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left, window_right,
+            mask_fill,
             softcap_scale, softcap,
             HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
             PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
@@ -402,20 +410,24 @@ def _bwd_dkdv(
             dk, dv, col_acc = _bwd_dkdv_inner(
                 dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
                 free_lo, free_hi, free_hi, free_hi, n0, n0l, offs_n, n_ok, rn, rm, rd, rdv,
-                s_qn, s_qd, s_don, s_dod, s_ln, s_mn, s_mm, s_gn, s_gm, s_aqn, s_aqd,
-                N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+                stride_q_q, stride_q_d, stride_do_q, stride_do_d, stride_lse_q, stride_mask_q, stride_mask_k,
+                stride_dmask_q, stride_dmask_k, stride_dqacc_q, stride_dqacc_d,
+                N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left,
+                window_right, mask_fill,
                 softcap_scale, softcap,
-                HAS_WL, HAS_WR, 0, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
+                HAS_WL, HAS_WR, MASK_NONE_C, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
                 PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
         if MASK_GRAD:
             if DMASK_ROWSUM:
                 if DMASK_COLSUM:
-                    tl.store(g_base + n0l * s_gm, tl.sum(col_acc, axis=0))
+                    tl.store(g_base + n0l * stride_dmask_k, tl.sum(col_acc, axis=0))
                 else:
-                    tl.store(g_base + offs_n.to(tl.int64) * s_gm, col_acc, mask=n_ok)
+                    tl.store(g_base + offs_n.to(tl.int64) * stride_dmask_k, col_acc, mask=n_ok)
 
-    dk_ptrs = DK + b * s_dkb + hk.to(tl.int64) * s_dkh + n0l * s_dkn + rn[:, None] * s_dkn + rd[None, :] * s_dkd
-    dv_ptrs = DV + b * s_dvb + hk.to(tl.int64) * s_dvh + n0l * s_dvn + rn[:, None] * s_dvn + rdv[None, :] * s_dvd
+    dk_ptrs = (DK + b * stride_dk_b + hk.to(tl.int64) * stride_dk_h + n0l * stride_dk_k
+            + rn[:, None] * stride_dk_k + rd[None, :] * stride_dk_d)
+    dv_ptrs = (DV + b * stride_dv_b + hk.to(tl.int64) * stride_dv_h + n0l * stride_dv_k
+            + rn[:, None] * stride_dv_k + rdv[None, :] * stride_dv_d)
     tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=n_ok[:, None] & (rd < D_QK)[None, :])
     if HAS_DROPOUT:
         dv = dv * inv_keep
@@ -426,8 +438,8 @@ def _bwd_dkdv(
 def _bwd_dq_inner(
     dq, q, do, shift, cap, delta, kT_cols, vT_cols, mask_rows,
     lo, hi, lo2, hi2, m0, offs_m, m_ok, rn, rd, rdv,
-    s_kn, s_kd, s_vn, s_vd, s_mm,
-    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill,
+    stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_k,
+    N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed, bh, diag_off, window_left, window_right, mask_fill,
     softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -436,7 +448,7 @@ def _bwd_dq_inner(
 ):
     """Fold the key blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
     multiples of BLOCK_N) into the dQ tile of the query block ``m0``, in one
-    loop (see ``_bwd_dkdv_inner``). MASK_KIND 0 with a mask present: blocks
+    loop (see ``_bwd_dkdv_inner``). MASK_KIND MASK_NONE with a mask present: blocks
     where its values are all neutral (``mask_ranges``), computed without it.
     DESC: ``kT_cols`` and ``vT_cols`` are tensor descriptors of the head's K
     and V, else column pointers. ``shift`` and ``cap``: the rows' terms of
@@ -455,52 +467,53 @@ def _bwd_dq_inner(
             kT = tl.trans(kT_cols.load([start_n, 0]))
             vT = tl.trans(vT_cols.load([start_n, 0]))
         else:
-            kT = tl.load((kT_cols + snl * s_kn)[None, :] + rd[:, None] * s_kd,
+            kT = tl.load((kT_cols + snl * stride_k_k)[None, :] + rd[:, None] * stride_k_d,
                          mask=n_ok[None, :] & (rd < D_QK)[:, None], other=0.0)
-            vT = tl.load((vT_cols + snl * s_vn)[None, :] + rdv[:, None] * s_vd,
+            vT = tl.load((vT_cols + snl * stride_v_k)[None, :] + rdv[:, None] * stride_v_d,
                          mask=n_ok[None, :] & (rdv < D_V)[:, None], other=0.0)
         if UPCAST:
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
         if SOFTCAP:  # as in _bwd_dkdv_inner
             th, sech2 = _tanh_parts(tl.dot(q, kT, input_precision=PREC) * softcap_scale)
-            if MASK_KIND == 2:
+            if MASK_KIND == MASK_FLOAT_C:
                 s = th * softcap
             else:
                 s = th * qk_scale
-        elif MASK_KIND == 2:  # natural-log units with a float mask (see _bwd_dkdv_inner)
+        elif MASK_KIND == MASK_FLOAT_C:  # natural-log units with a float mask (see _bwd_dkdv_inner)
             s = tl.dot(q, kT, input_precision=PREC) * scale
         else:
             s = tl.dot(q, kT, input_precision=PREC) * qk_scale
         if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
             keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
-        if MASK_KIND == 2:
-            mt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+        if MASK_KIND == MASK_FLOAT_C:
+            mt = tl.load((mask_rows + snl * stride_mask_k)[:, None] + rn[None, :] * stride_mask_k,
                          mask=m_ok[:, None] & n_ok[None, :], other=0.0)
             s = s + mt.to(tl.float32)
             p = tl.minimum(tl.exp2((s - shift[:, None]) * 1.4426950408889634), cap[:, None])
-        elif MASK_KIND == 1:
+        elif MASK_KIND == MASK_BOOL_C:
             if FILL != 0:
-                bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                bt = tl.load((mask_rows + snl * stride_mask_k)[:, None] + rn[None, :] * stride_mask_k,
                              mask=m_ok[:, None] & n_ok[None, :], other=0)
                 p = tl.exp2(tl.where(bt != 0, s, mask_fill) - shift[:, None])
                 if FILL == 2:
                     p = p * cap[:, None]
             else:
                 p = tl.exp2(s - shift[:, None])
-                bt = tl.load((mask_rows + snl * s_mm)[:, None] + rn[None, :] * s_mm,
+                bt = tl.load((mask_rows + snl * stride_mask_k)[:, None] + rn[None, :] * stride_mask_k,
                              mask=m_ok[:, None] & n_ok[None, :], other=0)
                 p = tl.where(bt != 0, p, 0.0)
         else:
             p = tl.exp2(s - shift[:, None])
-        if _block_crosses_edge(m0, start_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR, BLOCK_M, BLOCK_N):
-            vis = _visible(offs_m, offs_n, N, M, DIAG_OFF, WL, WR, HAS_WL, HAS_WR)
+        if _block_crosses_edge(m0, start_n, N, M, diag_off, window_left, window_right, HAS_WL, HAS_WR, BLOCK_M,
+                               BLOCK_N):
+            vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right, HAS_WL, HAS_WR)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PREC)
         if HAS_DROPOUT:
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
-        if MASK_KIND == 1 and FILL != 0:  # filled scores are constants
+        if MASK_KIND == MASK_BOOL_C and FILL != 0:  # filled scores are constants
             ds = tl.where(bt != 0, ds, 0.0)
         if SOFTCAP:
             ds = ds * sech2
@@ -509,20 +522,20 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["N", "M", "DIAG_OFF", "WL", "WR"])
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, CAP, MASK, RANGES, SEED, DQ,
-    s_qb, s_qh, s_qn, s_qd,
-    s_kb, s_kh, s_kn, s_kd,
-    s_vb, s_vh, s_vn, s_vd,
-    s_dob, s_doh, s_don, s_dod,
-    s_lb, s_lh, s_ln,
-    s_mb, s_mh, s_mn, s_mm,
-    s_rb, s_rh,
-    s_dqb, s_dqh, s_dqn, s_dqd,
+    stride_q_b, stride_q_h, stride_q_q, stride_q_d,
+    stride_k_b, stride_k_h, stride_k_k, stride_k_d,
+    stride_v_b, stride_v_h, stride_v_k, stride_v_d,
+    stride_do_b, stride_do_h, stride_do_q, stride_do_d,
+    stride_lse_b, stride_lse_h, stride_lse_q,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    stride_tab_b, stride_tab_h,
+    stride_dq_b, stride_dq_h, stride_dq_q, stride_dq_d,
     H, G, N, M, D_QK, D_V,
     qk_scale, scale, inv_keep, threshold,
-    DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap,
+    diag_off, window_left, window_right, mask_fill, softcap_scale, softcap,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
@@ -546,19 +559,22 @@ def _bwd_dq(
     offs_m = m0 + rm
     m_ok = offs_m < N
 
-    q = tl.load(Q + b * s_qb + hl * s_qh + m0l * s_qn + rm[:, None] * s_qn + rd[None, :] * s_qd,
+    q = tl.load(Q + b * stride_q_b + hl * stride_q_h + m0l * stride_q_q + rm[:, None] * stride_q_q
+            + rd[None, :] * stride_q_d,
                 mask=m_ok[:, None] & (rd < D_QK)[None, :], other=0.0)
-    do = tl.load(DO + b * s_dob + hl * s_doh + m0l * s_don + rm[:, None] * s_don + rdv[None, :] * s_dod,
+    do = tl.load(DO + b * stride_do_b + hl * stride_do_h + m0l * stride_do_q + rm[:, None] * stride_do_q
+            + rdv[None, :] * stride_do_d,
                  mask=m_ok[:, None] & (rdv < D_V)[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(LSE + b * s_lb + hl * s_lh + offs_m.to(tl.int64) * s_ln, mask=m_ok, other=float("inf"))
+    lse = tl.load(LSE + b * stride_lse_b + hl * stride_lse_h + offs_m.to(tl.int64) * stride_lse_q, mask=m_ok,
+                  other=float("inf"))
     shift = _lse_shift(lse, mask_fill, MASK_KIND, FILL)
     lse = _lse_base2(lse)  # for the blocks computed without the mask
     delta = tl.load(DELTA + (b * H + hl) * N + offs_m, mask=m_ok, other=0.0)
     cap = delta  # read only for float masks and marking fills
-    if MASK_KIND == 2 or (MASK_KIND == 1 and FILL == 2):
+    if MASK_KIND == MASK_FLOAT_C or (MASK_KIND == MASK_BOOL_C and FILL == 2):
         cap = tl.load(CAP + (b * H + hl) * N + offs_m, mask=m_ok, other=1.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -571,45 +587,52 @@ def _bwd_dq(
     lo = 0
     hi = M
     if HAS_WL:
-        lo = tl.maximum(m0 + DIAG_OFF - WL, 0)
+        lo = tl.maximum(m0 + diag_off - window_left, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
     if HAS_WR:
-        hi = tl.minimum(m0 + BLOCK_M + DIAG_OFF + WR, M)
+        hi = tl.minimum(m0 + BLOCK_M + diag_off + window_right, M)
 
     # K^T and V^T tiles (BLOCK_D, BLOCK_N) read through transposed pointers.
     # Column pointers and row offsets only; the 2-D pointer tiles are formed
     # inside the loop (see _bwd_dkdv).
     if DESC:  # the copy engine reads the streamed tiles (see launch.descriptor_loads)
-        kT_cols = tl.make_tensor_descriptor(K + b * s_kb + hk * s_kh, shape=[M, D_QK], strides=[s_kn, 1],
+        kT_cols = tl.make_tensor_descriptor(K + b * stride_k_b
+                + hk * stride_k_h, shape=[M, D_QK], strides=[stride_k_k, 1],
                                             block_shape=[BLOCK_N, BLOCK_D])
-        vT_cols = tl.make_tensor_descriptor(V + b * s_vb + hk * s_vh, shape=[M, D_V], strides=[s_vn, 1],
+        vT_cols = tl.make_tensor_descriptor(V + b * stride_v_b
+                + hk * stride_v_h, shape=[M, D_V], strides=[stride_v_k, 1],
                                             block_shape=[BLOCK_N, BLOCK_DV])
     else:
-        kT_cols = K + b * s_kb + hk * s_kh + rn * s_kn
-        vT_cols = V + b * s_vb + hk * s_vh + rn * s_vn
+        kT_cols = K + b * stride_k_b + hk * stride_k_h + rn * stride_k_k
+        vT_cols = V + b * stride_v_b + hk * stride_v_h + rn * stride_v_k
     mask_rows = MASK
-    if MASK_KIND != 0:
-        mask_rows = MASK + b * s_mb + hl * s_mh + m0l * s_mn + rm * s_mn
+    if MASK_KIND != MASK_NONE_C:
+        mask_rows = MASK + b * stride_mask_b + hl * stride_mask_h + m0l * stride_mask_q + rm * stride_mask_q
     free_lo = hi
     free_hi = hi
     if SKIP_HIDDEN:  # key blocks the mask hides from every row of the tile, and those it leaves neutral
-        lo, hi, free_lo, free_hi = _mask_key_span(RANGES + b * s_rb + hl * s_rh, offs_m, N, lo, hi,
+        lo, hi, free_lo, free_hi = _mask_key_span(RANGES + b * stride_tab_b + hl * stride_tab_h, offs_m, N, lo, hi,
                                                   RANGE_GROUP, BLOCK_N)
     # The blocks that read the mask (before and after the neutral keys),
     # then those that need not.
     dq = _bwd_dq_inner(
         dq, q, do, shift, cap, delta, kT_cols, vT_cols, mask_rows, lo, free_lo, free_hi, hi, m0, offs_m, m_ok,
-        rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, scale, inv_keep, threshold, seed,
-        bh, DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT,
+        rn, rd, rdv, stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_k, N, M, D_QK, D_V, qk_scale,
+        scale, inv_keep, threshold, seed,
+        bh, diag_off, window_left, window_right, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, MASK_KIND,
+        FILL, HAS_DROPOUT,
         PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
     if SKIP_HIDDEN:
         dq = _bwd_dq_inner(
             dq, q, do, lse, cap, delta, kT_cols, vT_cols, mask_rows, free_lo, free_hi, free_hi, free_hi, m0,
-            offs_m, m_ok, rn, rd, rdv, s_kn, s_kd, s_vn, s_vd, s_mm, N, M, D_QK, D_V, qk_scale, scale, inv_keep,
-            threshold, seed, bh, DIAG_OFF, WL, WR, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, 0, 0,
+            offs_m, m_ok, rn, rd, rdv, stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_k, N, M, D_QK,
+            D_V, qk_scale, scale, inv_keep,
+            threshold, seed, bh, diag_off, window_left, window_right, mask_fill, softcap_scale, softcap, HAS_WL,
+            HAS_WR, MASK_NONE_C, 0,
             HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
 
-    tl.store(DQ + b * s_dqb + hl * s_dqh + m0l * s_dqn + rm[:, None] * s_dqn + rd[None, :] * s_dqd,
+    tl.store(DQ + b * stride_dq_b + hl * stride_dq_h + m0l * stride_dq_q + rm[:, None] * stride_dq_q + rd[None,
+    :] * stride_dq_d,
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & (rd < D_QK)[None, :])
 
 
@@ -729,10 +752,6 @@ def _preprocess_config(block_dv: int):
     return triton.Config({"BLOCK_M": max(16, min(128, 8192 // block_dv))}, num_warps=4, num_stages=1)
 
 
-# Longest sequence-length bucket in the launchers' config keys.
-_BUCKET_CAP = 1 << 14
-
-
 # --------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------
@@ -844,16 +863,15 @@ def attention_backward(
     ``_one_pass_enabled`` decides: ``FLASHFUSE_BWD``, and always two passes,
     bitwise reproducible, under ``torch.use_deterministic_algorithms(True)``.
     """
-    B, Hq, N, D = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
-    # Tile widths are compiled in: a symbolic head dim is specialised.
-    D, Dv = static_int(D), static_int(v.shape[3])
-    G = Hq // Hkv
-    device = q.device
     if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(f"mask_grad needs a floating attn_mask, got {attn_mask.dtype}")
-
-    has_dropout = dropout_p > 0.0
+    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
+                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
+                               softcap=softcap, backward=True)
+    B, Hq, Hkv, N, M, D, Dv = p.B, p.Hq, p.Hkv, p.N, p.M, p.D, p.Dv
+    G = Hq // Hkv
+    device = q.device
+    has_dropout = p.dropout
     one_pass = _one_pass_enabled(has_dropout, max(D, Dv))
     if one_pass:
         # float32 dQ accumulator in dq's layout, zeroed since the kernel only
@@ -868,20 +886,11 @@ def attention_backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
 
-    BLOCK_D = max(16, next_pow2(D))
-    BLOCK_DV = max(16, next_pow2(Dv))
+    BLOCK_D, BLOCK_DV = p.block_d, p.block_dv
+    mask_kind, mask_strides = p.mask_kind, p.mask_strides
+    mask_arg = p.mask if p.mask is not None else q  # q: never read
 
-    # mask through its expanded view: broadcast dims have stride 0
-    if attn_mask is None:
-        mask_kind, mask_arg, mask_strides = _NO_MASK, q, (0, 0, 0, 0)
-    else:
-        mask_kind = _BOOL_MASK if attn_mask.dtype == torch.bool else _FLOAT_MASK
-        mask_arg = attn_mask.expand(B, Hq, N, M)
-        if mask_kind == _BOOL_MASK:
-            mask_arg = bool_mask_as_bytes(mask_arg)
-        mask_strides = mask_arg.stride()
-
-    do_grad = bool(mask_grad) and attn_mask is not None and mask_kind == _FLOAT_MASK
+    do_grad = bool(mask_grad) and attn_mask is not None and mask_kind == MASK_FLOAT
     chunk = B
     if do_grad:
         gshape, rowsum, colsum = _dmask_layout(attn_mask, B, Hq, N, M)
@@ -896,38 +905,18 @@ def attention_backward(
         rowsum = colsum = False
         gbuf, g_strides = q, (0, 0, 0, 0)
 
-    if has_dropout:
-        threshold = dropout_threshold(dropout_p)
-        inv_keep = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
-        seed_arg = seed
-    else:
-        threshold, inv_keep, seed_arg = 0, 1.0, q
-
-    # Clamping keeps the band arithmetic inside int32 and changes nothing:
-    # a bound beyond N + M excludes no key.
-    lim = 2 * (N + M) + 1
-    has_wl, has_wr = window_left is not None, window_right is not None
-    wl = max(-lim, min(lim, int(window_left))) if has_wl else 0
-    wr = max(-lim, min(lim, int(window_right))) if has_wr else 0
-    diag_off = M - N if bottom_right else 0
-
-    prec = _dot_precision(q)
-
-    fill, fill_arg = fill_kind(mask_kind == _BOOL_MASK, mask_fill)
-    skip_hidden = mask_kind != _NO_MASK and SKIP_HIDDEN_BLOCKS and (fill == 0 or fill_hides(mask_fill))
+    seed_arg = seed if has_dropout else q  # q: never read
+    fill, fill_arg = p.fill, p.fill_arg
+    skip_hidden = SKIP_HIDDEN_BLOCKS and p.tables_apply()
     if skip_hidden:
-        band = dict(diag_off=diag_off, window_left=wl, window_right=wr,
-                    has_window_left=has_wl, has_window_right=has_wr, fills=fill != 0)
         # The key table serves dQ, and the query table's pass for float masks
         # and fills (rows that average); one pass with a plain bool mask needs
         # only the latter.
-        need_keys = key_table is not None or not one_pass or mask_kind == _FLOAT_MASK or fill != 0
-        if key_table is not None:
-            key_ranges = key_table
-        else:
-            key_ranges = mask_key_table(mask_arg, N, M, **band) if need_keys else lse
-        query_ranges = query_table if query_table is not None else mask_query_table(mask_arg, key_ranges, N, M,
-                                                                                     **band)
+        need_keys = key_table is not None or not one_pass or mask_kind == MASK_FLOAT or fill != 0
+        key_ranges, query_ranges = mask_tables(mask_arg, N, M, p.band(), fills=fill != 0, key_table=key_table,
+                                               query_table=query_table, keys=need_keys, unread=lse)
+        if key_ranges is None:
+            key_ranges = lse  # never read
         kr_strides = table_strides(key_ranges) if need_keys else (0, 0)
         qr_strides = table_strides(query_ranges)
     else:
@@ -936,24 +925,22 @@ def attention_backward(
 
     # With a soft-cap the base-2 scores are tanh(...) * cap * log2(e) (see
     # the forward); dQ and dK still end with the true scale.
-    common_scalars = (Hq, G, N, M, D, Dv,
-                      (softcap if softcap is not None else scale) * _LOG2E, scale, inv_keep, threshold,
-                      diag_off, wl, wr)
-    softcap_args = (scale / softcap, softcap) if softcap is not None else (0.0, 1.0)
+    common_scalars = (Hq, G, N, M, D, Dv, p.qk_scale, p.scale, p.keep_scale, p.threshold,
+                      p.diag_off, p.window_left, p.window_right)
+    softcap_args = (p.softcap_scale, softcap) if softcap is not None else (0.0, 1.0)
     lse_strides = lse.stride()
-    interp = _interpreting(q)
-    flags = dict(HAS_WL=has_wl, HAS_WR=has_wr, MASK_KIND=mask_kind, FILL=fill, HAS_DROPOUT=has_dropout, PREC=prec,
-                 SKIP_HIDDEN=skip_hidden, SOFTCAP=softcap is not None,
+    interp = p.interpret
+    flags = dict(HAS_WL=p.has_window_left, HAS_WR=p.has_window_right, MASK_KIND=mask_kind, FILL=fill,
+                 HAS_DROPOUT=has_dropout, PREC=p.precision, SKIP_HIDDEN=skip_hidden, SOFTCAP=softcap is not None,
                  UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
-    # dQ streams K and V through tensor descriptors where the layout allows
-    # (measured 3-6 % faster at D = 128; dK/dV, whose best tiles need a
-    # two-stage pipeline, was not: bench/NOTES.md run 11).
-    dq_desc = descriptor_loads(k, v)
+    # dQ's K/V loads (the problem's descriptor rule for the backward; dK/dV,
+    # whose best tiles need a two-stage pipeline, never takes descriptors).
+    dq_desc = p.kv_descriptors
     if not interp:
         tune = _autotune_enabled()
         # Everything the candidate lists and the compiled kernels depend on.
         key = (q.dtype, device, tuple(sorted(flags.items())), do_grad, rowsum, colsum, one_pass,
-               _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP), dq_desc)
+               _bucket(N, BACKWARD_BUCKET_CAP), _bucket(M, BACKWARD_BUCKET_CAP), dq_desc)
         named = {"Q": q, **flags, "DESC": dq_desc}
         if dq_desc:
             ensure_scratch_allocator()
@@ -970,7 +957,7 @@ def attention_backward(
         # delta = rowsum(dO * O)
         delta = torch.empty((B, Hq, N), device=device, dtype=torch.float32)
         # 1 / l per row for rows lse marks as averaging l keys (1 elsewhere).
-        marks = mask_kind == _FLOAT_MASK or fill == 2
+        marks = mask_kind == MASK_FLOAT or fill == 2
         cap = torch.empty((B, Hq, N), device=device, dtype=torch.float32) if marks else delta
         pre_args = (out, grad_out, delta, lse, cap, *out.stride(), *grad_out.stride(), *lse.stride(), N, Dv)
         if interp:
@@ -1003,8 +990,10 @@ def attention_backward(
                 rows(q), rows(k), rows(v), rows(grad_out), rows(lse), rows(delta), rows(cap),
                 rows(mask_arg) if attn_mask is not None else q,
                 rows(query_ranges) if qr_strides[0] else query_ranges,
-                seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if chunked else gbuf, rows(dq_acc) if one_pass else dq_acc,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *qr_strides,
+                seed_arg, rows(dk), rows(dv), gbuf[: b1 - b0] if chunked else gbuf,
+                rows(dq_acc) if one_pass else dq_acc,
+                *p.q_strides, *p.k_strides, *p.v_strides, *grad_out.stride(), *lse_strides, *mask_strides,
+                *qr_strides,
                 *dk.stride(), *dv.stride(), *g_strides, *dq_acc_strides,
                 *common_scalars, b0, fill_arg, *softcap_args,
                 MASK_GRAD=do_grad, DMASK_ROWSUM=rowsum, DMASK_COLSUM=colsum, DQ_ATOMIC=one_pass,
@@ -1022,7 +1011,8 @@ def attention_backward(
             launch(
                 "dq", lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B),
                 q, k, v, grad_out, lse, delta, cap, mask_arg, key_ranges, seed_arg, dq,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *lse_strides, *mask_strides, *kr_strides,
+                *p.q_strides, *p.k_strides, *p.v_strides, *grad_out.stride(), *lse_strides, *mask_strides,
+                *kr_strides,
                 *dq.stride(),
                 *common_scalars, fill_arg, *softcap_args,
                 RANGE_GROUP=_ROW_GROUP, DESC=dq_desc, **flags,

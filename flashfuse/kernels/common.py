@@ -10,6 +10,23 @@ import triton
 import triton.language as tl
 
 
+# Mask kinds: the MASK_KIND constexpr of every attention and table kernel.
+# The launchers use the plain ints (they go into launcher keys and the tuning
+# cache's entries as numbers); kernel bodies compare with the constexpr twins,
+# since Triton reads only constexpr globals inside a kernel.
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+MASK_NONE_C, MASK_BOOL_C, MASK_FLOAT_C = tl.constexpr(MASK_NONE), tl.constexpr(MASK_BOOL), tl.constexpr(MASK_FLOAT)
+
+
+def mask_kind(mask) -> int:
+    """The kind of an attention mask (None, bool or bytes, floating)."""
+    import torch
+
+    if mask is None:
+        return MASK_NONE
+    return MASK_BOOL if mask.dtype in (torch.bool, torch.uint8) else MASK_FLOAT
+
+
 @triton.jit
 def _visible(
     offs_m,
@@ -134,7 +151,7 @@ def _lse_shift(lse, fill, MASK_KIND: tl.constexpr, FILL: tl.constexpr):
     """Per row, from the stored natural-log ``lse``: ``shift`` such that,
     with ``cap`` from ``_lse_cap``, a recomputed probability is
 
-    * float mask (MASK_KIND 2): ``min(exp2((s - shift) * log2(e)), cap)``,
+    * float mask (MASK_FLOAT): ``min(exp2((s - shift) * log2(e)), cap)``,
       ``s`` the natural-log score. A marked row gets shift -FLT_MAX, so
       every finite score gives at least 1, capped at 1 / l; other rows get
       cap 1, above any of their probabilities.
@@ -144,7 +161,7 @@ def _lse_shift(lse, fill, MASK_KIND: tl.constexpr, FILL: tl.constexpr):
     * otherwise: ``exp2(s - shift)``, cap unused.
     """
     marked = lse <= -1.0e38
-    if MASK_KIND == 2:
+    if MASK_KIND == MASK_FLOAT_C:
         shift = tl.where(lse == float("-inf"), float("inf"), lse)
         shift = tl.where(marked, -FLT_MAX, shift)
     elif FILL == 2:

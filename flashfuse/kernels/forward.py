@@ -28,21 +28,20 @@ import triton
 import triton.language as tl
 
 from .common import AVERAGE_AT_BASE2, _dropout_keep_block, _lse_marked, _mask_key_span, _tanh, _visible
+from .common import MASK_BOOL_C, MASK_FLOAT_C, MASK_NONE, MASK_NONE_C
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
-    ConfigLauncher, _autotune_enabled, _bucket, _dot_precision, _interpreting, bool_mask_as_bytes, cdiv, config_tuple,
-    DESCRIPTOR_MIN_STAGES, descriptor_loads, ensure_scratch_allocator, next_pow2, static_int,
+    ConfigLauncher, _autotune_enabled, _bucket, cdiv, config_tuple, DESCRIPTOR_MIN_STAGES, FORWARD_BUCKET_CAP,
+    ensure_scratch_allocator,
 )
+from .launch import clamp_window as _clamp_window  # noqa: F401 - the decode launcher's name for it
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
-from .mask_ranges import fill_hides, mask_key_table, table_strides
-from .. import reference as _reference
+from .mask_ranges import mask_tables, table_strides
+from .problem import AttentionProblem
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
 
 _LOG2E = math.log2(math.e)
-
-# Mask kinds (constexpr MASK_KIND).
-_MASK_NONE, _MASK_BOOL, _MASK_FLOAT = 0, 1, 2
 
 
 @triton.jit
@@ -96,7 +95,7 @@ def _attn_fwd_inner(
     lo, hi,
     offs_m, offs_n_base, offs_d, offs_dv, row_ok,
     N, M,
-    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+    stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
     qk_scale, diag_off, window_left, window_right,
     seed, bh, dropout_threshold, mask_fill, softcap_scale,
     BOUNDARY: tl.constexpr,
@@ -122,16 +121,18 @@ def _attn_fwd_inner(
     # Loop-invariant pointer tiles; only the scalar base advances, so the
     # per-element offsets stay small (int32) even for multi-million keys.
     if not KV_DESC:
-        k_ptrs = k_base + lo.to(tl.int64) * stride_kn + offs_n_base[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + lo.to(tl.int64) * stride_vn + offs_n_base[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    if MASK_KIND != 0:
+        k_ptrs = (k_base + lo.to(tl.int64) * stride_k_k + offs_n_base[:, None] * stride_k_k
+                + offs_d[None, :] * stride_k_d)
+        v_ptrs = (v_base + lo.to(tl.int64) * stride_v_k + offs_n_base[:, None] * stride_v_k
+                + offs_dv[None, :] * stride_v_d)
+    if MASK_KIND != MASK_NONE_C:
         # The mask's 2-D pointer tile is formed in each iteration from the row
         # pointers: carried across the loop (like K's and V's) it held two
         # more registers per element and the masked loops spilled.
-        mask_cols = offs_n_base[None, :] * stride_mn
+        mask_cols = offs_n_base[None, :] * stride_mask_k
     # Rows that can hold -inf everywhere (masked blocks, -inf in a float mask)
     # need a finite shift for exp2, else -inf - -inf = NaN.
-    SAFE: tl.constexpr = BOUNDARY or (MASK_KIND != 0)
+    SAFE: tl.constexpr = BOUNDARY or (MASK_KIND != MASK_NONE_C)
     # max(qk) * scale is the max of the scaled scores only for scale >= 0.
     FMA_MAX: tl.constexpr = (not SAFE) and SCALE_NONNEG
     d_ok = offs_d[None, :] < HEAD_DIM
@@ -152,13 +153,13 @@ def _attn_fwd_inner(
             # Drawn while the score product is in flight: the draws do not
             # depend on it, so integer and tensor-core work can overlap.
             dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
-        if MASK_KIND != 0:
-            mask_ptrs = mask_base + tl.cast(start_n, tl.int64) * stride_mn + mask_cols
+        if MASK_KIND != MASK_NONE_C:
+            mask_ptrs = mask_base + tl.cast(start_n, tl.int64) * stride_mask_k + mask_cols
             if BOUNDARY:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
             else:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None], other=0)
-        if MASK_KIND == 2:
+        if MASK_KIND == MASK_FLOAT_C:
             mvals = mvals.to(tl.float32)
             # Natural -> base-2 units. Values below -1e38 (finfo(fp32).min,
             # as HF builds masks) would overflow to -inf when multiplied by
@@ -171,7 +172,7 @@ def _attn_fwd_inner(
                 vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
                                HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
                 qk = tl.where(vis, qk, float("-inf"))
-        elif MASK_KIND == 1:
+        elif MASK_KIND == MASK_BOOL_C:
             keep = mvals != 0
             if FILL != 0:
                 # masked_fill: hidden pairs score the fill; outside the band
@@ -215,20 +216,20 @@ def _attn_fwd_inner(
         acc = _dot_acc(p.to(v.dtype), v, acc, INPUT_PRECISION, DOT_UPCAST)
         m_i = m_ij
         if not KV_DESC:
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
+            k_ptrs += BLOCK_N * stride_k_k
+            v_ptrs += BLOCK_N * stride_v_k
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _attn_fwd(
     Q, K, V, Mask, KeyTable, Seed, Out, Lse,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_rb, stride_rh,
-    stride_ob, stride_oh, stride_om, stride_od,
+    stride_q_b, stride_q_h, stride_q_q, stride_q_d,
+    stride_k_b, stride_k_h, stride_k_k, stride_k_d,
+    stride_v_b, stride_v_h, stride_v_k, stride_v_d,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    stride_tab_b, stride_tab_h,
+    stride_o_b, stride_o_h, stride_o_q, stride_o_d,
     Hq, Hkv, N, M,
     qk_scale, diag_off, window_left, window_right,
     dropout_threshold, dropout_scale, mask_fill, Sinks, softcap_scale,
@@ -276,20 +277,21 @@ def _attn_fwd(
     row_ok = offs_m < N
     offs_m64 = offs_m.to(tl.int64)  # row * row-stride can pass 2**31
 
-    q_ptrs = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + offs_m64[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q_ptrs = (Q + b64 * stride_q_b + h.to(tl.int64) * stride_q_h + offs_m64[:, None] * stride_q_q
+            + offs_d[None, :] * stride_q_d)
     q = _load_tile(q_ptrs, row_ok[:, None], offs_d[None, :] < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
-    k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    k_base = K + b64 * stride_k_b + kvh.to(tl.int64) * stride_k_h
+    v_base = V + b64 * stride_v_b + kvh.to(tl.int64) * stride_v_h
     if KV_DESC:
         # The host checked: unit last strides, 16-byte aligned bases and row
         # strides (what the copy engine requires).
-        k_base = tl.make_tensor_descriptor(k_base, shape=[M, HEAD_DIM], strides=[stride_kn, 1],
+        k_base = tl.make_tensor_descriptor(k_base, shape=[M, HEAD_DIM], strides=[stride_k_k, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
-        v_base = tl.make_tensor_descriptor(v_base, shape=[M, HEAD_DIM_V], strides=[stride_vn, 1],
+        v_base = tl.make_tensor_descriptor(v_base, shape=[M, HEAD_DIM_V], strides=[stride_v_k, 1],
                                            block_shape=[BLOCK_N, BLOCK_DV])
-    if MASK_KIND != 0:
-        mask_base = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh
-        mask_base = mask_base + offs_m64[:, None] * stride_mm
+    if MASK_KIND != MASK_NONE_C:
+        mask_base = Mask + b64 * stride_mask_b + h.to(tl.int64) * stride_mask_h
+        mask_base = mask_base + offs_m64[:, None] * stride_mask_q
     else:
         mask_base = Mask
     if DROPOUT:
@@ -319,7 +321,7 @@ def _attn_fwd(
         # Skip the key blocks the mask hides from every row of the tile; find
         # those it leaves neutral for all of them.
         lo_blk, hi_blk, free_lo, free_hi = _mask_key_span(
-            KeyTable + b64 * stride_rb + h.to(tl.int64) * stride_rh, offs_m, N, lo_blk, hi_blk,
+            KeyTable + b64 * stride_tab_b + h.to(tl.int64) * stride_tab_h, offs_m, N, lo_blk, hi_blk,
             RANGE_GROUP, BLOCK_N)
     full_lo_blk = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
     full_hi_blk = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
@@ -340,7 +342,7 @@ def _attn_fwd(
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, lo_blk, mid_lo,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
@@ -350,7 +352,7 @@ def _attn_fwd(
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, free_lo,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
@@ -359,15 +361,15 @@ def _attn_fwd(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_lo, free_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
             qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
-            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, 0, 0, DROPOUT,
+            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_NONE_C, 0, DROPOUT,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
             SOFTCAP)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_hi, mid_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
             qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
             False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
@@ -376,7 +378,7 @@ def _attn_fwd(
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
         offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
@@ -392,7 +394,7 @@ def _attn_fwd(
     lse_keys = lse  # the true lse of the keys, before any marker (for SINKS)
     # Rows that a finite value hides entirely: the marker holding l (see
     # common._lse_marked); m_i + log2(l) would have rounded to m_i.
-    if MASK_KIND == 2:
+    if MASK_KIND == MASK_FLOAT_C:
         lse = _lse_marked(lse, l_i, (m_i <= AVERAGE_AT_BASE2) & (~empty))
     elif FILL == 2:
         lse = _lse_marked(lse, l_i, (m_i == mask_fill) & (~empty))
@@ -410,7 +412,8 @@ def _attn_fwd(
         out = out * tl.where(den > 0.0, e_keys / tl.where(den > 0.0, den, 1.0), 0.0)[:, None]
         lse = tl.where(lse_s == keys, lse, tl.where(lse_s == float("-inf"), float("inf"), lse_s))
 
-    o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_ptrs = (Out + b64 * stride_o_b + h.to(tl.int64) * stride_o_h + offs_m64[:, None] * stride_o_q
+            + offs_dv[None, :] * stride_o_d)
     if BLOCK_DV != HEAD_DIM_V:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     else:
@@ -460,7 +463,7 @@ def _prune_configs(configs, named_args, **kwargs):
     bd, bdv = args["BLOCK_D"], args["BLOCK_DV"]
     elt = args["Q"].element_size()
     # The pipeliner stages mask tiles in shared memory next to K and V.
-    mask_elt = args["Mask"].element_size() if args["MASK_KIND"] != _MASK_NONE else 0
+    mask_elt = args["Mask"].element_size() if args["MASK_KIND"] != MASK_NONE else 0
     if args.get("KV_DESC"):
         configs = [c for c in configs if c.num_stages >= DESCRIPTOR_MIN_STAGES]
     kept = []
@@ -511,31 +514,6 @@ _INTERPRET_BLOCK_M = 16
 _INTERPRET_BLOCK_N = 32  # >= 32: the block dropout draw
 
 
-# Longest sequence-length bucket in the launcher's config key.
-_BUCKET_CAP = 1 << 16
-
-
-def fill_kind(bool_mask: bool, mask_fill: float | None) -> tuple[int, float]:
-    """The kernels' FILL flag and fill argument for a call: ``(0, 0.0)``
-    without a fill (or without a bool mask), else the fill in base 2 (values
-    at or below -1e38 kept as they are, as the kernels convert float masks)
-    and 2 when it is low enough that a row scoring the fill at most is taken
-    as hidden entirely (``reference.FILL_MARKS_AT``), 1 otherwise."""
-    if not bool_mask or mask_fill is None or mask_fill == float("-inf"):
-        return 0, 0.0
-    fill = float(mask_fill)
-    base2 = fill * _LOG2E if fill > -1.0e38 else fill
-    return (2 if fill <= _reference.FILL_MARKS_AT else 1), base2
-
-
-def _clamp_window(w: int | None, limit: int) -> int:
-    """Clamp a window bound to [-limit, limit]: beyond N + M it changes
-    nothing, and clamping keeps in-kernel index sums within int32."""
-    if w is None:
-        return 0
-    return max(-limit, min(int(w), limit))
-
-
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -584,87 +562,53 @@ def attention_forward(
         contiguous, natural log, +inf for rows with no visible key,
         ``reference.lse_marker`` for rows that average their keys.
     """
-    B, Hq, N, D = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
-    # Tile widths are compiled in: a symbolic head dim is specialised.
-    D, Dv = static_int(D), static_int(v.shape[3])
+    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
+                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
+                               softcap=softcap)
+    B, Hq, N, M = p.B, p.Hq, p.N, p.M
     # (B, N, Hq, Dv) in memory; a tensor of its own, not a view (see launch._traced).
-    out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=q.device)
+    out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    mask = p.mask if p.mask is not None else q  # q: never read
+    seed_arg = seed if p.dropout else q  # q: never read
 
-    if attn_mask is None:
-        mask_kind = _MASK_NONE
-        mask = q  # never read
-        mask_strides = (0, 0, 0, 0)
-    else:
-        mask = attn_mask.expand(B, Hq, N, M)
-        if mask.dtype == torch.bool:
-            mask_kind = _MASK_BOOL
-            mask = bool_mask_as_bytes(mask)
-        else:
-            mask_kind = _MASK_FLOAT
-        mask_strides = mask.stride()
-
-    fill, fill_arg = fill_kind(mask_kind == _MASK_BOOL, mask_fill)
-
-    dropout = dropout_p > 0.0
-    if dropout:
-        threshold = _keep_threshold(dropout_p)
-        # p == 1 drops everything; scale 0 keeps the (zero) output finite.
-        dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
-        seed_arg = seed
-    else:
-        threshold, dropout_scale, seed_arg = 0, 1.0, q  # seed never read
-
-    precision = _dot_precision(q)
-    # With a mask tensor the descriptor path's tiles measured 19-25 % slower
-    # (bench/NOTES.md run 11): pointer loads then, unless forced.
-    kv_desc = descriptor_loads(k, v, faster=mask_kind == _MASK_NONE)
-
-    limit = N + M
-    band = dict(diag_off=(M - N) if bottom_right else 0, window_left=_clamp_window(window_left, limit),
-                window_right=_clamp_window(window_right, limit), has_window_left=window_left is not None,
-                has_window_right=window_right is not None)
-    skip_hidden = mask_kind != _MASK_NONE and SKIP_HIDDEN_BLOCKS and (fill == 0 or fill_hides(mask_fill))
-    if skip_hidden:
-        if key_table is None:
-            key_table = mask_key_table(mask, N, M, **band, fills=fill != 0)
+    skip_hidden = SKIP_HIDDEN_BLOCKS and p.tables_apply()
+    if skip_hidden:  # a block mask's table, else built here (the forward reads no query table)
+        key_table, _ = mask_tables(mask, N, M, p.band(), fills=p.fill != 0, key_table=key_table, queries=False)
         range_strides = table_strides(key_table)
     else:
         key_table, range_strides = lse, (0, 0)  # never read
     args = (
         q, k, v, mask, key_table, seed_arg, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *range_strides, *out.stride(),
-        Hq, Hkv, N, M,
+        *p.q_strides, *p.k_strides, *p.v_strides, *p.mask_strides, *range_strides, *out.stride(),
+        Hq, p.Hkv, N, M,
         # With a soft-cap the kernel takes tanh(scale / cap * q.k) first and
         # then multiplies by cap in base 2, where it multiplied by the scale.
-        float(softcap if softcap is not None else scale) * _LOG2E,
-        band["diag_off"], band["window_left"], band["window_right"],
-        threshold, dropout_scale, fill_arg,
+        p.qk_scale, p.diag_off, p.window_left, p.window_right,
+        p.threshold, p.keep_scale, p.fill_arg,
         sinks if sinks is not None else lse,  # never read without sinks
-        float(scale) / softcap if softcap is not None else 0.0,
+        p.softcap_scale,
     )
     meta = dict(
-        HEAD_DIM=D, HEAD_DIM_V=Dv,
-        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        HAS_WINDOW_LEFT=window_left is not None, HAS_WINDOW_RIGHT=window_right is not None,
-        MASK_KIND=mask_kind, FILL=fill, DROPOUT=dropout, INPUT_PRECISION=precision,
+        HEAD_DIM=p.D, HEAD_DIM_V=p.Dv, BLOCK_D=p.block_d, BLOCK_DV=p.block_dv,
+        HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
+        MASK_KIND=p.mask_kind, FILL=p.fill, DROPOUT=p.dropout, INPUT_PRECISION=p.precision,
         SKIP_HIDDEN=skip_hidden,
-        SCALE_NONNEG=scale >= 0 or softcap is not None, RANGE_GROUP=_RANGE_GROUP, KV_DESC=kv_desc,
+        SCALE_NONNEG=scale >= 0 or softcap is not None, RANGE_GROUP=_RANGE_GROUP, KV_DESC=p.kv_descriptors,
         SOFTCAP=softcap is not None, SINKS=sinks is not None,
     )
-    if _interpreting(q):
+    if p.interpret:
         grid = (cdiv(N, _INTERPRET_BLOCK_M), Hq, B)
         _attn_fwd[grid](*args, **meta, DOT_UPCAST=q.dtype == torch.bfloat16,
                         BLOCK_M=_INTERPRET_BLOCK_M, BLOCK_N=_INTERPRET_BLOCK_N)
     else:
-        if kv_desc:
+        if p.kv_descriptors:
             ensure_scratch_allocator()
         with torch.cuda.device(q.device):
             # A bool mask is keyed as the bytes eager calls pass, so that a
             # traced launch (which passes the bool tensor) finds their choice.
             mask_dtype = torch.uint8 if mask.dtype == torch.bool else mask.dtype
-            key = (q.dtype, mask_dtype, q.device, _bucket(N, _BUCKET_CAP), _bucket(M, _BUCKET_CAP),
+            key = (q.dtype, mask_dtype, q.device, _bucket(N, FORWARD_BUCKET_CAP), _bucket(M, FORWARD_BUCKET_CAP),
                    tuple(meta.items()))
             _attn_fwd_launcher(
                 key, lambda: _prune_configs(_FWD_CONFIGS, {"Q": q, "Mask": mask}, **meta),

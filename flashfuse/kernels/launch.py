@@ -611,6 +611,45 @@ def _bucket(n: int, cap: int) -> int:
     return min(next_pow2(hint(n)), cap)
 
 
+# Longest sequence-length buckets in the launchers' config keys (``_bucket``):
+# past the cap one tuning serves every longer length. No measurement behind
+# either value is recorded; they are kept as they were so that the launcher
+# keys, and with them the entries of the on-disk tuning cache, stay the same.
+FORWARD_BUCKET_CAP = 1 << 16
+BACKWARD_BUCKET_CAP = 1 << 14
+
+
+def window_limit(N, M):
+    """The bound window sizes are clamped to (``clamp_window``). Any bound
+    past N + M excludes no key (or every key), so clamping changes no result
+    and keeps the kernels' index sums (``i + diag_off + window``) inside
+    int32. The forward's and the tables' results are the same for any limit
+    of at least N + M (their bounds saturate at 0 and M); this value is the
+    one the backward always used, kept so that its block loops visit exactly
+    the blocks they did."""
+    return 2 * (N + M) + 1
+
+
+def clamp_window(w, limit) -> int:
+    """A window bound as the kernels take it: clamped to [-limit, limit]
+    (see ``window_limit``); 0 for no bound (the kernels' HAS_WINDOW flag
+    says it is absent)."""
+    if w is None:
+        return 0
+    return max(-limit, min(int(w), limit))
+
+
+def kernel_band(N, M, window_left, window_right, bottom_right: bool) -> dict:
+    """The visibility band as every attention and table kernel takes it:
+    ``diag_off`` (M - N for bottom-right alignment, else 0), the clamped
+    window bounds and whether each is present. One rule for the forward, the
+    backward and the block-mask tables, which must agree on it exactly."""
+    limit = window_limit(N, M)
+    return dict(diag_off=(M - N) if bottom_right else 0, window_left=clamp_window(window_left, limit),
+                window_right=clamp_window(window_right, limit), has_window_left=window_left is not None,
+                has_window_right=window_right is not None)
+
+
 def _dot_precision(q: torch.Tensor) -> str:
     """tl.dot input precision for q's dtype.
 

@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _visible
+from .common import MASK_BOOL_C, MASK_FLOAT, MASK_FLOAT_C, _visible, mask_kind
 from .launch import ConfigLauncher, _interpreting, cdiv
 
 __all__ = ["COL_GROUP", "ROW_GROUP", "fill_hides", "mask_hidden_at", "mask_key_table", "mask_query_table",
-           "table_strides"]
+           "mask_tables", "table_strides"]
 
 # Query rows per key-table entry: a divisor of every forward and dQ BLOCK_M.
 ROW_GROUP = 16
@@ -56,7 +56,7 @@ def _mask_takes_part(mv, MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr):
     """Element-wise: the mask lets this score take part. Bool masks (read as
     bytes): nonzero. Float masks: above HIDDEN_AT, or NaN (which must reach
     the output as it would without skipping)."""
-    if MASK_KIND == 1:
+    if MASK_KIND == MASK_BOOL_C:
         part = mv != 0
     else:
         x = mv.to(tl.float32)
@@ -68,7 +68,7 @@ def _mask_takes_part(mv, MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr):
 def _mask_neutral(mv, MASK_KIND: tl.constexpr):
     """Element-wise: the mask leaves this score exactly as it is (bool True,
     float +-0), so a kernel may skip reading it."""
-    if MASK_KIND == 1:
+    if MASK_KIND == MASK_BOOL_C:
         neutral = mv != 0
     else:
         neutral = mv.to(tl.float32) == 0.0
@@ -78,7 +78,7 @@ def _mask_neutral(mv, MASK_KIND: tl.constexpr):
 @triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _mask_key_table(
     Mask, Table,
-    s_mb, s_mh, s_mn, s_mm, s_tb, s_th,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b, stride_tab_h,
     N, M, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr, AVERAGES: tl.constexpr,
@@ -106,7 +106,8 @@ def _mask_key_table(
     b = tl.program_id(2)
     offs_m = g * GROUP + tl.arange(0, GROUP)
     real = offs_m < N
-    rows = Mask + b.to(tl.int64) * s_mb + h.to(tl.int64) * s_mh + offs_m.to(tl.int64)[:, None] * s_mn
+    rows = (Mask + b.to(tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h
+            + offs_m.to(tl.int64)[:, None] * stride_mask_q)
     first = tl.full([GROUP], 0, tl.int32) + M
     last = tl.full([GROUP], -1, tl.int32)
     z = tl.full([GROUP], 0, tl.int32) + M
@@ -117,7 +118,7 @@ def _mask_key_table(
         offs_n = start + tl.arange(0, STEP)
         vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
                        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-        mv = tl.load(rows + offs_n[None, :] * s_mm, mask=real[:, None] & (offs_n < M)[None, :], other=0)
+        mv = tl.load(rows + offs_n[None, :] * stride_mask_k, mask=real[:, None] & (offs_n < M)[None, :], other=0)
         part = _mask_takes_part(mv, MASK_KIND, HIDDEN_AT) & vis
         first = tl.minimum(first, tl.min(tl.where(part, offs_n[None, :], M), 1))
         last = tl.maximum(last, tl.max(tl.where(part, offs_n[None, :], -1), 1))
@@ -127,7 +128,7 @@ def _mask_key_table(
         if AVERAGES:
             band_first = tl.minimum(band_first, tl.min(tl.where(vis, offs_n[None, :], M), 1))
             band_last = tl.maximum(band_last, tl.max(tl.where(vis, offs_n[None, :], -1), 1))
-            if MASK_KIND == 2:
+            if MASK_KIND == MASK_FLOAT_C:
                 finite = tl.maximum(finite, tl.max((vis & (mv.to(tl.float32) > float("-inf"))).to(tl.int32), 1))
             else:  # every filled pair is finite
                 finite = tl.maximum(finite, tl.max(vis.to(tl.int32), 1))
@@ -137,7 +138,7 @@ def _mask_key_table(
         first = tl.where(averages > 0, band_first, first)
         last = tl.where(averages > 0, band_last, last)
         z = tl.where(averages > 0, band_first, z)  # none of its band values is neutral
-    t = Table + b.to(tl.int64) * s_tb + h.to(tl.int64) * s_th + g * 5
+    t = Table + b.to(tl.int64) * stride_tab_b + h.to(tl.int64) * stride_tab_h + g * 5
     tl.store(t, tl.min(tl.where(real, first, M), 0))
     tl.store(t + 1, tl.max(tl.where(real, last + 1, 0), 0))
     tl.store(t + 2, tl.max(tl.where(real, first, 0), 0))
@@ -148,7 +149,8 @@ def _mask_key_table(
 @triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _mask_query_table(
     Mask, KeyTable, Table,
-    s_mb, s_mh, s_mn, s_mm, s_kb, s_kh, s_tb, s_th,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_keytab_b, stride_keytab_h, stride_tab_b,
+    stride_tab_h,
     N, M, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr, AVERAGES: tl.constexpr,
@@ -169,8 +171,9 @@ def _mask_query_table(
     b = tl.program_id(2)
     offs_n = c * GROUP + tl.arange(0, GROUP)
     real = offs_n < M
-    cols = Mask + b.to(tl.int64) * s_mb + h.to(tl.int64) * s_mh + offs_n.to(tl.int64)[None, :] * s_mm
-    kt = KeyTable + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh
+    cols = (Mask + b.to(tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h
+            + offs_n.to(tl.int64)[None, :] * stride_mask_k)
+    kt = KeyTable + b.to(tl.int64) * stride_keytab_b + h.to(tl.int64) * stride_keytab_h
     first = tl.full([GROUP], 0, tl.int32) + N
     last = tl.full([GROUP], -1, tl.int32)
     z = tl.full([GROUP], 0, tl.int32) + N
@@ -179,7 +182,7 @@ def _mask_query_table(
         row_ok = offs_m < N
         vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right,
                        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-        mv = tl.load(cols + offs_m.to(tl.int64)[:, None] * s_mn, mask=row_ok[:, None] & real[None, :], other=0)
+        mv = tl.load(cols + offs_m.to(tl.int64)[:, None] * stride_mask_q, mask=row_ok[:, None] & real[None, :], other=0)
         part = _mask_takes_part(mv, MASK_KIND, HIDDEN_AT)
         if AVERAGES:
             averages = tl.load(kt + (offs_m // ROW_GROUP) * 5 + 4, mask=row_ok, other=0)
@@ -189,7 +192,7 @@ def _mask_query_table(
         last = tl.maximum(last, tl.max(tl.where(part, offs_m[:, None], -1), 0))
         cut = vis & (~_mask_neutral(mv, MASK_KIND)) & (offs_m[:, None] >= first[None, :])
         z = tl.minimum(z, tl.min(tl.where(cut, offs_m[:, None], N), 0))
-    t = Table + b.to(tl.int64) * s_tb + h.to(tl.int64) * s_th + c * 4
+    t = Table + b.to(tl.int64) * stride_tab_b + h.to(tl.int64) * stride_tab_h + c * 4
     tl.store(t, tl.min(tl.where(real, first, N), 0))
     tl.store(t + 1, tl.max(tl.where(real, last + 1, 0), 0))
     tl.store(t + 2, tl.max(tl.where(real, first, 0), 0))
@@ -218,14 +221,14 @@ def fill_hides(mask_fill: float) -> bool:
 def _table_shape(mask: torch.Tensor) -> tuple[int, int]:
     """(Bm, Hm): 1 over a dimension the mask broadcasts (stride 0)."""
     B, H = mask.shape[0], mask.shape[1]
-    s_mb, s_mh = mask.stride()[:2]
-    return (1 if s_mb == 0 else B), (1 if s_mh == 0 else H)
+    stride_mask_b, stride_mask_h = mask.stride()[:2]
+    return (1 if stride_mask_b == 0 else B), (1 if stride_mask_h == 0 else H)
 
 
 def _meta(mask: torch.Tensor, has_window_left: bool, has_window_right: bool, fills: bool) -> dict:
-    kind = 1 if mask.dtype in (torch.uint8, torch.bool) else 2
+    kind = mask_kind(mask)
     return dict(HAS_WINDOW_LEFT=has_window_left, HAS_WINDOW_RIGHT=has_window_right, MASK_KIND=kind,
-                HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16), AVERAGES=kind == 2 or fills)
+                HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16), AVERAGES=kind == MASK_FLOAT or fills)
 
 
 def mask_key_table(
@@ -283,6 +286,40 @@ def mask_query_table(
     meta = dict(_meta(mask, has_window_left, has_window_right, fills), GROUP=COL_GROUP, ROW_GROUP=ROW_GROUP)
     _launch(_query_launcher, lambda: _QUERY_CONFIG, mask, (groups, Hm, Bm), args, meta)
     return table
+
+
+def mask_tables(
+    mask: torch.Tensor, N: int, M: int, band: dict, *, fills: bool, key_table: torch.Tensor | None = None,
+    query_table: torch.Tensor | None = None, keys: bool = True, queries: bool = True,
+    unread: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The key and query tables of a mask for one band and fill: the one
+    builder of the forward and backward launchers and of block masks, so
+    that tables built ahead (``flashfuse.block_mask``) are the ones a
+    launcher would build.
+
+    Args:
+        mask: as ``mask_key_table`` takes it (expanded; a bool mask as bytes).
+        N, M: queries and keys.
+        band: ``launch.kernel_band``'s dict (or ``AttentionProblem.band()``).
+        fills: a bool mask whose hidden pairs score a finite fill.
+        key_table, query_table: tables already built for this mask, band
+            and fill (a block mask's), kept as they are.
+        keys, queries: which tables are wanted when not given; the query
+            pass reads the key table only for float masks and fills, so
+            ``keys=False`` is for a bool mask without a fill.
+        unread: what the query pass gets in place of a key table it never
+            reads (``keys=False``).
+
+    Returns:
+        ``(key_table, query_table)``, None for one neither given nor wanted.
+    """
+    if key_table is None and keys:
+        key_table = mask_key_table(mask, N, M, **band, fills=fills)
+    if query_table is None and queries:
+        query_table = mask_query_table(mask, key_table if key_table is not None else unread, N, M, **band,
+                                       fills=fills)
+    return key_table, query_table
 
 
 def _launch(launcher: ConfigLauncher, config, mask: torch.Tensor, grid: tuple, args: tuple, meta: dict) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from flashfuse import reference as ref
-from flashfuse.kernels import backward
+from flashfuse.kernels import backward, problem
 from flashfuse.kernels.backward import attention_backward
 from flashfuse.kernels.launch import config_tuple
 
@@ -385,8 +385,8 @@ def test_dq_descriptor_loads(case, monkeypatch, launched):
     monkeypatch.setenv("FLASHFUSE_TMA", "1")
     monkeypatch.setenv("FLASHFUSE_BWD", "two_pass")
     seen = []
-    real = backward.descriptor_loads
-    monkeypatch.setattr(backward, "descriptor_loads", lambda *ts, **kw: seen.append(real(*ts, **kw)) or seen[-1])
+    real = problem.descriptor_loads
+    monkeypatch.setattr(problem, "descriptor_loads", lambda *ts, **kw: seen.append(real(*ts, **kw)) or seen[-1])
     if case == "gqa causal":
         run_case(B=2, Hq=4, Hkv=2, N=45, M=37, D=40, Dv=24, dtype=torch.bfloat16, window_right=0,
                  bottom_right=True, kv_in_nan_padding=True)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flashfuse.kernels.forward as fwd
+import flashfuse.kernels.problem as problem
 from flashfuse.kernels.launch import config_tuple
 from flashfuse.kernels.forward import attention_forward, dropout_keep_mask_triton
 from flashfuse.reference import dropout_keep_mask, reference_attention, reference_lse
@@ -470,8 +471,8 @@ def test_descriptor_loads(case, monkeypatch):
         pytest.skip("tensor descriptors need compute capability 9 or more")
     monkeypatch.setenv("FLASHFUSE_TMA", "1")
     seen = []
-    real = fwd.descriptor_loads
-    monkeypatch.setattr(fwd, "descriptor_loads", lambda *ts, **kw: seen.append(real(*ts, **kw)) or seen[-1])
+    real = problem.descriptor_loads
+    monkeypatch.setattr(problem, "descriptor_loads", lambda *ts, **kw: seen.append(real(*ts, **kw)) or seen[-1])
     if case == "gqa causal":
         q, k, v = _inputs(2, 4, 2, 45, 37, 40, 24, torch.bfloat16)
         _check(q, in_nan_padding(k), in_nan_padding(v), window_right=0, bottom_right=True)

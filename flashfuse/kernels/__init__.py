@@ -31,8 +31,7 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
         from .hopper import HopperCompileFailed, hopper_forward, hopper_problem
 
         if hopper_problem(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
-                          sinks=kwargs.get("sinks"), mask_fill=kwargs.get("mask_fill"),
-                          window_left=kwargs["window_left"], window_right=kwargs["window_right"]) is None:
+                          sinks=kwargs.get("sinks"), mask_fill=kwargs.get("mask_fill")) is None:
             try:
                 return hopper_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
                                       window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"])
@@ -51,8 +50,7 @@ def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):
         from .hopper import HopperCompileFailed, hopper_backward, hopper_problem
 
         if hopper_problem(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
-                          mask_fill=kwargs.get("mask_fill"), grad_out=grad_out, window_left=kwargs["window_left"],
-                          window_right=kwargs["window_right"]) is None:
+                          mask_fill=kwargs.get("mask_fill"), grad_out=grad_out) is None:
             try:
                 dq, dk, dv = hopper_backward(grad_out, q, k, v, out, lse, scale=kwargs["scale"],
                                              window_left=kwargs["window_left"], window_right=kwargs["window_right"],

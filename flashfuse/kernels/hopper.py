@@ -88,8 +88,7 @@ def _descriptor_layout(t: torch.Tensor) -> bool:
 
 
 def hopper_unsuitable(q, k, v, attn_mask=None, *, dropout_p: float = 0.0, softcap=None, sinks=None,
-                      mask_fill=None, grad_out=None, device_capability=None, window_left=None,
-                      window_right=None) -> str | None:
+                      mask_fill=None, grad_out=None, device_capability=None) -> str | None:
     """The one selection rule of the Hopper kernels: None when they may run
     this call, else the first reason they may not (for ``explain`` and
     benchmark rows). ``FLASHFUSE_HOPPER`` decides whether a suitable call
@@ -133,28 +132,18 @@ def hopper_unsuitable(q, k, v, attn_mask=None, *, dropout_p: float = 0.0, softca
     for name, t in (("q", q), ("k", k), ("v", v), ("grad_out", grad_out)):
         if t is not None and not _descriptor_layout(t):
             return f"{name}'s layout does not suit tensor descriptors (unit last stride, 16-byte aligned)"
-    # What the H200 showed (bench/NOTES.md run 14): the causal and window
-    # forwards and the backward gave wrong results there (right in the
-    # interpreter), and head dim 64 ran slower than the portable forward.
-    if window_left is not None or window_right is not None:
-        return "causal or window band (wrong on the H200, run 14)"
-    if grad_out is not None:
-        return "backward (wrong gradients on the H200, run 14)"
-    if D != 128:
-        return f"head dim {D} (slower than the portable forward on the H200, run 14)"
     return None
 
 
 def hopper_problem(q, k, v, attn_mask=None, *, dropout_p: float = 0.0, softcap=None, sinks=None, mask_fill=None,
-                   grad_out=None, window_left=None, window_right=None) -> str | None:
+                   grad_out=None) -> str | None:
     """None when this call runs on the Hopper kernels now, else why not:
     ``FLASHFUSE_HOPPER`` off, or :func:`hopper_unsuitable`'s reason. The
     launch dispatch (``flashfuse.kernels``) asks exactly this."""
     if not hopper_enabled():
         return "FLASHFUSE_HOPPER is not 1"
     return hopper_unsuitable(q, k, v, attn_mask, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
-                             mask_fill=mask_fill, grad_out=grad_out, window_left=window_left,
-                             window_right=window_right)
+                             mask_fill=mask_fill, grad_out=grad_out)
 
 
 def hopper_enabled() -> bool:

@@ -17,8 +17,6 @@ FLASHFUSE_TMA              (unset)   0 / 1: turn off / force tensor-descriptor l
 FLASHFUSE_DECODE           (unset)   0: never take the split-KV decoding kernels;
                                      1: take them whenever the arguments allow
 FLASHFUSE_DECODE_SPLITS    (unset)   n: force the decoding kernels' split count
-FLASHFUSE_HOPPER           0         1: on an H100/H200 run the calls the warp-specialised
-                                     Hopper kernels cover on them (kernels/hopper.py)
 FLASHFUSE_KVCACHE_CHECKS   1         0: skip the host check of cache lengths and
                                      block tables (it synchronises with the device)
 TRITON_INTERPRET           (unset)   1 before import: CPU tensors run the Triton
@@ -95,9 +93,3 @@ def interpreter_on() -> bool:
     """Whether ``TRITON_INTERPRET=1`` is set now (tests switch a process to
     the blockwise CPU path by setting it to 0)."""
     return _get("TRITON_INTERPRET") == "1"
-
-
-def hopper() -> str:
-    """"", "0" or "1" as written: "1" sends calls the Hopper kernels suit to
-    them (``kernels.hopper.hopper_unsuitable``); anything else: off."""
-    return _get("FLASHFUSE_HOPPER").strip()

@@ -15,10 +15,8 @@ BUILT_FOR_INTERPRETER = config.interpreter_on()
 def attention_forward(q, k, v, attn_mask, seed, **kwargs):
     """See :func:`flashfuse.kernels.forward.attention_forward`. Few queries
     against many keys take the split-KV decoding kernels instead
-    (:func:`flashfuse.kernels.decode.decode_suits`), and with
-    ``FLASHFUSE_HOPPER=1`` the calls :func:`flashfuse.kernels.hopper.hopper_problem`
-    accepts the warp-specialised Hopper kernels; their ``out`` and ``lse``
-    have the same layout and meaning."""
+    (:func:`flashfuse.kernels.decode.decode_suits`); their ``out`` and
+    ``lse`` have the same layout and meaning."""
     from .decode import DecodeCall, decode_forward, decode_suits
 
     if decode_suits(DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
@@ -27,40 +25,16 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
         return decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
                               window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
                               attn_mask=attn_mask)
-    if config.hopper() == "1":  # the module is imported only when asked for
-        from .hopper import HopperCompileFailed, hopper_forward, hopper_problem
-
-        if hopper_problem(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
-                          sinks=kwargs.get("sinks"), mask_fill=kwargs.get("mask_fill")) is None:
-            try:
-                return hopper_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
-                                      window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"])
-            except HopperCompileFailed:  # warned once; nothing ran
-                pass
     from .forward import attention_forward as launch
 
     return launch(q, k, v, attn_mask, seed, **kwargs)
 
 
-def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):
-    """See :func:`flashfuse.kernels.backward.attention_backward`. With
-    ``FLASHFUSE_HOPPER=1`` the calls :func:`flashfuse.kernels.hopper.hopper_problem`
-    accepts run on the Hopper kernels (either forward's ``lse`` serves)."""
-    if config.hopper() == "1":
-        from .hopper import HopperCompileFailed, hopper_backward, hopper_problem
-
-        if hopper_problem(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
-                          mask_fill=kwargs.get("mask_fill"), grad_out=grad_out) is None:
-            try:
-                dq, dk, dv = hopper_backward(grad_out, q, k, v, out, lse, scale=kwargs["scale"],
-                                             window_left=kwargs["window_left"], window_right=kwargs["window_right"],
-                                             bottom_right=kwargs["bottom_right"], grad_lse=kwargs.get("grad_lse"))
-                return dq, dk, dv, None
-            except HopperCompileFailed:  # the portable kernels recompute all three
-                pass
+def attention_backward(*args, **kwargs):
+    """See :func:`flashfuse.kernels.backward.attention_backward`."""
     from .backward import attention_backward as launch
 
-    return launch(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs)
+    return launch(*args, **kwargs)
 
 
 def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,

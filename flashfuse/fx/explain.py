@@ -34,6 +34,9 @@ class ExplainRow:
     window: str
     gqa: str
     dropout_p: float
+    # How a layout other than (batch, heads, query, key) was brought to the
+    # op's (e.g. "batch dims folded: (2, 4)"), with what it copies.
+    layout: str = ""
 
 
 @dataclasses.dataclass
@@ -51,6 +54,10 @@ class Explanation:
         from tabulate import tabulate
 
         headers = ["#", "module", "source", "rewrite", "scale", "mask", "causal", "window", "gqa", "dropout"]
+        # The layout column only when some candidate needed one.
+        layouts = any(r.layout for r in self.rows)
+        if layouts:
+            headers.append("layout")
         data = []
         for r in self.rows:
             data.append([
@@ -58,7 +65,7 @@ class Explanation:
                 "yes" if r.rewritten else f"no: {_clip(r.reason, 70)}",
                 r.scale or "-", r.mask or "-", r.causal or "-", r.window or "-",
                 r.gqa or "-", f"{r.dropout_p:g}" if r.rewritten else "-",
-            ])
+            ] + ([r.layout or "-"] if layouts else []))
         summary = f"{self.rewritten} of {len(self.rows)} attention candidates rewritten in {self.graphs} graph(s)"
         if not data:
             return summary
@@ -87,6 +94,7 @@ def _row(index: int, cand: Candidate) -> ExplainRow:
         window=str(f.get("window", "")) if cand.ok else "",
         gqa=str(f.get("gqa", "")) if cand.ok else "",
         dropout_p=float(f.get("dropout", 0.0)) if cand.ok else 0.0,
+        layout=str(f.get("layout", "")) if cand.ok else "",
     )
 
 

@@ -379,13 +379,19 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
                 continue
             if not any(_same_shape(N.shape(n), s) for s in shapes):
                 raise NoMatch(f"{N.describe(n)} changes the shape of the scores")
-    # Grouped heads as a 5-D broadcast: see flashfuse.fx.layouts.GroupLayout.
-    grouped = layout is None and N.tensor_val(qk).dim() == 5
+    # More than two batch dims folded into the op's batch (layouts.BatchFold),
+    # else grouped heads as a 5-D broadcast (layouts.GroupLayout).
+    nd = N.tensor_val(qk).dim()
+    fold = layout is None and nd >= 5 and _folds(qk, pv)
+    grouped = layout is None and nd == 5 and not fold
+    batch_fold = None
     if grouped and sink is not None:
         raise NoMatch("sinks together with grouped heads as a 5-D broadcast are not understood")
+    if fold and sink is not None:
+        raise NoMatch("sinks together with more than two batch dims are not understood")
 
-    q_op, k_op, pre, perm0 = _score_operands(qk, pad=layout is None and not grouped, flipped=flipped,
-                                             max_batch=3 if grouped else 2)
+    q_op, k_op, pre, perm0 = _score_operands(qk, pad=layout is None and not grouped and not fold, flipped=flipped,
+                                             max_batch=nd - 2 if fold else 3 if grouped else 2)
     transforms = _capsink.fold_softcap(pre + transforms)
     if N.kind(qk) == "baddbmm" and any(t[0] == "add" for t in pre):
         # A bias-first product (Bloom/Falcon ALiBi): named in explain.
@@ -396,7 +402,11 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
         if layout is not None and permuted:
             raise NoMatch("scores in another layout than (batch, query, key) together with views of their "
                           "batch dims are not understood")
-        if grouped:
+        if fold:
+            batch_fold = _fold_operands(gm, qk, q_op, k_op, pv, perm0, final)
+            q_op, k_op, v_op, out_steps = batch_fold.ops
+            layout = L.ScoresLayout(batch_fold.scores, where, nd, batch_fold)
+        elif grouped:
             group = L.GroupLayout(gm, _canonical(N.tensor_val(qk), perm0), pv)
             q_op, k_op, v_op, out_steps = _group_operands(group, q_op, k_op, pv, final)
             layout = L.ScoresLayout(group.scores, where, 5, group)
@@ -410,6 +420,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
                            grouped=grouped)
     except L.LayoutMismatch as e:
         raise NoMatch(str(e)) from None
+    if batch_fold is not None:
+        cand.facts["layout"] = batch_fold.describe(plan)
     if sink is not None:
         plan.sinks = sink.sinks
         cand.facts["mask"] = cand.facts["mask"] + ", sinks" if cand.facts["mask"] != "none" else "sinks"
@@ -952,6 +964,39 @@ def _group_operands(group: "L.GroupLayout", q_op: Operand, k_op: Operand, pv: to
     k_op = group.kv(k_op, kt, km, _unsqueezed_at_2)
     v_op = group.kv(v_op, vt, vm, _unsqueezed_at_2)
     return q_op, k_op, v_op, group.output_steps()
+
+
+def _folds(qk: torch.fx.Node, pv: torch.fx.Node) -> bool:
+    """Whether matmul scores with more than two batch dims fold into the
+    op's batch (see flashfuse.fx.layouts.BatchFold). A 5-D product that
+    does not goes to the grouped-heads reading (layouts.GroupLayout), which
+    also keeps those whose v has one head for several query heads; with
+    more dims, why not is the reason."""
+    if N.kind(qk) != "matmul" or N.kind(pv) != "matmul" or len(pv.args) < 2:
+        return False
+    s, vs = N.shape(qk), N.shape(pv.args[1])
+    if s is None or vs is None:
+        return False
+    if len(s) == 5 and len(vs) >= 3 and N.known_eq(vs[-3], 1) and not N.known_eq(s[-3], 1):
+        return False
+    why = L.BatchFold.why_not([("the left factor of the scores", N.shape(qk.args[0])),
+                               ("the right factor of the scores", N.shape(qk.args[1])), ("v", vs)], s)
+    if why is not None and len(s) > 5:
+        raise NoMatch(why)
+    return why is None
+
+
+def _fold_operands(gm, qk: torch.fx.Node, q_op: Operand, k_op: Operand, pv: torch.fx.Node, perm0, final):
+    """The BatchFold of a product with more than two batch dims, with q, k,
+    v and the output steps in its ``ops``."""
+    if not L.identity(final):
+        raise NoMatch("the probabilities of scores with more than two batch dims are not laid out "
+                      "(batch..., query, key); left alone")
+    fold = L.BatchFold(gm, _canonical(N.tensor_val(qk), perm0), pv)
+    v_op = Operand(pv.args[1])
+    ops = [fold.operand(op, _operand_val(op), what) for op, what in ((q_op, "q"), (k_op, "k"), (v_op, "v"))]
+    fold.ops = (*ops, fold.output_steps(N.tensor_val(pv)))
+    return fold
 
 
 def _peel_scalar_only(x: Any) -> tuple:

@@ -191,3 +191,121 @@ def reorders(steps) -> bool:
     """Whether view steps move dims (a band proved on the mask's own last two
     dims would then be about other dims)."""
     return any(s[0] in ("permute", "transpose") for s in steps)
+
+
+def _mergeable(t: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether ``t.flatten(lo, hi)`` is provably a view (no copy): each
+    merged dim steps over the whole of the next, size-1 dims aside."""
+    dims = [d for d in range(lo, hi + 1) if not N.known_eq(t.shape[d], 1)]
+    for a, b in zip(dims, dims[1:]):
+        if not N.known_eq(t.stride(a), t.stride(b) * t.shape[b]):
+            return False
+    return True
+
+
+class BatchFold:
+    """Scores with more than two batch dims: (b_1, ..., b_f, H, N, M), e.g.
+    windowed or locally grouped attention over (B, windows, heads, N, D)
+    (timm's Twins, Swin-style windows kept 5-D). Each score matrix is one
+    (batch index, head) pair whatever the leading dims are, so folding
+    b_1..b_f into the op's batch, ``flatten(0, f - 1)``, computes the same
+    attention, and the op's (b_1·...·b_f, H, N, Dv) result is unflattened
+    back. The dim before N stays the heads, so k and v with one head (a
+    broadcast over the heads) are still the op's grouped heads.
+
+    Exact only when every tensor folds into the same linear batch index: q,
+    k and v each hold the full leading dims or none of them (size 1 each,
+    then the op broadcasts it). A mask may broadcast over part of them: it
+    is expanded first, so its one (heads, N, M) slice per batch index is
+    copied (named as a cost in ``explain``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, scores: torch.Tensor, pv: torch.fx.Node):
+        self.gm, self.pv = gm, pv
+        self.nd = scores.dim()
+        self.f = self.nd - 3  # leading dims folded: all but the heads
+        self.lead = tuple(scores.shape[: self.f])
+        self.scores = scores.flatten(0, self.f - 1)
+        self.hints: list = [a for n in gm.graph.nodes if N.kind(n) in V.VIEW_KINDS
+                            for a in torch.fx.node.map_aggregate(n.args[1:], lambda x: x) if isinstance(a, torch.fx.Node)]
+        self.copies: list[str] = []
+
+    @staticmethod
+    def why_not(shapes: list, scores_shape) -> Optional[str]:
+        """None when q, k and v (``[(name, shape)]``, k's as in the
+        product) fold exactly, each holding the scores' leading dims in full
+        or none; else why not."""
+        f = len(scores_shape) - 3
+        lead = tuple(scores_shape[:f])
+        for what, s in shapes:
+            if s is None or len(s) > len(scores_shape):
+                return f"{what} has no example value or more dims than the scores"
+            have = ((1,) * (len(scores_shape) - len(s)) + tuple(s))[:f]
+            if not (all(N.known_eq(x, y) for x, y in zip(have, lead)) or all(N.known_eq(x, 1) for x in have)):
+                return (f"scores with more than two batch dims: {what} broadcasts over part of the leading batch "
+                        "dims, which then do not fold into one batch index; left alone")
+        return None
+
+    def _size(self, s) -> Any:
+        return V.size_arg(self.gm, s, self.pv, self.hints)
+
+    def operand(self, op, t: torch.Tensor, what: str):
+        """``op`` (.., H?, N, D), padded to the scores' rank, with its leading
+        dims flattened into one."""
+        if t.dim() > self.nd:
+            raise LayoutMismatch(f"{what} has more dims than the scores")
+        pad = self.nd - t.dim()
+        have = ((1,) * pad + tuple(t.shape))[: self.f]
+        full = all(N.known_eq(x, y) for x, y in zip(have, self.lead))
+        if not full and not all(N.known_eq(x, 1) for x in have):
+            raise LayoutMismatch(f"{what} broadcasts over part of the folded batch dims; left alone")
+        padded = t.reshape((1,) * pad + tuple(t.shape))
+        if not _mergeable(padded, 0, self.f - 1):
+            self.copies.append(what)
+        return op.then(*([("unsqueeze", 0)] * pad), ("flatten", 0, self.f - 1))
+
+    def output_steps(self, out: torch.Tensor) -> list:
+        if out.dim() != self.nd or not all(N.known_eq(x, y) for x, y in zip(out.shape[: self.f], self.lead)):
+            raise LayoutMismatch("the value product's leading dims are not the scores' leading dims")
+        sizes = [self._size(s) for s in self.lead[1:]]
+        if any(s is None for s in sizes):
+            raise LayoutMismatch("the folded batch dims are not sizes the graph holds")
+        return [("unflatten", 0, tuple([-1] + sizes))]
+
+    def mask_steps(self, t: torch.Tensor) -> list:
+        """Steps taking a tensor that broadcasts to the scores into one that
+        broadcasts to the folded scores with the same values per batch index."""
+        if t.dim() > self.nd:
+            raise LayoutMismatch("a mask has more dims than the scores")
+        pad = self.nd - t.dim()
+        steps: list = [("unsqueeze", 0)] * pad
+        shape = [1] * pad + list(t.shape)
+        have = shape[: self.f]
+        ones = [N.known_eq(x, 1) for x in have]
+        if all(ones) or all(N.known_eq(x, y) for x, y in zip(have, self.lead)):
+            return steps + [("flatten", 0, self.f - 1)]
+        sizes: list = []
+        for x, full, one in zip(have, self.lead, ones):
+            if N.known_eq(x, full):
+                sizes.append(-1)
+            elif one:
+                arg = self._size(full)
+                if arg is None:
+                    raise LayoutMismatch("a mask broadcasts over part of the folded batch dims, whose sizes the "
+                                         "graph does not hold; left alone")
+                sizes.append(arg)
+            else:
+                raise LayoutMismatch("a mask does not provably broadcast over the folded batch dims")
+        # One slice per batch index: the flatten copies the expanded mask.
+        return steps + [("expand", tuple(sizes) + (-1,) * (self.nd - self.f)), ("flatten", 0, self.f - 1)]
+
+    def describe(self, plan) -> str:
+        """For ``explain``: the folded dims, and what the fold copies (an
+        operand whose dims do not merge in memory, a mask expanded over
+        part of them)."""
+        lead = ", ".join(str(N.const_int(s)) if N.const_int(s) is not None else str(s) for s in self.lead)
+        copies = list(dict.fromkeys(self.copies))
+        masks = [t.steps for t in plan.additive] + [h.steps for h in plan.hide]
+        if any(s[0] == "expand" for steps in masks for s in steps):
+            copies.append("mask")
+        text = f"batch dims folded: ({lead})"
+        return text + ("; copies " + ", ".join(copies) if copies else "")

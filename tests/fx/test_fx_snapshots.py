@@ -217,3 +217,23 @@ return (%14)""")
 %1 = .unflatten()(%0, 1, (-1, 2))
 %2 = .view()(%1, 2, 4, 8, -1)
 return (%2)""")
+
+    def test_batch_dims_folded(self):
+        # (B, windows, heads, N, D) with a per-window bias: q, k and v lose
+        # their window dim into the batch (views), the bias is expanded over
+        # the samples (a copy) and the result regains it.
+        from test_fx_batch_fold import qkv5, windows_5d_group_bias
+
+        self.assertExpectedInline(rewritten(windows_5d_group_bias, *qkv5(grad=False)), """\
+%0 = .flatten()(L_q_, 0, 1)
+%1 = .flatten()(L_k_, 0, 1)
+%2 = .flatten()(L_v_, 0, 1)
+%3 = .unsqueeze()(G_BIAS_GROUP_, 0)
+%4 = .expand()(%3, 2, -1, -1, -1, -1)
+%5 = .flatten()(%4, 0, 1)
+%6 = flashfuse.block_mask(%5, 5, 7, window_left=None, window_right=None, bottom_right=False, mask_fill=None, queries=False)
+%7 = operator.getitem(%6, 0)
+%8 = operator.getitem(%6, 1)
+%9 = flashfuse.attention(%0, %1, %2, attn_mask=%5, dropout_p=0, is_causal=False, scale=0.25, enable_gqa=False, window_left=None, window_right=None, alignment=top_left, mask_key_table=%7, mask_query_table=%8)
+%10 = .unflatten()(%9, 0, (-1, 3))
+return (%10)""")

@@ -91,7 +91,7 @@ class _StandIn:
 
 
 timm = _import_timm()
-from timm.models import beit, cait, eva, pvt_v2, swin_transformer, swin_transformer_v2, vision_transformer, xcit  # noqa: E402
+from timm.models import beit, cait, eva, pvt_v2, swin_transformer, swin_transformer_v2, twins, vision_transformer, xcit  # noqa: E402
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=4)
 # Swin: 4x4 patches make an 8x8 grid of four 4x4 windows; the second block
@@ -138,6 +138,19 @@ def cait_class_attn():
     return cait.Cait(**TINY, depth_token_only=1), 1
 
 
+def twins_svt():
+    # One locally grouped block (windows of 4x4 tokens, q/k/v 5-D: (B,
+    # windows, heads, tokens, head dim)) and one global sub-sampled block.
+    return twins.Twins(img_size=32, patch_size=4, embed_dims=(32,), num_heads=(2,), mlp_ratios=(2,), depths=(2,),
+                       sr_ratios=(2,), wss=(4,), num_classes=4), 2
+
+
+def twins_svt_padded():
+    # A 7x7 token grid: the windows are padded to 8x8 before the attention.
+    return twins.Twins(img_size=28, patch_size=4, embed_dims=(32,), num_heads=(2,), mlp_ratios=(2,), depths=(1,),
+                       sr_ratios=(1,), wss=(4,), num_classes=4), 1
+
+
 def _unfused(model):
     # timm takes SDPA where it can; its own matmul-softmax-matmul path is what
     # the pass reads. Per module, so the global flag of timm stays as it is.
@@ -147,18 +160,18 @@ def _unfused(model):
     return model
 
 
-def _check(make, *, train, dynamic):
+def _check(make, *, train, dynamic, size=32):
     torch.manual_seed(0)
     model, expect = make()
     model = _unfused(model).train(train)
-    x = torch.randn(2, 3, 32, 32, requires_grad=train)
+    x = torch.randn(2, 3, size, size, requires_grad=train)
     # fp32 against eager: 1e-4 relative on outputs, 1e-3 on gradients.
     _, backend = compile_and_compare(model, x, expect=expect, compiler="aot_eager" if train else "eager",
                                      dynamic=dynamic, grad=train, atol=1e-5, rtol=1e-4)
     return backend
 
 
-EVAL = [vit, swin, swinv2, eva_rope, beit_rel_pos, xcit_channels, pvt_v2_reduced]
+EVAL = [vit, swin, swinv2, eva_rope, beit_rel_pos, xcit_channels, pvt_v2_reduced, twins_svt]
 
 
 @pytest.mark.parametrize("make", EVAL, ids=lambda f: f.__name__)
@@ -177,7 +190,7 @@ def test_eval_dynamic(make):
     assert all(c.rewritten for c in backend.candidates), [c.reason for c in backend.candidates]
 
 
-@pytest.mark.parametrize("make", [vit, swinv2, beit_rel_pos], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("make", [vit, swinv2, beit_rel_pos, twins_svt], ids=lambda f: f.__name__)
 def test_train_gradients(make):
     backend = _check(make, train=True, dynamic=False)
     assert all(c.rewritten for c in backend.candidates), [c.reason for c in backend.candidates]
@@ -193,3 +206,30 @@ def test_cait_talking_heads_left_alone():
     assert not talking.rewritten
     assert "not a product with v" in talking.reason, talking.reason
     assert by_module["blocks_token_only.0.attn"].rewritten
+
+
+def test_twins_locally_grouped_attention_folded():
+    """Twins' locally grouped attention is rewritten with its (B, windows)
+    dims folded into the op's batch, also when the token grid is padded to
+    whole windows; its global sub-sampled attention is rewritten as it is."""
+    backend = _check(twins_svt, train=False, dynamic=False)
+    by_module = {c.where()[0]: c for c in backend.candidates}
+    local, global_ = by_module["blocks.0.0.attn"], by_module["blocks.0.1.attn"]
+    assert local.rewritten and global_.rewritten, [c.reason for c in backend.candidates]
+    assert local.facts["layout"] == "batch dims folded: (2, 4)", local.facts
+    assert "layout" not in global_.facts
+    backend = _check(twins_svt_padded, train=False, dynamic=False, size=28)
+    assert backend.candidates[0].rewritten and "batch dims folded: (2, 4)" in backend.candidates[0].facts["layout"]
+
+
+def test_twins_locally_grouped_attention_dynamic():
+    # The block alone, its batch marked dynamic (the model, or a symbolic
+    # token grid, takes Dynamo tens of seconds to trace): a 7x7 grid padded
+    # to 4x4 windows.
+    torch.manual_seed(0)
+    attn = _unfused(twins.LocallyGroupedAttn(32, num_heads=2, ws=4)).eval()
+    x = torch.randn(3, 49, 32)
+    torch._dynamo.mark_dynamic(x, 0)
+    _, backend = compile_and_compare(attn, x, (7, 7), expect=1, compiler="eager", dynamic=None, grad=False,
+                                     atol=1e-5, rtol=1e-4)
+    assert "batch dims folded" in backend.candidates[0].facts["layout"], backend.candidates[0].facts

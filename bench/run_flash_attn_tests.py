@@ -3,11 +3,28 @@
 flash-attn's ``tests/test_flash_attn.py`` (not part of this project: pass its
 path) imports ``flash_attn``; with ``bench.flash_attn_adapter.install()`` that
 name is served by ``flashfuse.attention``. This runner runs a chosen subset of
-that file's test functions through pytest, by default its soft-capping cases,
-and prints the pass/fail counts per test function::
+that file's test functions, by default its soft-capping cases, and prints the
+pass/fail counts per test function::
 
-    python bench/run_flash_attn_tests.py PATH/test_flash_attn.py            # GPU
-    python bench/run_flash_attn_tests.py PATH/test_flash_attn.py --collect-only
+    python bench/run_flash_attn_tests.py PATH/test_flash_attn.py --every 7 --budget 540   # GPU
+    python bench/run_flash_attn_tests.py PATH/test_flash_attn.py --collect-only --every 7
+
+Two modes. The direct mode (the default) imports the file with the adapter
+installed and calls the test function itself, one case at a time, with its
+parameters as keyword arguments: the cases are the cartesian product of the
+function's ``pytest.mark.parametrize`` marks (read from ``pytestmark``, the
+decorator nearest the function outermost, as pytest orders and names them),
+enumerated lazily. ``pytest.skip`` counts as skipped, an ``AssertionError``
+raised in the test file (or ``pytest.fail``) as failed, any other exception
+(torch's own AssertionErrors included) as an error; the first few of each are
+printed with their pytest ids and the line of the test file, and the failures
+are broken down by parameter value. Functions that take pytest fixtures fall
+back to the pytest mode. ``--procs N`` runs N processes, each taking every
+N-th case (the GPU serialises the kernels; this overlaps the host side and
+Triton's compiles). ``--pytest`` runs the cases through pytest instead (with
+xdist, ``-n``); pytest expands every parametrisation of the function (84,480
+for ``test_flash_attn_output``) in every worker before the first case runs,
+which can take minutes. The test seeds torch itself (``manual_seed(0)``).
 
 Which cases: soft-capping is a parameter of ``test_flash_attn_output`` and
 ``test_flash_attn_varlen_output`` only (``softcap`` in 0.0, 50.0, the first
@@ -15,16 +32,18 @@ field of their ids, ``dropout_p`` the second). The varlen function needs
 flash-attn's packed entry points, which the adapter does not serve, so it is
 not selected; the cases with dropout are skipped by the file itself
 (softcap with dropout is not supported there), and would need ``S_dmask``
-(the dropout pattern), which the op never materialises. So the default
-selection is ``test_flash_attn_output`` with ``-k 50.0`` (softcap 50 in its
-ids), narrowed by parameter value to softcap > 0 and ``dropout_p == 0``.
-``--functions`` and ``--all-cases`` pick other functions or all their ids.
+(the dropout pattern), which the op never materialises. So the selection is
+``test_flash_attn_output`` with softcap > 0 and ``dropout_p == 0`` (21,120
+cases; the pytest mode adds ``-k 50.0``, which the same cases match).
+``--functions`` and ``--all-cases`` pick other functions or all their cases.
 
-``--every K`` keeps every K-th selected case (a spread over all parameters)
-to fit ``--budget`` seconds; when the budget runs out pytest is interrupted
-and the counts so far are printed. Counts also go to
-bench/results/flash_attn_tests.csv. Needs einops (imported by the file) and,
-for ``-n``, pytest-xdist.
+``--every K`` keeps every K-th selected case (in both modes the same cases):
+take K prime to 2, 3, 5 and 11 (7, 13, 17, ...), or the innermost parameters
+keep one value (``--collect-only`` lists the values never selected). The run
+stops after ``--budget`` seconds and prints the counts so far. Counts also go
+to bench/results/flash_attn_tests.csv (``errors`` is empty in the pytest
+mode, which counts errors as failed). The file needs einops; the pytest mode
+with ``-n`` needs pytest-xdist.
 """
 
 from __future__ import annotations
@@ -269,22 +288,42 @@ def load_test_module(test_file: pathlib.Path):
     spec = importlib.util.spec_from_file_location(test_file.stem, test_file)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[test_file.stem] = mod
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except ModuleNotFoundError as e:
+        # flash-attn's file imports einops, for one.
+        sys.exit(f"{test_file.name} imports {e.name}: install it or put it on PYTHONPATH")
     return mod
 
 
-def _where(exc: BaseException) -> str:
-    # The failing line of the test file: plain asserts carry no message
-    # outside pytest (no assertion rewriting).
+def _where(exc: BaseException, test_file) -> str:
+    # The last line of the test file on the way to the exception: plain
+    # asserts carry no message outside pytest (no assertion rewriting).
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
     msg = str(exc).strip().splitlines()
     msg = msg[-1][:160] if msg else ""
     for fr in reversed(frames):
-        if "test_flash_attn" in os.path.basename(fr.filename):
+        if os.path.realpath(fr.filename) == os.path.realpath(test_file):
             return f"{type(exc).__name__} at line {fr.lineno}: {(fr.line or '').strip()[:120]} {msg}".rstrip()
     return f"{type(exc).__name__}: {msg}"
+
+
+def _is_test_assertion(exc: BaseException, test_file) -> bool:
+    """A failed check of the test itself: pytest.fail, or an AssertionError
+    raised in the test file (torch raises AssertionError too, e.g. "Torch not
+    compiled with CUDA enabled": that is an error, not a failed case)."""
+    import traceback
+
+    import pytest
+
+    if isinstance(exc, pytest.fail.Exception):
+        return True
+    if not isinstance(exc, AssertionError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(test_file)
 
 
 def run_direct(test_file, functions, every, budget, softcap_only=True, shard=(0, 1), n_first=5) -> dict:
@@ -309,7 +348,7 @@ def run_direct(test_file, functions, every, budget, softcap_only=True, shard=(0,
             if time.time() - start > budget:
                 res["timed_out"] = True
                 break
-            outcome = "passed"
+            outcome, exc = "passed", None
             try:
                 if skip:
                     raise pytest.skip.Exception("skip mark")
@@ -318,19 +357,22 @@ def run_direct(test_file, functions, every, budget, softcap_only=True, shard=(0,
                     fn(**kwargs)
             except pytest.skip.Exception:
                 outcome = "skipped"
-            except (AssertionError, pytest.fail.Exception) as e:
-                outcome = "failed"
-                if len(res["failures"]) < n_first:
-                    res["failures"].append(f"{fn_name}[{case_id}]: {_where(e)}")
             except KeyboardInterrupt:
                 res["timed_out"] = True
                 break
-            except Exception as e:  # noqa: BLE001 - a case's crash is its result
-                outcome = "error"
-                kind = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:100]}"
+            except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - a case's crash is its result
+                exc = e
+                outcome = "failed" if _is_test_assertion(e, test_file) else "error"
+            if outcome == "failed":
+                if len(res["failures"]) < n_first:
+                    res["failures"].append(f"{fn_name}[{case_id}]: {_where(exc, test_file)}")
+            elif outcome == "error":
+                kind = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:100]}"
                 res["error_kinds"][kind] = res["error_kinds"].get(kind, 0) + 1
                 if len(res["errors"]) < n_first:
-                    res["errors"].append(f"{fn_name}[{case_id}]: {_where(e)}")
+                    res["errors"].append(f"{fn_name}[{case_id}]: {_where(exc, test_file)}")
+            if exc is not None:
+                exc = None  # its traceback holds the case's tensors
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # after an out-of-memory case, for the next
             counts[outcome] += 1
@@ -372,8 +414,6 @@ def main(argv=None):
     test_file = pathlib.Path(args.test_file).resolve()
     if not test_file.is_file():
         sys.exit(f"no such test file: {test_file}")
-    if importlib.util.find_spec("einops") is None:
-        sys.exit("flash-attn's test file imports einops: install it or put it on PYTHONPATH")
 
     if args.shard:
         which, _, path = args.shard.partition(":")
@@ -405,12 +445,24 @@ def _main_direct(args, test_file) -> int:
         if args.collect_only:
             first = []
             n = 0
-            for case_id, _, _ in iter_cases(params, args.every, not args.all_cases):
+            seen = collections.defaultdict(set)
+            for case_id, kwargs, _ in iter_cases(params, args.every, not args.all_cases):
                 n += 1
                 if len(first) < 3:
                     first.append(case_id)
+                for name, val in kwargs.items():
+                    seen[name].add(str(val))
             n_cases[fn_name] = n
             print(f"{fn_name}: {n} cases; first: {', '.join(first)}")
+            # A K that shares a factor with the inner parameters' counts skips
+            # some of their values altogether (pick K prime to them).
+            for names, rows in params:
+                for j, name in enumerate(names):
+                    if name in ("softcap", "dropout_p") and not args.all_cases:
+                        continue  # fixed by the selection
+                    missed = sorted({str(r[0][j]) for r in rows} - seen[name])
+                    if missed and n:
+                        print(f"  never selected: {name} = {', '.join(missed)}")
     if args.collect_only:
         print(f"total: {sum(n_cases.values())} cases enumerated in {time.time() - start:.1f} s")
         return 0 if sum(n_cases.values()) else 1
@@ -500,6 +552,8 @@ def _report(args, counts, note, elapsed, res=None) -> int:
 
 
 def _main_pytest(args, test_file) -> int:
+    if importlib.util.find_spec("einops") is None:
+        sys.exit("flash-attn's test file imports einops: install it or put it on PYTHONPATH")
     # Node ids per function: collecting only them is much faster than the
     # whole file (half a million cases).
     cmd = [sys.executable, "-m", "pytest", *[f"{test_file}::{fn}" for fn in args.functions],

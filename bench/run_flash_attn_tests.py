@@ -40,7 +40,8 @@ cases; the pytest mode adds ``-k 50.0``, which the same cases match).
 ``--every K`` keeps every K-th selected case (in both modes the same cases):
 take K prime to 2, 3, 5 and 11 (7, 13, 17, ...), or the innermost parameters
 keep one value (``--collect-only`` lists the values never selected). The run
-stops after ``--budget`` seconds and prints the counts so far. Counts also go
+stops after ``--budget`` seconds and prints the counts so far. Autotuning
+is off (``FLASHFUSE_AUTOTUNE=0``, as in bench/run_gpu.sh) unless set. Counts also go
 to bench/results/flash_attn_tests.csv (``errors`` is empty in the pytest
 mode, which counts errors as failed). The file needs einops; the pytest mode
 with ``-n`` needs pytest-xdist.
@@ -414,6 +415,12 @@ def main(argv=None):
     test_file = pathlib.Path(args.test_file).resolve()
     if not test_file.is_file():
         sys.exit(f"no such test file: {test_file}")
+    # As bench/run_gpu.sh: the first config that fits, one compile per kernel
+    # variant; autotuning would time every candidate for each of the cases'
+    # many (head dim, dtype, flags) keys. FLASHFUSE_AUTOTUNE=1 to tune.
+    os.environ.setdefault("FLASHFUSE_AUTOTUNE", "0")
+    if not args.shard:
+        print(f"FLASHFUSE_AUTOTUNE={os.environ['FLASHFUSE_AUTOTUNE']}", flush=True)
 
     if args.shard:
         which, _, path = args.shard.partition(":")

@@ -66,13 +66,13 @@ def force_cuda_path_on_cpu():
     import triton
 
     from flashfuse import ops
-    from flashfuse.kernels import backward, decode, forward, launch, mask_ranges
+    from flashfuse.kernels import backward, decode, forward, launch, mask_ranges, problem
 
     triton.runtime.driver.set_active(_StubDriver())
     launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: (grid(cfg.kwargs), _StubBinary())[1]
     ops._use_triton = lambda q: True
     forward._interpreting = backward._interpreting = mask_ranges._interpreting = lambda t: False
-    decode._interpreting = launch._interpreting = lambda t: False
+    decode._interpreting = launch._interpreting = problem._interpreting = lambda t: False
     # An H200's multiprocessors, for the decode path's split count.
     torch.cuda.current_device = lambda: 0
     torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(multi_processor_count=132)

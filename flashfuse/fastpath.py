@@ -64,8 +64,10 @@ def may_skip_dispatch(*tensors: Tensor | None) -> bool:
     """The fast path's rule (see the module docstring): a plain eager call,
     ``ops._plain_eager_call``, with no torch-function mode either (the
     dispatcher hands the op to one; the private ops skipped by the
-    composite's own eager path have no such hop)."""
-    return ops._plain_eager_call(*tensors) and not torch._C._is_torch_function_mode_enabled()
+    composite's own eager path have no such hop), and no profiler running
+    (its traces name the op only when the dispatcher runs it)."""
+    return (ops._plain_eager_call(*tensors) and not torch._C._is_torch_function_mode_enabled()
+            and not torch.autograd.profiler._is_profiler_enabled)
 
 
 def _tensor(t) -> tuple | None:

@@ -226,6 +226,20 @@ def test_fake_tensors_and_modes_take_the_op():
     assert _hits() == before
 
 
+def test_profiled_calls_take_the_op():
+    """Under the profiler the op runs through the dispatcher, so its traces
+    name it (a fast-path call would not appear)."""
+    q, k, v = _qkv()
+    _decode_fn(q, k, v)
+    before = _hits()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flashfuse.attention(q, k, v, **DECODE)
+    assert _hits() == before
+    assert any(e.name == "flashfuse::attention" for e in prof.events())
+    flashfuse.attention(q, k, v, **DECODE)
+    assert _hits() == before + 1
+
+
 def test_config_reads_follow_the_environment(monkeypatch):
     monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "3")
     assert config.decode_splits() == 3

@@ -26,6 +26,9 @@ def run_script(name: str, out_dir, *extra: str, timeout: int = 300) -> str:
     env["TRITON_INTERPRET"] = "0"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("MPLBACKEND", "Agg")
+    # One thread, as the test workers run (conftest): two workers each
+    # starting a multi-threaded script would oversubscribe two cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, os.path.join(BENCH, name), "--smoke", "--out", str(out_dir), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -154,7 +157,8 @@ def kernel_report(*args: str, **env_overrides: str) -> dict:
     sm_90a on this machine; no GPU needed)."""
     import json
 
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, **env_overrides)
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+               **env_overrides)
     cmd = [sys.executable, os.path.join(BENCH, "kernel_report.py"), *args, "--json"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -126,23 +126,22 @@ def attention_op(
     """``torch.ops.flashfuse.attention`` with the same arguments and
     results, minus the dispatcher and the checks for a plain eager call
     whose signature passed them before (see the module docstring)."""
-    if not may_skip_dispatch(query, key, value, attn_mask, sinks, mask_key_table, mask_query_table):
-        return torch.ops.flashfuse.attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
-            window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
-            mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
-    sig = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
-                     window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
-    if sig in _PASSED:
-        HITS[0] += 1
-        return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                               alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks, plain=True)
+    sig = None
+    if may_skip_dispatch(query, key, value, attn_mask, sinks, mask_key_table, mask_query_table):
+        sig = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
+                         window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+        if sig in _PASSED:
+            HITS[0] += 1
+            return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
+                                   window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
+                                   sinks, plain=True)
     out = torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
         window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
         mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
-    # Reached only when the op's checks passed (a bad input raised above).
-    if len(_PASSED) >= _MAX_SIGNATURES:
-        _PASSED.clear()
-    _PASSED.add(sig)
+    if sig is not None:
+        # Reached only when the op's checks passed (a bad input raised above).
+        if len(_PASSED) >= _MAX_SIGNATURES:
+            _PASSED.clear()
+        _PASSED.add(sig)
     return out

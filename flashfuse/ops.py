@@ -272,16 +272,8 @@ def run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, windo
     """The composite past ``check_inputs``: the remaining checks, the
     normalised arguments, the forward. ``plain``: ``_plain_eager_call``'s
     answer when the caller knows it (``fastpath``), else asked here."""
-    tables = (None, None)
-    if mask_key_table is not None or mask_query_table is not None:
-        tables = _check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
-    # The seed is drawn from PyTorch's generator so torch.manual_seed
-    # reproduces a run; a device tensor so CUDA graphs and Inductor's RNG
-    # handling see it.
-    args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                         alignment, mask_fill,
-                         new_seed=lambda: torch.randint(2**62, (), dtype=torch.int64, device=query.device),
-                         tables=tables, softcap=softcap, sinks=sinks)
+    args = _args_past_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                             alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
     if plain is None:
         plain = _plain_eager_call(query, key, value, attn_mask, sinks)
     if plain:
@@ -304,10 +296,18 @@ def checked_forward_args(query, key, value, attn_mask, dropout_p, is_causal, sca
                          sinks) -> "ForwardArgs":
     """The start of a public composite (``attention``,
     ``attention_with_lse``), with its arguments in order: every check, then
+    ``_args_past_checks``."""
+    check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
+    return _args_past_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                             alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+
+
+def _args_past_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                      alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks) -> "ForwardArgs":
+    """Past ``check_inputs``: the block mask's tables checked, then
     ``_forward_args`` with a fresh seed. The seed is drawn from PyTorch's
     generator so torch.manual_seed reproduces a run; a device tensor so CUDA
     graphs and Inductor's RNG handling see it."""
-    check_inputs(query, key, value, attn_mask, dropout_p, enable_gqa, window_left, window_right, alignment)
     tables = _check_tables(query, key, attn_mask, mask_key_table, mask_query_table)
     return _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                          alignment, mask_fill,
@@ -342,7 +342,7 @@ def input_index(name: str) -> int:
 
 
 def _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                  alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None) -> tuple:
+                  alignment, mask_fill, new_seed, tables=(None, None), softcap=None, sinks=None) -> "ForwardArgs":
     """The arguments of ``_attention_forward`` for a public call whose
     inputs are checked: the default scale, ``is_causal`` as the window's
     right bound, the fill normalised, and a seed from ``new_seed()`` when

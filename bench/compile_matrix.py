@@ -17,7 +17,12 @@ and variant:
 * variants: no mask, causal (built in the graph), a bool padding mask and a
   float mask (graph inputs), grouped heads (``repeat_interleave``), dropout,
   and ``fill``: ``masked_fill`` with the dtype's lowest value on a padding
-  mask that hides some query rows entirely (eager averages those rows).
+  mask that hides some query rows entirely (eager averages those rows);
+  and three spellings of real models, at head dims 40 and 128: ``softcap``
+  (Gemma 2: ``tanh(s / cap) * cap``, then a float mask), ``sinks`` (gpt-oss:
+  a per-head logit concatenated to the scores, the softmax, that column
+  dropped) and ``alibi`` (Bloom: ``bias.baddbmm(q, kᵀ, alpha=scale)`` on
+  (B·H, N, D) views, an fp32 softmax on the (B, H, N, M) view, ``bmm`` with v).
 
 Correctness: the compiled output (and gradients) against a float64 eager
 run of the same program, accepted when the error is within twice eager's own
@@ -56,10 +61,14 @@ HEAD_DIMS = (16, 40, 64, 72, 80, 96, 128, 160, 200, 256)
 DTYPES = ("fp16", "bf16", "fp32")
 MODES = ("infer", "train")
 DYNAMIC = ("static", "true", "auto")
-VARIANTS = ("none", "causal", "bool", "float", "gqa", "dropout", "fill")
+VARIANTS = ("none", "causal", "bool", "float", "gqa", "dropout", "fill", "softcap", "sinks", "alibi")
 # Head dims the mask, grouped-head and dropout variants are crossed with
 # (every head dim is crossed with the plain variant).
 VARIANT_HEAD_DIMS = (40, 128, 200)
+# The spellings from real models (Gemma 2's soft-capping, gpt-oss's sinks,
+# Bloom's ALiBi through baddbmm and views) at two head dims.
+MODEL_VARIANTS = ("softcap", "sinks", "alibi")
+MODEL_VARIANT_HEAD_DIMS = (40, 128)
 # Relative error floors per dtype, where eager's own error is smaller.
 FLOOR = {"fp32": 2e-5, "bf16": 1.6e-2, "fp16": 4e-3}
 FIELDS = ["head_dim", "dtype", "mode", "dynamic", "variant", "status", "rewritten", "candidates",
@@ -70,7 +79,10 @@ FIELDS = ["head_dim", "dtype", "mode", "dynamic", "variant", "status", "rewritte
 def all_cells() -> list[dict]:
     cells = []
     for d, dt, mode, dyn, var in itertools.product(HEAD_DIMS, DTYPES, MODES, DYNAMIC, VARIANTS):
-        if var != "none" and d not in VARIANT_HEAD_DIMS:
+        if var in MODEL_VARIANTS:
+            if d not in MODEL_VARIANT_HEAD_DIMS:
+                continue
+        elif var != "none" and d not in VARIANT_HEAD_DIMS:
             continue
         cells.append(dict(head_dim=d, dtype=dt, mode=mode, dynamic=dyn, variant=var))
     return cells
@@ -91,6 +103,12 @@ def program(variant: str, groups: int):
     import torch.nn.functional as F
 
     def attention(q, k, v, mask):
+        if variant == "alibi":  # Bloom's spelling, on (B·H, N, D) views
+            b, h, n, d = q.shape
+            q3, k3, v3 = (t.reshape(b * h, -1, d) for t in (q, k, v))
+            s = mask.baddbmm(q3, k3.transpose(-1, -2), beta=1.0, alpha=d ** -0.5)
+            p = F.softmax(s.view(b, h, n, -1), dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.bmm(p.view(b * h, n, -1), v3).view(b, h, n, d)
         if variant == "gqa":
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
@@ -105,6 +123,12 @@ def program(variant: str, groups: int):
             s = s + mask
         elif variant == "fill":
             s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+        elif variant == "softcap":  # Gemma 2: cap, then the mask
+            s = torch.tanh(s / 30.0) * 30.0 + mask
+        if variant == "sinks":  # gpt-oss: the sink logit joins the softmax, its column is dropped
+            b, h, n = s.shape[0], s.shape[1], s.shape[2]
+            sink = mask.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
+            return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1] @ v
         p = torch.softmax(s, dim=-1)
         if variant == "dropout":
             p = F.dropout(p, 0.1, training=True)
@@ -144,8 +168,12 @@ def inputs(shape, dtype, device, variant, grad, seed):
     if variant == "bool":
         lengths = torch.randint(1, n + 1, (b,), generator=g)
         mask = (torch.arange(n)[None, :] < lengths[:, None]).view(b, 1, 1, n).to(device)
-    elif variant == "float":
+    elif variant in ("float", "softcap"):
         mask = rand(b, 1, n, n)
+    elif variant == "sinks":  # one logit per query head
+        mask = rand(h)
+    elif variant == "alibi":  # a bias per (batch·head, key), broadcast over queries
+        mask = rand(b * h, 1, n)
     elif variant == "fill":  # key padding, and query rows of batch 0 that see nothing
         keep = torch.rand(b, 1, n, n, generator=g) < 0.7
         keep[0, :, : n // 3] = False

@@ -167,6 +167,39 @@ def test_training_step_bloom_like():
     compile_and_compare(m, *qkv(b=B, h=H, n=N, d=D), expect=1, atol=1e-5, rtol=1e-4)
 
 
+def test_automatic_dynamic_with_new_head_count_and_separate_inputs():
+    """Automatic dynamic shapes after calls with new batch, length, head count
+    and head dim: q, k and v are separate inputs with their own size symbols,
+    and only the bmm's guard says their batch totals are equal. The rewrite
+    unflattens each to the canonical (B, H) by sizes the graph holds, so the
+    third compile is rewritten too (it was refused: "batch sizes do not
+    provably match")."""
+    torch._dynamo.reset()
+    backend = make_backend(record=True)
+
+    def fn(q, k, v, bias):
+        b, h, n, d = q.shape
+        q3, k3, v3 = (t.reshape(b * h, -1, d) for t in (q, k, v))
+        s = bias.baddbmm(q3, k3.transpose(-1, -2), beta=1.0, alpha=d ** -0.5)
+        p = F.softmax(s.view(b, h, n, -1), dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(p.view(b * h, n, -1), v3).view(b, h, n, d)
+
+    compiled = torch.compile(fn, backend=backend)
+    for i, (b, h, n, d) in enumerate([(2, 4, 11, 16), (3, 4, 7, 16), (2, 6, 11, 24)]):
+        q, k, v = qkv(b=b, h=h, n=n, d=d, seed=i)
+        bias = torch.randn(b * h, 1, n, generator=torch.Generator().manual_seed(i))
+        out = compiled(q, k, v, bias)
+        hi = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = fn(*hi, bias.double())
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        for a, e in zip(grads, torch.autograd.grad(ref, hi, g.double())):
+            torch.testing.assert_close(a.double(), e, atol=1e-5, rtol=1e-4)
+    assert len(backend.candidates) == 3
+    assert all(c.rewritten for c in backend.candidates), [c.reason for c in backend.candidates]
+
+
 # --- near misses: left alone, with a reason ------------------------------------------
 
 

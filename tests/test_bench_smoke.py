@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 
 import pytest
+
+import script_runner
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("tabulate")
@@ -29,8 +30,10 @@ def run_script(name: str, out_dir, *extra: str, timeout: int = 300) -> str:
     # One thread, as the test workers run (conftest): two workers each
     # starting a multi-threaded script would oversubscribe two cores.
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, os.path.join(BENCH, name), "--smoke", "--out", str(out_dir), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # Each script runs as `python bench/NAME --smoke ...` would, in a process
+    # forked from one that has imported torch already (script_runner).
+    proc = script_runner.run(os.path.join(BENCH, name), "--smoke", "--out", str(out_dir), *extra,
+                             cwd=ROOT, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -159,8 +162,8 @@ def kernel_report(*args: str, **env_overrides: str) -> dict:
 
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
                **env_overrides)
-    cmd = [sys.executable, os.path.join(BENCH, "kernel_report.py"), *args, "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = script_runner.run(os.path.join(BENCH, "kernel_report.py"), *args, "--json", cwd=ROOT, env=env,
+                             timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {r["kernel"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
 

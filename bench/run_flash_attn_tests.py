@@ -549,12 +549,19 @@ def _report(args, counts, note, elapsed, res=None) -> int:
             print("  ERROR", f)
         for f in res["failures"]:
             print("  FAILED", f)
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     pathlib.Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["function", "passed", "failed", "skipped", "seconds", "every", "status", "errors", "mode"])
+        w.writerow(["function", "passed", "failed", "skipped", "seconds", "every", "status", "errors", "mode",
+                    "gpu", "torch_version", "triton_version", "date"])
         for r in rows:
-            w.writerow(r[:4] + [round(elapsed), args.every, note, r[4], "direct" if direct else "pytest"])
+            w.writerow(r[:4] + [round(elapsed), args.every, note, r[4], "direct" if direct else "pytest",
+                                gpu, torch.__version__, triton.__version__, stamp])
     return 0 if rows and not any(r[2] or r[4] for r in rows) else 1
 
 

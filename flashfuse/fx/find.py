@@ -1661,7 +1661,8 @@ class _BatchLayout:
         if tail is None:
             raise NoMatch("the head count of the views is not a size the graph holds")
         self.tail = [tail]
-        self.lead = V.size_arg(gm, self.canon[0], pv, self.hints)
+        # Symbolic only: with static sizes (-1, H) proves the same and reads better.
+        self.lead = None if N.const_int(self.canon[0]) is not None else V.size_arg(gm, self.canon[0], pv, self.hints)
         self.scores = N.tensor_val(qk).flatten(0, len(qs) - 3).unflatten(0, (-1, N.val(tail))) \
             if len(qs) > 3 else N.tensor_val(qk).unflatten(0, (-1, N.val(tail)))
         # Where each mask or scale tensor meets the scores: (layout, rank);
@@ -1700,10 +1701,10 @@ class _BatchLayout:
         if t.dim() != len(layout) + 2 or not V.same_layout(tuple(t.shape[:-2]), layout):
             raise NoMatch(f"{what} broadcasts over the batch dims of a view; left alone")
         steps = V.to_canonical(t.dim(), layout, self.tail)
-        # Unflatten to both canonical sizes when the graph holds the first:
-        # with -1, separately symbolic inputs whose batch totals are equal
-        # only by a guard (a bmm's) would leave a batch size like (a·b)//h
-        # that no proof matches to B.
+        # Unflatten to both canonical sizes when the first is symbolic and
+        # the graph holds it: with -1, separately symbolic inputs whose batch
+        # totals are equal only by a guard (a bmm's) would leave a batch size
+        # like (a·b)//h that no proof matches to B.
         if self.lead is not None and steps[-1][0] == "unflatten":
             steps[-1] = ("unflatten", 0, (self.lead, *self.tail))
         return op.then(*steps)

@@ -54,10 +54,10 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .forward import _LOG2E, _clamp_window, _dot
+from .forward import _LOG2E, _dot
 from .launch import (
     _DRY_RUN, ConfigLauncher, _autotune_enabled, _bucket, _current_stream, _dot_precision, _fingerprint,
-    _interpreting, bool_mask_as_bytes, cdiv, hint, next_pow2, run_binary, static_int,
+    _interpreting, bool_mask_as_bytes, cdiv, clamp_window, hint, next_pow2, run_binary, static_int,
 )
 
 __all__ = ["decode_forward", "decode_suits", "decode_refusal", "DecodeCall", "choose_splits"]
@@ -70,7 +70,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 @triton.jit(do_not_specialize=["M", "ROWS", "N_ROWS"])
 def _mask_bounds(
     Mask, Bounds,
-    stride_mb, stride_mh, stride_mn, stride_mm,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
     M, ROWS, N_ROWS,
     BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
 ):
@@ -90,10 +90,10 @@ def _mask_bounds(
     first = tl.full([BLOCK_K], 2147483647, dtype=tl.int32)
     last = tl.zeros([BLOCK_K], dtype=tl.int32)
     for r in range(0, ROWS):
-        row = Mask + b * stride_mb + (r // N_ROWS).to(tl.int64) * stride_mh + (r % N_ROWS).to(tl.int64) * stride_mn
+        row = Mask + b * stride_mask_b + (r // N_ROWS).to(tl.int64) * stride_mask_h + (r % N_ROWS).to(tl.int64) * stride_mask_q
         for start in range(c_lo, c_hi, BLOCK_K):
             j = start + offs
-            seen = tl.load(row + j.to(tl.int64) * stride_mm, mask=j < c_hi, other=0).to(tl.int32) != 0
+            seen = tl.load(row + j.to(tl.int64) * stride_mask_k, mask=j < c_hi, other=0).to(tl.int32) != 0
             first = tl.minimum(first, tl.where(seen, j, 2147483647))
             last = tl.maximum(last, tl.where(seen, j + 1, 0))
     out = Bounds + (b * CHUNKS + c) * 2
@@ -111,12 +111,12 @@ def _parts(Part, rows, S, BLOCK_DV: tl.constexpr):
 @triton.jit(do_not_specialize=["N", "G", "M_CAP", "NUM_PAGES", "S", "window_left", "window_right"])
 def _decode_split(
     Q, K, V, SeqLens, Table, Mask, Bounds, Part, Out, Lse,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_tb, stride_tp,
-    stride_mb, stride_mh, stride_mn, stride_mm,
-    stride_ob, stride_oh, stride_om, stride_od,
+    stride_q_b, stride_q_h, stride_q_q, stride_q_d,
+    stride_k_b, stride_k_k, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_k, stride_v_h, stride_v_d,
+    stride_table_b, stride_table_p,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    stride_o_b, stride_o_h, stride_o_q, stride_o_d,
     Hq, N, G, M_CAP, NUM_PAGES, S,
     qk_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -128,16 +128,16 @@ def _decode_split(
 ):
     """Grid (S, Hkv * row tiles, B): split ``pid0`` of one row tile.
 
-    K / V are addressed as ``base + page * stride_kb + slot * stride_kn +
-    kvh * stride_kh``: without PAGED, page is the batch row and slot the key
+    K / V are addressed as ``base + page * stride_k_b + slot * stride_k_k +
+    kvh * stride_k_h``: without PAGED, page is the batch row and slot the key
     index; with PAGED, page is ``Table[b, j // PAGE_SIZE]`` and slot
     ``j % PAGE_SIZE``. ``M_CAP`` is the keys a row can hold (the cache
     length, or max_pages * PAGE_SIZE). DIRECT (S == 1): write Out (q's dtype)
     and Lse (natural log) directly; else the float32 buffer Part, which holds
     OPart (B, Hq, N, S, BLOCK_DV) then LPart (B, Hq, N, S), base 2 (one
     allocation per call, see ``_parts``). HAS_MASK: a bool mask (bytes,
-    nonzero takes part) at ``Mask + b * stride_mb + h * stride_mh + i *
-    stride_mn + j * stride_mm`` also decides visibility, and the keys are
+    nonzero takes part) at ``Mask + b * stride_mask_b + h * stride_mask_h + i *
+    stride_mask_q + j * stride_mask_k`` also decides visibility, and the keys are
     first narrowed to the row's ``Bounds`` (``_mask_bounds``, CHUNKS
     entries), so that the splits share only the keys the mask shows.
     """
@@ -194,16 +194,16 @@ def _decode_split(
     start = lo_blk + s * chunk
     end = tl.minimum(start + chunk, hi)
 
-    q_ptrs = (Q + b64 * stride_qb + h.to(tl.int64)[:, None] * stride_qh + qi.to(tl.int64)[:, None] * stride_qm
-              + offs_d[None, :] * stride_qd)
+    q_ptrs = (Q + b64 * stride_q_b + h.to(tl.int64)[:, None] * stride_q_h + qi.to(tl.int64)[:, None] * stride_q_q
+              + offs_d[None, :] * stride_q_d)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    k_head = K + kvh.to(tl.int64) * stride_kh
-    v_head = V + kvh.to(tl.int64) * stride_vh
+    k_head = K + kvh.to(tl.int64) * stride_k_h
+    v_head = V + kvh.to(tl.int64) * stride_v_h
     d_ok = offs_d[None, :] < HEAD_DIM
     dv_ok = offs_dv[None, :] < HEAD_DIM_V
 
     if HAS_MASK:
-        m_rows = Mask + b64 * stride_mb + h.to(tl.int64) * stride_mh + qi.to(tl.int64) * stride_mn
+        m_rows = Mask + b64 * stride_mask_b + h.to(tl.int64) * stride_mask_h + qi.to(tl.int64) * stride_mask_q
 
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -213,15 +213,15 @@ def _decode_split(
         col_ok = offs_n < end
         if PAGED:
             slot_idx = offs_n // PAGE_SIZE
-            page = tl.load(Table + b64 * stride_tb + slot_idx.to(tl.int64) * stride_tp, mask=col_ok, other=0)
+            page = tl.load(Table + b64 * stride_table_b + slot_idx.to(tl.int64) * stride_table_p, mask=col_ok, other=0)
             # A page number out of range reads page 0 or the last one, never past the pool.
             page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
         else:
             page = b64 + offs_n.to(tl.int64) * 0
             slot = offs_n.to(tl.int64)
-        k_rows = k_head + page * stride_kb + slot * stride_kn
-        v_rows = v_head + page * stride_vb + slot * stride_vn
+        k_rows = k_head + page * stride_k_b + slot * stride_k_k
+        v_rows = v_head + page * stride_v_b + slot * stride_v_k
         vis = col_ok[None, :] & row_ok[:, None]
         if HAS_WINDOW_RIGHT:
             vis = vis & (offs_n[None, :] <= qi[:, None] + off + window_right)
@@ -229,12 +229,12 @@ def _decode_split(
             vis = vis & (offs_n[None, :] >= qi[:, None] + off - window_left)
         kv_ok = col_ok
         if HAS_MASK:
-            keep = tl.load(m_rows[:, None] + offs_n.to(tl.int64)[None, :] * stride_mm, mask=vis, other=0)
+            keep = tl.load(m_rows[:, None] + offs_n.to(tl.int64)[None, :] * stride_mask_k, mask=vis, other=0)
             vis = vis & (keep.to(tl.int32) != 0)
             # Keys no row of the tile sees are not read (a predicated-off
             # load moves no memory): holes and ends a cache leaves unfilled.
             kv_ok = tl.max(vis.to(tl.int32), 0) != 0
-        k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_ok[:, None] & d_ok, other=0.0)
+        k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_k_d, mask=kv_ok[:, None] & d_ok, other=0.0)
         qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST) * qk_scale
         qk = tl.where(vis, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
@@ -242,7 +242,7 @@ def _decode_split(
         p = tl.exp2(qk - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=kv_ok[:, None] & dv_ok, other=0.0)
+        v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_v_d, mask=kv_ok[:, None] & dv_ok, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INPUT_PRECISION, DOT_UPCAST)
         m_i = m_ij
 
@@ -253,8 +253,8 @@ def _decode_split(
     row_base = (b64 * Hq + h.to(tl.int64)) * N + qi.to(tl.int64)  # (b, h, i) in (B, Hq, N)
     if DIRECT:
         lse = tl.where(empty, float("inf"), lse2 * 0.6931471805599453)
-        o_ptrs = (Out + b64 * stride_ob + h.to(tl.int64)[:, None] * stride_oh + qi.to(tl.int64)[:, None] * stride_om
-                  + offs_dv[None, :] * stride_od)
+        o_ptrs = (Out + b64 * stride_o_b + h.to(tl.int64)[:, None] * stride_o_h + qi.to(tl.int64)[:, None] * stride_o_q
+                  + offs_dv[None, :] * stride_o_d)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
         tl.store(Lse + row_base, lse, mask=row_ok)
     else:
@@ -267,7 +267,7 @@ def _decode_split(
 @triton.jit(do_not_specialize=["N", "S"])
 def _decode_combine(
     Part, Out, Lse,
-    stride_ob, stride_oh, stride_om, stride_od,
+    stride_o_b, stride_o_h, stride_o_q, stride_o_d,
     Hq, N, S,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -292,7 +292,7 @@ def _decode_combine(
     bb = row // per_batch
     hh = (row % per_batch) // N
     ii = row % N
-    o_ptrs = Out + bb * stride_ob + hh * stride_oh + ii * stride_om + offs_dv * stride_od
+    o_ptrs = Out + bb * stride_o_b + hh * stride_o_h + ii * stride_o_q + offs_dv * stride_o_d
     tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
     tl.store(Lse + row, lse)
 
@@ -736,7 +736,7 @@ def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wind
     B, Hq, N, Dv = plan.B, plan.Hq, plan.N, plan.Dv
     c.ints = (*q.stride(), *kst, *vst, *tst, *mst, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, plan.G, m_cap, num_pages, S)
     limit = N + m_cap
-    c.windows = (_clamp_window(window_left, limit), _clamp_window(window_right, limit))
+    c.windows = (clamp_window(window_left, limit), clamp_window(window_right, limit))
     c.bounds_ints = (*mst, m_cap, plan.m_rows, plan.m_queries) if attn_mask is not None else None
     return c
 

@@ -34,7 +34,6 @@ from .launch import (
     ConfigLauncher, _autotune_enabled, _bucket, cdiv, config_tuple, DESCRIPTOR_MIN_STAGES, FORWARD_BUCKET_CAP,
     ensure_scratch_allocator,
 )
-from .launch import clamp_window as _clamp_window  # noqa: F401 - the decode launcher's name for it
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
 from .mask_ranges import mask_tables, table_strides
 from .problem import AttentionProblem

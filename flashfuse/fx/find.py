@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.fx
@@ -34,7 +34,8 @@ from . import capsink as _capsink
 from . import nodes as N
 from . import views as V
 from .masks import Band, MaskEvaluator
-from .match import Candidate, MaskTerm, Operand, Plan, source_line
+from .match import (Candidate, MaskTerm, Operand, Plan, ProbsPath, ScoreOperands, ScoresPath, ValueOperands,
+                    source_line)
 
 # Head sizes and dtypes the op supports.
 MIN_HEAD_DIM = 16
@@ -321,7 +322,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
     if sm_dtype is not None and not (isinstance(sm_dtype, torch.dtype) and sm_dtype.is_floating_point):
         raise NoMatch("softmax dtype is not a floating dtype")
 
-    pv, dropout_p, probs_chain = _walk_probs(sm, gm)
+    probs = _walk_probs(sm, gm)
+    pv, dropout_p, probs_chain = probs.product, probs.dropout_p, probs.chain
     cand.output = pv
     # gpt-oss's sinks: a column concatenated to the scores, dropped after.
     sink = _capsink.peel_sinks(x, sm)
@@ -330,7 +332,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
         raise NoMatch("the probabilities are sliced, not a sink column dropped")
     if sink is not None and not sliced:
         raise NoMatch("a column is concatenated to the scores but not dropped after the softmax")
-    qk, transforms, scores_chain = _walk_scores(sink.scores if sink else x, sink.cat if sink else sm)
+    scores = _walk_scores(sink.scores if sink else x, sink.cat if sink else sm)
+    qk, transforms, scores_chain = scores.product, scores.transforms, scores.chain
     cand.scores = qk
     cand.replaced = [qk, *scores_chain, *(n for n in (sink.nodes[::-1] if sink else []) if N.tensor_val(n) is not None), sm, *probs_chain, pv]
 
@@ -390,8 +393,9 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
     if fold and sink is not None:
         raise NoMatch("sinks together with more than two batch dims are not understood")
 
-    q_op, k_op, pre, perm0 = _score_operands(qk, pad=layout is None and not grouped and not fold, flipped=flipped,
-                                             max_batch=nd - 2 if fold else 3 if grouped else 2)
+    operands = _score_operands(qk, pad=layout is None and not grouped and not fold, flipped=flipped,
+                               max_batch=nd - 2 if fold else 3 if grouped else 2)
+    q_op, k_op, pre, perm0 = operands.query, operands.key, operands.transforms, operands.perm
     transforms = _capsink.fold_softcap(pre + transforms)
     if N.kind(qk) == "baddbmm" and any(t[0] == "add" for t in pre):
         # A bias-first product (Bloom/Falcon ALiBi): named in explain.
@@ -433,9 +437,8 @@ def _same_shape(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(N.known_eq(x, y) for x, y in zip(a, b))
 
 
-def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
-    """From the softmax forward to ``probs @ v``. Returns the product node,
-    the dropout probability and the transform nodes."""
+def _walk_probs(sm: torch.fx.Node, gm) -> ProbsPath:
+    """From the softmax forward to ``probs @ v``."""
     cur = sm
     chain: list[torch.fx.Node] = []
     dropout_p = 0.0
@@ -498,12 +501,12 @@ def _walk_probs(sm: torch.fx.Node, gm) -> tuple:
             continue
         if k in ("matmul", "bmm"):
             if len(u.args) >= 2 and u.args[0] is cur and u.args[1] is not cur:
-                return u, dropout_p, chain
+                return ProbsPath(u, dropout_p, chain)
             raise NoMatch("the probabilities are not the left operand of the product with v")
         if k == "einsum":
             ops = _einsum_operands(u)
             if ops is not None and len(ops[1]) == 2 and ops[1][0] is cur and ops[1][1] is not cur:
-                return u, dropout_p, chain
+                return ProbsPath(u, dropout_p, chain)
             raise NoMatch("the probabilities go into an einsum that is not probs x v")
         raise NoMatch(f"the probabilities go into {N.describe(u)}, not a product with v")
 
@@ -526,13 +529,9 @@ def _other_users_inplace(cur: torch.fx.Node, consumer: torch.fx.Node) -> Optiona
     raise NoMatch("the scores have other users (returned or reused)")
 
 
-def _walk_scores(x: torch.fx.Node, consumer: torch.fx.Node) -> tuple:
-    """From the softmax input back to the q @ k^T product.
-
-    Returns (product node, transforms in the order they apply, chain nodes).
-    A transform is ("scale", op, factor), ("add", term node, negate, alpha),
-    ("fill", cond node, hide_where_true, value) or ("noop",).
-    """
+def _walk_scores(x: torch.fx.Node, consumer: torch.fx.Node) -> ScoresPath:
+    """From the softmax input back to the q @ k^T product (transforms: see
+    :data:`flashfuse.fx.match.Transform`)."""
     outer: list[tuple] = []  # collected from the softmax inward
     chain: list[torch.fx.Node] = []
     cur = x
@@ -549,7 +548,7 @@ def _walk_scores(x: torch.fx.Node, consumer: torch.fx.Node) -> tuple:
                 outer.append(t)
             chain.append(side)
         if N.kind(cur) in N.PRODUCT_KINDS:
-            return cur, list(reversed(outer)), chain
+            return ScoresPath(cur, list(reversed(outer)), chain)
         t, inp = _transform(cur, None)
         chain.append(cur)
         if t is not None:
@@ -832,7 +831,7 @@ def _swaps_last_two(x: torch.fx.Node) -> bool:
     return False
 
 
-def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, max_batch: int = 2) -> tuple:
+def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, max_batch: int = 2) -> ScoreOperands:
     """q (..., N, D) and k (..., M, D) operands of the score product, with the
     batch dims of the scores in order, any transforms the product itself
     applies (baddbmm's alpha and bias), and the product's layout: the
@@ -888,8 +887,8 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, 
         b_op = pad_batch(b_op, bv.dim(), nb)
         perm = tuple(range(nb + 2 if not pad else 4))
         if flipped:
-            return b_op, a_op, pre, L.swap_last_two(perm)
-        return a_op, b_op, pre, perm
+            return ScoreOperands(b_op, a_op, pre, L.swap_last_two(perm))
+        return ScoreOperands(a_op, b_op, pre, perm)
     if k == "einsum":
         eq, ops = _einsum_operands(qk)
         if len(ops) != 2:
@@ -934,7 +933,7 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, 
             # The op's scores gain leading size-1 dims; the product's layout too.
             extra = 2 - len(batch)
             perm = tuple(range(extra)) + tuple(p + extra for p in perm)
-        return q_op, k_op, pre, perm
+        return ScoreOperands(q_op, k_op, pre, perm)
     raise NoMatch(f"{N.describe(qk)} is not a score product")
 
 
@@ -1041,7 +1040,7 @@ def _pad_batch(op: Operand, ndim: int, nb: int) -> Operand:
     return op
 
 
-def _value_operand(pv: torch.fx.Node, perm=None) -> tuple:
+def _value_operand(pv: torch.fx.Node, perm=None) -> ValueOperands:
     """v (B?, H?, M, Dv) operand and the steps that turn the op's
     (B, H, N, Dv) result into ``pv``'s tensor. ``perm``: the layout of the
     probabilities (probs = canonical (batch..., N, M) ``.permute(perm)``)."""
@@ -1058,7 +1057,7 @@ def _value_operand(pv: torch.fx.Node, perm=None) -> tuple:
             raise NoMatch("output with more than two batch dims")
         v_op = _pad_batch(Operand(v), vv.dim(), nb)
         out_steps = [("squeeze", 0)] * (2 - nb)
-        return v_op, out_steps
+        return ValueOperands(v_op, out_steps)
     # einsum: probabilities carry the score layout (batch..., n, m).
     eq, ops = _einsum_operands(pv)
     (tp, tv), to = _parse_einsum(eq, 2)
@@ -1091,7 +1090,7 @@ def _value_operand(pv: torch.fx.Node, perm=None) -> tuple:
     perm = tuple(canon.index(c) for c in to)
     if perm != tuple(range(len(perm))):
         out_steps.append(("permute", perm))
-    return v_op, out_steps
+    return ValueOperands(v_op, out_steps)
 
 
 # ---------------------------------------------------------------------------
@@ -1135,10 +1134,16 @@ def _operand_val(op: Operand) -> torch.Tensor:
         raise NoMatch(f"operand views do not apply: {e}") from None
 
 
-def _repeat_source(op: Operand) -> Optional[tuple]:
-    """If the operand is a head-repeated tensor (repeat_kv's expand+reshape,
-    or repeat_interleave on the head dim) whose head ``h`` reads source head
-    ``h // n_rep``, return (source operand, n_rep)."""
+class _Repeated(NamedTuple):
+    """A head-repeated k or v: head ``h`` reads ``source``'s head ``h // n_rep``."""
+
+    source: Operand
+    n_rep: int
+
+
+def _repeat_source(op: Operand) -> Optional[_Repeated]:
+    """The source of a head-repeated operand (repeat_kv's expand+reshape, or
+    repeat_interleave on the head dim), or None."""
     if op.steps:
         return None
     node = op.node
@@ -1154,7 +1159,7 @@ def _repeat_source(op: Operand) -> Optional[tuple]:
         r = N.const_int(N.val(reps)) if not isinstance(reps, torch.fx.Node) or N.tensor_val(reps) is None else None
         if sv is None or sv.dim() != 4 or r is None or r < 1 or dim not in (1, -3):
             return None
-        return Operand(src), r
+        return _Repeated(Operand(src), r)
     if k in ("reshape", "view"):
         ex = node.args[0]
         if N.kind(ex) != "expand":
@@ -1176,7 +1181,7 @@ def _repeat_source(op: Operand) -> Optional[tuple]:
         rc = N.const_int(r)
         if rc is None:
             return None
-        return Operand(src), rc
+        return _Repeated(Operand(src), rc)
     return None
 
 
@@ -1288,12 +1293,12 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         enable_gqa = not N.known_eq(kv.shape[1], H)
         if enable_gqa:
             facts["gqa"] = f"{_fmt(H)}q/{_fmt(kv.shape[1])}kv (5-D broadcast)"
-    elif kr and vr and kr[1] == vr[1] and kr[1] > 1:
-        ksrc, vsrc = _operand_val(kr[0]), _operand_val(vr[0])
+    elif kr and vr and kr.n_rep == vr.n_rep and kr.n_rep > 1:
+        ksrc, vsrc = _operand_val(kr.source), _operand_val(vr.source)
         if N.known_eq(ksrc.shape[1], vsrc.shape[1]) and N.known_eq(kv.shape[1], vv.shape[1]):
             if not N.known_eq(qv.shape[1], H):
                 raise NoMatch("grouped heads with a broadcast query")
-            k_op, v_op, kv, vv = kr[0], vr[0], ksrc, vsrc
+            k_op, v_op, kv, vv = kr.source, vr.source, ksrc, vsrc
             enable_gqa = True
             facts["gqa"] = f"{_fmt(H)}q/{_fmt(kv.shape[1])}kv (repeat folded)"
     hk, hv = kv.shape[1], vv.shape[1]
@@ -1450,7 +1455,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         window = _band_to_window(band, N_, M_)
         if window is None:
             raise NoMatch("internal: a recognised band has no window form")
-        window_left, window_right, alignment = window
+        window_left, window_right, alignment = window.left, window.right, window.alignment
 
     # Dtypes: the op runs in one dtype; the result is cast to eager's.
     dtypes = {qv.dtype, kv.dtype, vv.dtype}
@@ -1572,8 +1577,16 @@ def _band_dims_full(node, n, m) -> bool:
     return s is not None and len(s) >= 2 and N.known_eq(s[-2], n) and N.known_eq(s[-1], m)
 
 
-def _band_to_window(band: Band, n, m) -> Optional[tuple]:
-    """(window_left, window_right, alignment) with ``lo <= j - i <= hi``."""
+class _Window(NamedTuple):
+    """The op's band arguments: ``-left <= j - i - offset <= right``."""
+
+    left: Optional[int]
+    right: Optional[int]
+    alignment: str  # "top_left" (offset 0) or "bottom_right" (offset M - N)
+
+
+def _band_to_window(band: Band, n, m) -> Optional[_Window]:
+    """The window that shows exactly ``lo <= j - i <= hi``, or None."""
     offsets = [("top_left", 0)]
     if not N.known_eq(n, m):
         offsets.append(("bottom_right", m - n))
@@ -1588,9 +1601,9 @@ def _band_to_window(band: Band, n, m) -> Optional[tuple]:
             wl = N.const_int(off - band.lo)
             ok = ok and wl is not None and wl >= 0
         if ok:
-            found.append((wl, wr, alignment))
+            found.append(_Window(wl, wr, alignment))
     # Prefer the alignment in which the band touches the diagonal (causal).
-    found.sort(key=lambda w: w[1] != 0)
+    found.sort(key=lambda w: w.right != 0)
     return found[0] if found else None
 
 

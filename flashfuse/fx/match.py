@@ -15,13 +15,16 @@ tensor except the casts it lists explicitly.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.fx
 
-# A view step: ("transpose", d0, d1) | ("permute", dims) | ("unsqueeze", d)
-# | ("squeeze", d) | ("to", dtype) | ("not",) (logical not, for masks).
+# A view step, replayed in front of the op (``find.apply_steps``,
+# ``rewrite``): ("transpose", d0, d1) | ("permute", dims) | ("unsqueeze", d)
+# | ("squeeze", d) | ("to", dtype) | ("not",) (logical not, for masks)
+# | ("flatten", d0, d1) | ("unflatten", d, sizes) | ("expand", sizes), where
+# sizes may hold graph nodes (symbolic sizes).
 Step = tuple
 
 # A scale factor applied to the scores: a Python number, or a graph node that
@@ -39,6 +42,46 @@ class Operand:
 
     def then(self, *steps: Step) -> "Operand":
         return Operand(self.node, self.steps + list(steps))
+
+
+# A score transform between the q·kᵀ product and the softmax, in the order
+# it applies: ("scale", "mul" | "div", factor) | ("add", term, negate, alpha)
+# | ("fill", cond, hide_where_true, value) | ("noop",) (a constant shift)
+# | ("transpose",) (scores built as k @ qᵀ) | ("tanh",), which
+# ``capsink.fold_softcap`` turns with its two scales into ("softcap", cap).
+Transform = tuple
+
+
+class ProbsPath(NamedTuple):
+    """The probabilities' way from the softmax to the value product."""
+
+    product: torch.fx.Node  # probs @ v (matmul, bmm or einsum)
+    dropout_p: float
+    chain: list  # the nodes in between (casts, views, dropout, the sink slice)
+
+
+class ScoresPath(NamedTuple):
+    """The scores' way from the q·kᵀ product to the softmax."""
+
+    product: torch.fx.Node  # q @ kᵀ (matmul, bmm, baddbmm or einsum)
+    transforms: list  # Transform, in the order they apply
+    chain: list  # the nodes in between, from the softmax inward
+
+
+class ScoreOperands(NamedTuple):
+    """q and k of the score product, and what the product itself applies."""
+
+    query: Operand
+    key: Operand
+    transforms: list  # Transform applied by the product (baddbmm's alpha and bias)
+    perm: tuple  # the scores' dims as the product lays them out, from (batch..., N, M)
+
+
+class ValueOperands(NamedTuple):
+    """v of the value product, and the steps from the op's result to its output."""
+
+    value: Operand
+    out_steps: list
 
 
 @dataclasses.dataclass

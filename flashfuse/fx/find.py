@@ -682,12 +682,15 @@ def _leads_to_product(x: Any, depth: int = 12) -> bool:
         k = N.kind(cur)
         if k in N.PRODUCT_KINDS:
             return True
-        if not cur.args or not isinstance(cur.args[0], torch.fx.Node):
-            return False
-        if k in ("where",):
+        if k in ("where",) and len(cur.args) == 3:
             cur = cur.args[1] if isinstance(cur.args[1], torch.fx.Node) else cur.args[2]
-        else:
-            cur = cur.args[0]
+            continue
+        # The first tensor operand: ``cap * torch.tanh(s / cap)`` puts a
+        # number first.
+        nodes = [a for a in cur.args if isinstance(a, torch.fx.Node)]
+        if not nodes:
+            return False
+        cur = nodes[0]
     return False
 
 

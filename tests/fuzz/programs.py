@@ -88,6 +88,7 @@ class Spec:
     twice: bool = False  # a second attention reads the first one's output as q
     shared: str = "none"  # "none" | "kv" (k is v) | "qk" (q is k): one tensor, two roles
     scale_form: int = 0  # 0: s = s * c, 1: in place (s *= c / s.mul_(c)), 2: torch.mul
+    model: str = "none"  # a feature of real models the op computes: see MODEL_FEATURES
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -113,6 +114,14 @@ MASKS = (
 )
 # Masks that are inputs of the program.
 INPUT_MASKS = ("add_float", "add_neg_inf", "bool")
+
+# Features of real models that the op computes (so the pass must rewrite):
+MODEL_FEATURES = (
+    "none",
+    "softcap",  # Gemma 2: cap * tanh(s / cap) after the scale, before the mask (three spellings)
+    "sinks",  # gpt-oss: a per-head logit (an input) concatenated to the scores, its column dropped
+    "sinks_shift",  # the same, the concatenation shifted by its row max first
+)
 
 
 def expected_rewrites(spec: Spec, compiler: str = "aot_eager") -> Optional[int]:
@@ -235,13 +244,20 @@ def specs(draw, hostile_rate: float = 0.2, allow_bf16: bool = True) -> Spec:
             M = N
     twice = (draw(st.integers(0, 5)) == 0 and layout == "bhnd" and out == "plain" and hostile == "none"
              and Dv == D and shared == "none")
+    model = draw(st.sampled_from(["none"] * 7 + ["softcap", "sinks", "sinks_shift"]))
+    if hostile != "none":
+        model = "none"
+    if model == "softcap" and scale_place == "after_mask":
+        model = "none"  # scaled again after the cap: left alone on purpose (a near miss, not this feature)
+    if model.startswith("sinks") and (product in ("bmm", "baddbmm") or cast != "none"):
+        model = "none"  # the sink spelling is on 4-D scores in their own dtype
     return Spec(
         B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, Dv=Dv, dtype=dtype, layout=layout, gqa=gqa,
         product=product, key=key, scale=scale, scale_place=scale_place, mask=mask,
         mask_shape=mask_shape, mask_form=mask_form, softmax=softmax, cast=cast,
         dropout=dropout, dropout_p=dropout_p, out=out, hostile=hostile, train=train,
         seed=draw(st.integers(0, 2**16)), dynamic=dynamic, twice=twice, shared=shared,
-        scale_form=scale_form,
+        scale_form=scale_form, model=model,
     )
 
 
@@ -365,6 +381,8 @@ def render(spec: Spec) -> str:
         args.append("mask")
     if spec.mask == "padding":
         args.append("pad")
+    if spec.model.startswith("sinks"):
+        args.append("sinks")
     body: list[str] = []
 
     if spec.scale == "buffer":
@@ -426,6 +444,11 @@ def render(spec: Spec) -> str:
     if spec.scale_place == "scores":
         if spec.scale != "none":
             body.append(_scale_line(spec))
+    if spec.model == "softcap":
+        cap = (2.0, 5.0, 30.0)[spec.seed % 3]
+        body.append([f"s = torch.tanh(s / {cap!r}) * {cap!r}",
+                     f"s = {cap!r} * torch.tanh(s * (1.0 / {cap!r}))",
+                     f"s = (s / {cap!r}).tanh().mul({cap!r})"][(spec.seed // 3) % 3])
     body.extend(_mask_lines(spec))
     if spec.scale_place == "after_mask":
         body.append(_scale_line(spec))
@@ -445,6 +468,12 @@ def render(spec: Spec) -> str:
     elif spec.cast == "to_float":
         body.append("s = s.to(torch.float32)")
 
+    if spec.model.startswith("sinks"):
+        body.append("sink = sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)")
+        body.append("s = torch.cat([s, sink], dim=-1)")
+        if spec.model == "sinks_shift":
+            body.append("s = s - s.max(dim=-1, keepdim=True).values")
+
     # The query dim, the first batch dim, or the batch dim: never the keys.
     dim = ("-2", "1", "0")[spec.seed % 3] if hostile == "softmax_dim" else "-1"
     body.append({
@@ -454,6 +483,8 @@ def render(spec: Spec) -> str:
         "module": "a = self.softmax(s)" if dim == "-1" else f"a = F.softmax(s, dim={dim})",
         "F_dtype": f"a = F.softmax(s, dim={dim}, dtype=torch.float32)",
     }[spec.softmax])
+    if spec.model.startswith("sinks"):
+        body.append("a = a[..., :-1]" if spec.seed % 2 else "a = a[:, :, :, :-1]")
     if spec.cast == "float_type_as":
         body.append("a = a.type_as(q)")
     elif spec.cast == "to_float" or spec.softmax == "F_dtype":
@@ -548,12 +579,16 @@ def make_inputs(spec: Spec) -> list[torch.Tensor]:
         pad = (torch.rand(B, M, generator=g) > 0.3).to(dt)
         pad[:, 0] = 1
         inputs.append(pad)
+    if spec.model.startswith("sinks"):
+        inputs.append(t(H))
     if spec.train:
         for x in inputs:
             if x.dtype.is_floating_point and spec.mask != "add_neg_inf" and spec.mask != "padding":
                 x.requires_grad_(True)
         for x in inputs[:3]:
             x.requires_grad_(True)
+        if spec.model.startswith("sinks"):
+            inputs[-1].requires_grad_(True)  # the sinks are learned
     return inputs
 
 

@@ -70,6 +70,39 @@ def test_finfo_min_fill_then_scale_by_symbolic_sqrt(dynamic):
             assert "does not remove positions" in counter.reasons[0]
 
 
+def mask_first_after_cap_first_softcap(q, k, v, mask):
+    # Shrunk from a CI-profile failure (model="softcap", mask_form=1).
+    s = q @ k.transpose(-2, -1)
+    s = 2.0 * torch.tanh(s * (1.0 / 2.0))
+    s = mask + s
+    return F.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_mask_added_first_to_a_cap_first_softcap(dynamic):
+    """Found: ``mask + cap * tanh(s / cap)`` was left alone ("placeholder
+    L_mask_ between the q·kᵀ product and the softmax is not understood"):
+    to tell the scores from the mask in ``mask + x``, the pass looks back
+    from each operand for a product, and that look-back stopped at ``cap *
+    ...``, whose first argument is a number. A missed rewrite of Gemma 2's
+    spelling, not a wrong answer."""
+    q, k, v = _qkv(N=5, M=7, grad=True)
+    mask = torch.randn(5, 7, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    args = [q, k, v, mask]
+    ref_args = [t.detach().clone().requires_grad_() for t in args]
+    ref = mask_first_after_cap_first_softcap(*ref_args)
+    fn, counter = _compile(mask_first_after_cap_first_softcap, dynamic=dynamic)
+    out = fn(*args)
+    assert counter.ops == 1, counter.reasons
+    assert_close("output", out, ref, 1e-4)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    out.backward(g)
+    ref.backward(g)
+    for name, a, b in zip("qkv", args, ref_args):
+        assert_close(f"grad of {name}", a.grad, b.grad, 1e-4)
+    assert_close("grad of the mask", args[3].grad, ref_args[3].grad, 1e-4)
+
+
 def test_dynamo_restart_is_not_counted_twice():
     """Harness regression: Dynamo traces this frame twice under
     ``dynamic=True`` + AOTAutograd (a dropout probability becomes a tensor,

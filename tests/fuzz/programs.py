@@ -121,6 +121,8 @@ MODEL_FEATURES = (
     "softcap",  # Gemma 2: cap * tanh(s / cap) after the scale, before the mask (three spellings)
     "sinks",  # gpt-oss: a per-head logit (an input) concatenated to the scores, its column dropped
     "sinks_shift",  # the same, the concatenation shifted by its row max first
+    "batch_views",  # fairseq / Bloom: bmm scores viewed to (B, H, N, M) for the mask and softmax, back for bmm
+    "alibi",  # Bloom: batch views, and an ALiBi bias (an input) as baddbmm's input, beta=1
 )
 
 
@@ -135,6 +137,12 @@ def expected_rewrites(spec: Spec, compiler: str = "aot_eager") -> Optional[int]:
         # finfo.min times a symbolic factor (sqrt of a symbolic head size):
         # the pass cannot bound the product, so it may keep the graph (a
         # missed rewrite, not a wrong answer; see test_regressions.py).
+        return None
+    if spec.model == "alibi" and _fills_finite(spec):
+        # A finite fill beside an additive bias: the op takes the fill only
+        # with a bool mask, so the pass rewrites only when it can prove the
+        # fill a band every row keeps a key of (not always provable with
+        # symbolic sizes); else it keeps the graph, as documented.
         return None
     if spec.dynamic and spec.train and spec.dropout == "module" and compiler == "eager":
         # Dynamo passes nn.Dropout's float p as a tensor under dynamic=True;
@@ -244,13 +252,17 @@ def specs(draw, hostile_rate: float = 0.2, allow_bf16: bool = True) -> Spec:
             M = N
     twice = (draw(st.integers(0, 5)) == 0 and layout == "bhnd" and out == "plain" and hostile == "none"
              and Dv == D and shared == "none")
-    model = draw(st.sampled_from(["none"] * 7 + ["softcap", "sinks", "sinks_shift"]))
+    model = draw(st.sampled_from(["none"] * 7 + ["softcap", "sinks", "sinks_shift", "batch_views", "alibi"]))
     if hostile != "none":
         model = "none"
     if model == "softcap" and scale_place == "after_mask":
         model = "none"  # scaled again after the cap: left alone on purpose (a near miss, not this feature)
     if model.startswith("sinks") and (product in ("bmm", "baddbmm") or cast != "none"):
         model = "none"  # the sink spelling is on 4-D scores in their own dtype
+    if model == "batch_views" and product not in ("bmm", "baddbmm"):
+        model = "none"
+    if model == "alibi" and product != "baddbmm":
+        model = "none"
     return Spec(
         B=B, H=H, Hkv=Hkv, N=N, M=M, D=D, Dv=Dv, dtype=dtype, layout=layout, gqa=gqa,
         product=product, key=key, scale=scale, scale_place=scale_place, mask=mask,
@@ -315,13 +327,13 @@ def _key_t(spec: Spec, k: str) -> str:
             "mT": f"{k}.mT", "permute": f"{k}.permute(0, 1, 3, 2)"}[spec.key]
 
 
-def _mask_lines(spec: Spec) -> list[str]:
-    """Lines applying the mask to the scores ``s`` (rank 3 or 4)."""
+def _mask_lines(spec: Spec, rank: int) -> list[str]:
+    """Lines applying the mask to the scores ``s`` of rank 3 or 4."""
     m, form = spec.mask, spec.mask_form
     inf = 'float("-inf")'
     lines: list[str] = []
     if m in INPUT_MASKS:
-        if spec.rank == 3:
+        if rank == 3:
             lines.append("mask = mask.expand(b, h, n, m).reshape(b * h, n, m)")
         if m == "bool":
             lines.append([f"s = s.masked_fill(~mask, {inf})",
@@ -333,7 +345,7 @@ def _mask_lines(spec: Spec) -> list[str]:
         return lines
     if m == "padding":
         # pad: (B, M) with 1 = keep; HF-style additive term of -1e4.
-        if spec.rank == 3:
+        if rank == 3:
             lines.append("pad = pad[:, None, :].expand(b, h, m).reshape(b * h, 1, m)")
         else:
             lines.append("pad = pad[:, None, None, :]")
@@ -383,6 +395,8 @@ def render(spec: Spec) -> str:
         args.append("pad")
     if spec.model.startswith("sinks"):
         args.append("sinks")
+    if spec.model == "alibi":
+        args.append("alibi")
     body: list[str] = []
 
     if spec.scale == "buffer":
@@ -433,7 +447,10 @@ def render(spec: Spec) -> str:
         if p == "bmm":
             body.append(f"s = torch.bmm(q3, {_key_t(spec, 'k3')})")
         else:
-            body.append(f"s = torch.baddbmm(torch.zeros(b * h, n, m, dtype=q.dtype), q3, {_key_t(spec, 'k3')}, beta=0.0, alpha=1.0)")
+            if spec.model == "alibi":
+                body.append(f"s = alibi.baddbmm(batch1=q3, batch2={_key_t(spec, 'k3')}, beta=1.0, alpha=1.0)")
+            else:
+                body.append(f"s = torch.baddbmm(torch.zeros(b * h, n, m, dtype=q.dtype), q3, {_key_t(spec, 'k3')}, beta=0.0, alpha=1.0)")
     elif p == "einsum":
         eq = "bnhd,bmhd->bhnm" if einsum_bnhd else "bhnd,bhmd->bhnm"
         body.append(f"s = torch.einsum(\"{eq}\", q, k)")
@@ -449,7 +466,10 @@ def render(spec: Spec) -> str:
         body.append([f"s = torch.tanh(s / {cap!r}) * {cap!r}",
                      f"s = {cap!r} * torch.tanh(s * (1.0 / {cap!r}))",
                      f"s = (s / {cap!r}).tanh().mul({cap!r})"][(spec.seed // 3) % 3])
-    body.extend(_mask_lines(spec))
+    views = spec.model in ("batch_views", "alibi")
+    if views:
+        body.append("s = s.view(b, h, n, m)")
+    body.extend(_mask_lines(spec, 4 if views else spec.rank))
     if spec.scale_place == "after_mask":
         body.append(_scale_line(spec))
 
@@ -493,6 +513,9 @@ def render(spec: Spec) -> str:
         body.append(f"a = F.dropout(a, p={spec.dropout_p!r}, training=self.training)")
     elif spec.dropout == "module":
         body.append("a = self.drop(a)")
+
+    if views:
+        body.append("a = a.view(b * h, n, m)")
 
     # The value product.
     if p in ("bmm", "baddbmm"):
@@ -581,6 +604,9 @@ def make_inputs(spec: Spec) -> list[torch.Tensor]:
         inputs.append(pad)
     if spec.model.startswith("sinks"):
         inputs.append(t(H))
+    if spec.model == "alibi":  # slopes times key positions, one row per (batch, head)
+        slopes = torch.rand(B * H, 1, 1, generator=g) * 0.5
+        inputs.append((slopes * torch.arange(M, dtype=torch.float32)[None, None, :]).to(dt))
     if spec.train:
         for x in inputs:
             if x.dtype.is_floating_point and spec.mask != "add_neg_inf" and spec.mask != "padding":

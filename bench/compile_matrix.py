@@ -76,16 +76,16 @@ FIELDS = ["head_dim", "dtype", "mode", "dynamic", "variant", "status", "rewritte
           "gpu", "torch_version", "triton_version"]
 
 
+def head_dims_of(variant: str) -> tuple:
+    if variant == "none":
+        return HEAD_DIMS
+    return MODEL_VARIANT_HEAD_DIMS if variant in MODEL_VARIANTS else VARIANT_HEAD_DIMS
+
+
 def all_cells() -> list[dict]:
-    cells = []
-    for d, dt, mode, dyn, var in itertools.product(HEAD_DIMS, DTYPES, MODES, DYNAMIC, VARIANTS):
-        if var in MODEL_VARIANTS:
-            if d not in MODEL_VARIANT_HEAD_DIMS:
-                continue
-        elif var != "none" and d not in VARIANT_HEAD_DIMS:
-            continue
-        cells.append(dict(head_dim=d, dtype=dt, mode=mode, dynamic=dyn, variant=var))
-    return cells
+    return [dict(head_dim=d, dtype=dt, mode=mode, dynamic=dyn, variant=var)
+            for d, dt, mode, dyn, var in itertools.product(HEAD_DIMS, DTYPES, MODES, DYNAMIC, VARIANTS)
+            if d in head_dims_of(var)]
 
 
 def smoke_cells() -> list[dict]:

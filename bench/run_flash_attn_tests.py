@@ -550,18 +550,18 @@ def _report(args, counts, note, elapsed, res=None) -> int:
         for f in res["failures"]:
             print("  FAILED", f)
     import torch
-    import triton
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    import common  # bench/common.py: the version columns every CSV carries
+
+    env = common.env_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     pathlib.Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["function", "passed", "failed", "skipped", "seconds", "every", "status", "errors", "mode",
-                    "gpu", "torch_version", "triton_version", "date"])
+                    *env])
         for r in rows:
             w.writerow(r[:4] + [round(elapsed), args.every, note, r[4], "direct" if direct else "pytest",
-                                gpu, torch.__version__, triton.__version__, stamp])
+                                *env.values()])
     return 0 if rows and not any(r[2] or r[4] for r in rows) else 1
 
 

@@ -322,8 +322,7 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
     if sm_dtype is not None and not (isinstance(sm_dtype, torch.dtype) and sm_dtype.is_floating_point):
         raise NoMatch("softmax dtype is not a floating dtype")
 
-    probs = _walk_probs(sm, gm)
-    pv, dropout_p, probs_chain = probs.product, probs.dropout_p, probs.chain
+    pv, dropout_p, probs_chain = _walk_probs(sm, gm)
     cand.output = pv
     # gpt-oss's sinks: a column concatenated to the scores, dropped after.
     sink = _capsink.peel_sinks(x, sm)
@@ -332,8 +331,7 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
         raise NoMatch("the probabilities are sliced, not a sink column dropped")
     if sink is not None and not sliced:
         raise NoMatch("a column is concatenated to the scores but not dropped after the softmax")
-    scores = _walk_scores(sink.scores if sink else x, sink.cat if sink else sm)
-    qk, transforms, scores_chain = scores.product, scores.transforms, scores.chain
+    qk, transforms, scores_chain = _walk_scores(sink.scores if sink else x, sink.cat if sink else sm)
     cand.scores = qk
     cand.replaced = [qk, *scores_chain, *(n for n in (sink.nodes[::-1] if sink else []) if N.tensor_val(n) is not None), sm, *probs_chain, pv]
 
@@ -393,9 +391,8 @@ def _analyse(cand: Candidate, gm: torch.fx.GraphModule, masks: MaskEvaluator, mu
     if fold and sink is not None:
         raise NoMatch("sinks together with more than two batch dims are not understood")
 
-    operands = _score_operands(qk, pad=layout is None and not grouped and not fold, flipped=flipped,
-                               max_batch=nd - 2 if fold else 3 if grouped else 2)
-    q_op, k_op, pre, perm0 = operands.query, operands.key, operands.transforms, operands.perm
+    q_op, k_op, pre, perm0 = _score_operands(qk, pad=layout is None and not grouped and not fold, flipped=flipped,
+                                             max_batch=nd - 2 if fold else 3 if grouped else 2)
     transforms = _capsink.fold_softcap(pre + transforms)
     if N.kind(qk) == "baddbmm" and any(t[0] == "add" for t in pre):
         # A bias-first product (Bloom/Falcon ALiBi): named in explain.
@@ -1458,7 +1455,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         window = _band_to_window(band, N_, M_)
         if window is None:
             raise NoMatch("internal: a recognised band has no window form")
-        window_left, window_right, alignment = window.left, window.right, window.alignment
+        window_left, window_right, alignment = window
 
     # Dtypes: the op runs in one dtype; the result is cast to eager's.
     dtypes = {qv.dtype, kv.dtype, vv.dtype}
@@ -1677,8 +1674,10 @@ class _BatchLayout:
         if tail is None:
             raise NoMatch("the head count of the views is not a size the graph holds")
         self.tail = [tail]
-        # Symbolic only: with static sizes (-1, H) proves the same and reads better.
-        self.lead = None if N.const_int(self.canon[0]) is not None else V.size_arg(gm, self.canon[0], pv, self.hints)
+        # The canonical batch size for the operands' unflatten (see _operand);
+        # -1 with static sizes, where it proves the same and reads better.
+        lead = None if N.const_int(self.canon[0]) is not None else V.size_arg(gm, self.canon[0], pv, self.hints)
+        self.lead = -1 if lead is None else lead
         self.scores = N.tensor_val(qk).flatten(0, len(qs) - 3).unflatten(0, (-1, N.val(tail))) \
             if len(qs) > 3 else N.tensor_val(qk).unflatten(0, (-1, N.val(tail)))
         # Where each mask or scale tensor meets the scores: (layout, rank);
@@ -1716,14 +1715,11 @@ class _BatchLayout:
             return _pad_batch(op, t.dim(), len(layout))
         if t.dim() != len(layout) + 2 or not V.same_layout(tuple(t.shape[:-2]), layout):
             raise NoMatch(f"{what} broadcasts over the batch dims of a view; left alone")
-        steps = V.to_canonical(t.dim(), layout, self.tail)
-        # Unflatten to both canonical sizes when the first is symbolic and
-        # the graph holds it: with -1, separately symbolic inputs whose batch
-        # totals are equal only by a guard (a bmm's) would leave a batch size
-        # like (a·b)//h that no proof matches to B.
-        if self.lead is not None and steps[-1][0] == "unflatten":
-            steps[-1] = ("unflatten", 0, (self.lead, *self.tail))
-        return op.then(*steps)
+        # Both canonical sizes when the first is symbolic and the graph holds
+        # it: with -1, separately symbolic inputs whose batch totals are equal
+        # only by a guard (a bmm's) would leave a batch size like (a·b)//h
+        # that no proof matches to B.
+        return op.then(*V.to_canonical(t.dim(), layout, self.tail, self.lead))
 
     def operands(self, q_op: Operand, k_op: Operand) -> tuple:
         pv = self.pv

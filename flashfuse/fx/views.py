@@ -77,17 +77,18 @@ def size_arg(gm: torch.fx.GraphModule, s: Any, before: torch.fx.Node, hints=()) 
     return None
 
 
-def to_canonical(nd: int, layout: tuple, canon_args: list) -> list:
+def to_canonical(nd: int, layout: tuple, canon_args: list, lead: Any = -1) -> list:
     """Steps turning a tensor with leading ``layout`` (all dims full) and
     ``nd`` dims into the canonical two batch dims. ``canon_args``: the graph
-    arguments of the canonical sizes after the first (which is -1)."""
+    arguments of the canonical sizes after the first; ``lead``: the first
+    (-1: inferred from the total)."""
     steps: list = []
     nb = len(layout)
     if nb == 0:
         return [("unsqueeze", 0), ("unsqueeze", 0)]
     if nb > 1:
         steps.append(("flatten", 0, nb - 1))
-    steps.append(("unflatten", 0, tuple([-1] + list(canon_args))))
+    steps.append(("unflatten", 0, tuple([lead] + list(canon_args))))
     return steps
 
 

@@ -90,7 +90,8 @@ def _mask_bounds(
     first = tl.full([BLOCK_K], 2147483647, dtype=tl.int32)
     last = tl.zeros([BLOCK_K], dtype=tl.int32)
     for r in range(0, ROWS):
-        row = Mask + b * stride_mask_b + (r // N_ROWS).to(tl.int64) * stride_mask_h + (r % N_ROWS).to(tl.int64) * stride_mask_q
+        row = (Mask + b * stride_mask_b + (r // N_ROWS).to(tl.int64) * stride_mask_h
+               + (r % N_ROWS).to(tl.int64) * stride_mask_q)
         for start in range(c_lo, c_hi, BLOCK_K):
             j = start + offs
             seen = tl.load(row + j.to(tl.int64) * stride_mask_k, mask=j < c_hi, other=0).to(tl.int32) != 0

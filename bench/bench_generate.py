@@ -11,7 +11,9 @@ attention over the cache is a visible share of each step. Greedy decoding of
 * ``static``: ``cache_implementation="static"``, which transformers compiles
   itself (``torch.compile`` with CUDA graphs) on CUDA.
 
-Before timing, each cache kind checks that ``ffuse`` and ``sdpa`` produce the
+Each row times both implementations in alternating order (``--reps`` calls
+each after a warm-up), the median per implementation. Before timing, each
+cache kind checks that ``ffuse`` and ``sdpa`` produce the
 same greedy tokens on a short fp32 prompt (column ``tokens_match``); bf16 rows
 record the fraction of generated tokens that agree with ``sdpa`` (random
 weights make near-ties common, so bf16 can diverge legitimately).
@@ -104,39 +106,54 @@ def main():
             for T in prompts:
                 for B in batches:
                     ids = torch.randint(1, cfg.vocab_size, (B, T), device=device)
-                    outs = {}
-                    for impl in IMPLS:
-                        row = dict(cache=cache, batch=B, prompt=T, new=new, impl=impl,
-                                   tokens_match=match[cache])
-                        if budget.exceeded():
-                            results.add(**row, status="skipped")
-                            print_row(results.rows[-1])
-                            continue
-                        try:
-                            t0 = time.perf_counter()
-                            generate(model, impl, ids, new, cache)  # warm-up (compiles a static cache)
-                            common.sync(device)
-                            first_s = time.perf_counter() - t0
-                            times = []
-                            for _ in range(args.reps):
-                                common.sync(device)
-                                t0 = time.perf_counter()
-                                outs[impl] = generate(model, impl, ids, new, cache)
-                                common.sync(device)
-                                times.append(time.perf_counter() - t0)
-                            s = statistics.median(times)
-                            if impl == "ffuse" and "sdpa" in outs:  # the same tokens as SDPA's, as a share
-                                row["bf16_token_agreement"] = (
-                                    outs["ffuse"][:, T:] == outs["sdpa"][:, T:]).float().mean().item()
-                            results.add(**row, status="ok", seconds=s, first_call_s=first_s,
-                                        tokens_per_s=B * new / s)
-                        except Exception as exc:  # noqa: BLE001 - a failed row is recorded, the run goes on
-                            results.add(**row, status="error", error=common.short_error(exc))
-                            common.free_memory(collect=True)
-                        print_row(results.rows[-1])
+                    run_row(model, ids, dict(cache=cache, batch=B, prompt=T, new=new, tokens_match=match[cache]),
+                            args.reps, budget, results, device)
     except KeyboardInterrupt:
         print("interrupted: reporting what ran")
     report(results.rows, args)
+
+
+def run_row(model, ids, base: dict, reps: int, budget, results, device) -> None:
+    """One (cache, batch, prompt) row for both implementations: a warm-up
+    call each (which compiles a static cache), then ``reps`` timed calls
+    each in alternating order (sdpa, ffuse, ffuse, sdpa, ...), so that a
+    drift of the machine over the row weighs on both alike."""
+    T, new, cache = base["prompt"], base["new"], base["cache"]
+    first, times, outs, failed = {}, {impl: [] for impl in IMPLS}, {}, {}
+    if budget.exceeded():
+        for impl in IMPLS:
+            results.add(**base, impl=impl, status="skipped")
+            print_row(results.rows[-1])
+        return
+    for rep in range(-1, reps):
+        order = IMPLS if rep < 0 or rep % 2 == 0 else tuple(reversed(IMPLS))
+        for impl in order:
+            if impl in failed:
+                continue
+            try:
+                common.sync(device)
+                t0 = time.perf_counter()
+                outs[impl] = generate(model, impl, ids, new, cache)
+                common.sync(device)
+                dt = time.perf_counter() - t0
+                if rep < 0:
+                    first[impl] = dt
+                else:
+                    times[impl].append(dt)
+            except Exception as exc:  # noqa: BLE001 - a failed row is recorded, the run goes on
+                failed[impl] = common.short_error(exc)
+                common.free_memory(collect=True)
+    for impl in IMPLS:
+        row = dict(base, impl=impl)
+        if impl in failed:
+            results.add(**row, status="error", error=failed[impl])
+        else:
+            s = statistics.median(times[impl])
+            if impl == "ffuse" and "sdpa" in outs:  # the same tokens as SDPA's, as a share
+                row["bf16_token_agreement"] = (outs["ffuse"][:, T:] == outs["sdpa"][:, T:]).float().mean().item()
+            B = ids.shape[0]
+            results.add(**row, status="ok", seconds=s, first_call_s=first[impl], tokens_per_s=B * new / s)
+        print_row(results.rows[-1])
 
 
 def print_row(r: dict) -> None:

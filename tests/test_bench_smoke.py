@@ -225,6 +225,19 @@ def test_bench_decode_smoke(tmp_path):
     run_script("bench_decode.py", tmp_path)
 
 
+def test_profile_generate_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_script("profile_generate.py", tmp_path)
+    assert "== ffuse" in out and "== sdpa" in out
+    assert (tmp_path / "profile_generate_smoke.txt").exists()
+
+
+def test_decode_configs_smoke(tmp_path):
+    run_script("decode_configs.py", tmp_path)
+    rows = read_csv(tmp_path / "decode_configs_smoke.csv")
+    assert {r["provider"] for r in rows if r["status"] == "ok"} == {"flashfuse", "sdpa"}
+
+
 def test_bench_context_parallel_smoke(tmp_path):
     """World size 1 on gloo (no torchrun): the ring runs, PyTorch's context
     parallelism is skipped on the CPU with its reason."""

@@ -234,6 +234,8 @@ def _decode_split(
             vis = vis & (keep.to(tl.int32) != 0)
             # Keys no row of the tile sees are not read (a predicated-off
             # load moves no memory): holes and ends a cache leaves unfilled.
+            # (Loading them regardless, so that the loads do not wait on the
+            # mask tile, was measured slower: bench/NOTES.md run 16.)
             kv_ok = tl.max(vis.to(tl.int32), 0) != 0
         k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_k_d, mask=kv_ok[:, None] & d_ok, other=0.0)
         qk = _dot(q, tl.trans(k), INPUT_PRECISION, DOT_UPCAST) * qk_scale
@@ -303,9 +305,13 @@ def _decode_combine(
 # ---------------------------------------------------------------------------
 
 # (BLOCK_N, num_warps, num_stages), first = untuned default; few, so tuning a
-# new shape class compiles few variants.
+# new shape class compiles few variants. With a bool mask the first is a
+# narrower tile (the loads wait on the mask tile, so more programs in flight
+# pay; bench/NOTES.md run 16).
 _CUDA_CONFIGS = [(64, 4, 3), (128, 4, 2), (64, 8, 3), (32, 4, 3)]
+_CUDA_MASK_CONFIGS = [(32, 4, 3), (64, 4, 3), (128, 4, 2), (32, 4, 4)]
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _CUDA_CONFIGS]
+_MASK_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _CUDA_MASK_CONFIGS]
 _split_launcher = ConfigLauncher(_decode_split)
 _combine_launcher = ConfigLauncher(_decode_combine)
 _bounds_launcher = ConfigLauncher(_mask_bounds)
@@ -325,18 +331,28 @@ _INTERPRET_SMS = 4
 # tiles, B): without splits a decode call has B * Hkv programs, a few per SM
 # of an H200 (132 SMs) at batch 1, and reading the cache is then limited by
 # how many loads those few programs keep in flight. Splitting every row
-# tile's keys over S programs fills the GPU: S is the smallest count that
-# gives WAVES programs per SM over the whole grid (a few waves hide the
-# uneven finish of the programs and of batch rows of different lengths).
-# Each split also costs a partial output and its share of the combine, and
-# a split with few keys spends its time on set-up rather than streaming: no
-# split is given fewer than MIN_SPLIT_KEYS keys (a multiple of every
-# BLOCK_N, so every split streams whole key blocks), and at most MAX_SPLITS
-# (the combine reads all of a row's partials in one tile).
-# FLASHFUSE_DECODE_SPLITS (or ``num_splits``) forces the count.
-WAVES = 4
+# tile's keys over S programs fills the GPU. How far: the sweep of every
+# config and split count (``bench/decode_configs.py``, bench/NOTES.md run 16)
+# found the time set by wave quantisation: a grid that fills every SM's
+# program slots exactly once streams at copy speed, while one that spills a
+# partial second wave lost 10-40 %. So S is the largest count whose grid fits
+# one wave at the default config's occupancy (``programs_per_sm``: the
+# programs whose pipelined K/V tiles fit one SM's shared memory). Each split
+# also costs a partial output and its share of the combine, and a split with
+# few keys spends its time on set-up rather than streaming: no split is given
+# fewer than MIN_SPLIT_KEYS keys (a multiple of every BLOCK_N, so every split
+# streams whole key blocks), and at most MAX_SPLITS (the combine reads all of
+# a row's partials in one tile). FLASHFUSE_DECODE_SPLITS (or ``num_splits``)
+# forces the count.
+# With a bool mask the best counts measured were about two waves, not one
+# (``MASK_WAVES``).
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 128
+MASK_WAVES = 2
+# Shared memory per SM when the device does not say (an H100's or H200's
+# 228 kB less the 1 kB each block reserves).
+_SMEM_PER_SM = 227 * 1024
+_WARPS_PER_SM = 64
 
 # The decode path is taken for up to this many queries per head ...
 MAX_QUERIES = 16
@@ -358,30 +374,61 @@ def sm_count(t: torch.Tensor) -> int:
     return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+def _default_per_sm(q: torch.Tensor, D: int, block_dv: int, has_mask: bool = False) -> int:
+    """Programs per SM the split count is chosen for: ``programs_per_sm`` of
+    the untuned config on q's device, ``MASK_WAVES`` times that with a mask
+    (1 under the interpreter, whose stand-in SMs run one program each)."""
+    if _interpreting(q):
+        return 1
+    block_n, warps, stages = (_CUDA_MASK_CONFIGS if has_mask else _CUDA_CONFIGS)[0]
+    waves = MASK_WAVES if has_mask else 1
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return waves * programs_per_sm(block_n, warps, stages, max(16, next_pow2(D)), block_dv, q.element_size(),
+                                   _smem_per_sm(index))
+
+
 def row_tile(G: int, N: int) -> int:
     """Rows per tile: the G * N rows of a key/value head, padded to a power
     of two >= 16, at most MAX_ROWS (more rows take several tiles)."""
     return min(MAX_ROWS, max(16, next_pow2(G * N)))
 
 
-def _wanted_splits(B: int, Hkv: int, row_tiles: int, sms: int) -> int:
-    """Splits that give WAVES programs per SM, before the keys' limit."""
-    return max(1, cdiv(WAVES * sms, max(1, B * Hkv * row_tiles)))
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 0) or _SMEM_PER_SM) - 1024
+
+
+def programs_per_sm(block_n: int, num_warps: int, num_stages: int, block_d: int, block_dv: int, elem: int,
+                    smem: int = _SMEM_PER_SM) -> int:
+    """Split programs one SM holds at once with this config: its
+    ``num_stages`` pipelined K and V tiles (BLOCK_N x (BLOCK_D + BLOCK_DV)
+    elements each stage) in ``smem`` bytes, at most 64 warps."""
+    per_program = num_stages * block_n * (block_d + block_dv) * elem
+    return max(1, min(smem // max(1, per_program), _WARPS_PER_SM // num_warps))
+
+
+def _wanted_splits(B: int, Hkv: int, row_tiles: int, sms: int, per_sm: int = 1) -> int:
+    """Splits whose grid fills one wave of ``per_sm`` programs on each of
+    ``sms`` SMs, before the keys' limit (1 when B * Hkv * row tiles alone
+    fill it)."""
+    return max(1, (per_sm * sms) // max(1, B * Hkv * row_tiles))
 
 
 def _splits_for_keys(want: int, keys: int) -> int:
     return max(1, min(want, cdiv(max(keys, 1), MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
-def choose_splits(B: int, Hkv: int, row_tiles: int, keys: int, sms: int) -> int:
+def choose_splits(B: int, Hkv: int, row_tiles: int, keys: int, sms: int, per_sm: int = 1) -> int:
     """How many programs share a row tile's keys (see the comment at
-    ``WAVES``): enough for ``WAVES`` programs per SM over the whole grid,
-    none with fewer than ``MIN_SPLIT_KEYS`` keys, at most ``MAX_SPLITS``.
+    ``MIN_SPLIT_KEYS``): as many as one wave of ``per_sm`` programs on each
+    of ``sms`` SMs holds over the whole grid, none with fewer than
+    ``MIN_SPLIT_KEYS`` keys, at most ``MAX_SPLITS``.
     ``FLASHFUSE_DECODE_SPLITS`` forces a count."""
     forced = config.decode_splits()
     if forced is not None:
         return forced
-    return _splits_for_keys(_wanted_splits(B, Hkv, row_tiles, sms), keys)
+    return _splits_for_keys(_wanted_splits(B, Hkv, row_tiles, sms, per_sm), keys)
 
 
 class DecodeCall(NamedTuple):
@@ -534,10 +581,10 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
     p.block_r = row_tile(hint(G), hint(N))
     p.tiles = cdiv(G * N, p.block_r)
     p.forced = config.decode_splits()
-    p.want = _wanted_splits(hint(B), hint(Hkv), hint(p.tiles), sm_count(q))
     p.interp = _interpreting(q)
-    p.tune = _autotune_enabled()
     p.block_dv = max(16, next_pow2(Dv))
+    p.want = _wanted_splits(hint(B), hint(Hkv), hint(p.tiles), sm_count(q), _default_per_sm(q, D, p.block_dv, attn_mask is not None))
+    p.tune = _autotune_enabled()
     p.chunks = _INTERPRET_BOUNDS_CHUNKS if p.interp else _BOUNDS_CHUNKS
     p.meta = dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=p.block_dv,
@@ -582,8 +629,8 @@ def _one_config():
     return [triton.Config({}, num_warps=4, num_stages=1)]
 
 
-def _split_configs():
-    return _CONFIGS
+def _split_configs(has_mask: bool = False):
+    return _MASK_CONFIGS if has_mask else _CONFIGS
 
 
 def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream, cache: bool) -> None:
@@ -594,7 +641,7 @@ def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream,
     if binary is not None:
         run_binary(binary[0], binary[1], grid, args, stream)
         return
-    cands = _split_configs if i == 0 else _one_config
+    cands = (lambda: _split_configs(meta["HAS_MASK"])) if i == 0 else _one_config
     launcher(key, cands, lambda m: grid, *args, tune=tune, **meta)
     if cache:
         L.binaries[i] = launcher.binary(key, args, meta, tune)

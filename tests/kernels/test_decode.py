@@ -72,11 +72,22 @@ def test_16_bit_and_strided_inputs(dtype):
 
 
 def test_split_choice():
-    # Enough programs for the SMs, no split below MIN_SPLIT_KEYS keys.
-    assert choose_splits(1, 8, 1, 4096, 132) == 4096 // decode.MIN_SPLIT_KEYS
-    assert choose_splits(1, 8, 1, 1 << 17, 132) == -(-decode.WAVES * 132 // 8)
-    assert choose_splits(8, 8, 1, 1 << 17, 132) == -(-decode.WAVES * 132 // 64)
+    # One wave of the SMs' program slots, no split below MIN_SPLIT_KEYS keys.
+    assert choose_splits(1, 8, 1, 4096, 132, per_sm=2) == 4096 // decode.MIN_SPLIT_KEYS
+    assert choose_splits(1, 8, 1, 1 << 17, 132, per_sm=2) == 2 * 132 // 8  # 33: 264 programs, 2 per SM
+    assert choose_splits(8, 8, 1, 1 << 17, 132, per_sm=2) == 2 * 132 // 64  # 4, not 5: no partial wave
+    assert choose_splits(8, 8, 1, 1 << 17, 132, per_sm=4) == 4 * 132 // 64
+    assert choose_splits(64, 8, 1, 1 << 17, 132, per_sm=2) == 1  # the batch fills the GPU
     assert choose_splits(64, 8, 1, 100, 132) == 1
+
+
+def test_programs_per_sm():
+    # The default config at D = 128 in 16 bits: three stages of 64 keys of
+    # K and V, 96 kB, two per SM of an H200; 32-bit tiles take twice that.
+    assert decode.programs_per_sm(64, 4, 3, 128, 128, 2, 227 * 1024) == 2
+    assert decode.programs_per_sm(32, 4, 3, 128, 128, 2, 227 * 1024) == 4
+    assert decode.programs_per_sm(64, 4, 3, 128, 128, 4, 227 * 1024) == 1
+    assert decode.programs_per_sm(16, 8, 1, 16, 16, 2, 227 * 1024) == 8  # warps bound it
 
 
 def test_split_count_env_knob(monkeypatch):

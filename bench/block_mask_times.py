@@ -6,7 +6,8 @@ models pass) with the tables built in every call, the same mask through one
 layers (its table passes counted once per step, i.e. divided by the layers),
 and ``is_causal``; SDPA's default backend for reference. Kernel durations from
 the CUDA profiler (every kernel launch of a step summed, so host time never
-counts). Also a BERT-style (B = 16, N = 512) key-padding mask.
+counts). Also a BERT-style (B = 16, N = 512) key-padding mask. Each
+kernel's share goes to ``block_mask_kernels.csv`` and a second table.
 
     python bench/block_mask_times.py
     python bench/block_mask_times.py --layers 12 --reps 20
@@ -49,7 +50,16 @@ def main():
     import flashfuse
 
     res = common.Results(args.out, "block_mask_times.csv", common.env_info(device))
-    summary = []
+    per_kernel = common.Results(args.out, "block_mask_kernels.csv", common.env_info(device))
+    summary, breakdown = [], {}
+
+    def record_kernels(case, variant, times, layers):
+        """Each kernel's device µs per layer (its launches summed per step)."""
+        for kernel, ts in sorted(times.items()):
+            us = sum(ts) / args.reps / layers
+            per_kernel.add(case=case, variant=variant, kernel=kernel, us_per_layer=us)
+            breakdown.setdefault((case, kernel), {})[variant] = us
+
     for name, (B, H, N, D, p_drop, kind) in CASES.items():
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -72,7 +82,9 @@ def main():
         if causal:
             variants["is_causal"] = lambda: flashfuse.attention(q, k, v, is_causal=True, dropout_p=p_drop)
         for variant, fn in variants.items():
-            total, tables = per_step(profile_kernels(step(fn), args.reps), args.reps)
+            times = profile_kernels(step(fn), args.reps)
+            record_kernels(name, variant, times, 1)
+            total, tables = per_step(times, args.reps)
             rows[variant] = total
             res.add(case=name, variant=variant, layers=1, us_per_layer=total, table_us=tables)
             print(f"{name:20s} {variant:12s} {total:8.1f} us per layer", flush=True)  # rows as they come
@@ -85,7 +97,9 @@ def main():
                 x = flashfuse.attention(x, k, v, attn_mask=bm, dropout_p=p_drop)
             torch.autograd.grad(x, (q, k, v), g)
 
-        total, tables = per_step(profile_kernels(shared_step, args.reps), args.reps)
+        times = profile_kernels(shared_step, args.reps)
+        record_kernels(name, "block mask", times, args.layers)
+        total, tables = per_step(times, args.reps)
         per_layer = total / args.layers
         rows["block mask"] = per_layer
         res.add(case=name, variant="block mask", layers=args.layers, us_per_layer=per_layer,
@@ -100,7 +114,12 @@ def main():
                                  "is_causal µs", "SDPA µs", "block mask / is_causal (SDPA for padding)",
                                  "tables µs per layer"],
                        title="attention kernels per layer, forward+backward (device time per step)")
-    print(f"\n{len(res.rows)} rows -> {res.path}")
+    variants = ["mask tensor", "block mask", "is_causal", "sdpa"]
+    common.print_table([[case, kernel] + [common.fmt(v.get(x, float("nan"))) for x in variants]
+                        for (case, kernel), v in breakdown.items()],
+                       ["case", "kernel"] + [f"{x} µs" for x in variants],
+                       title="each kernel's device time per layer, forward+backward")
+    print(f"\n{len(res.rows)} rows -> {res.path}; per kernel -> {per_kernel.path}")
 
 
 if __name__ == "__main__":

@@ -115,8 +115,12 @@ def main():
                                   device)
                 res.add(**case, provider="sdpa", status="ok", us_graph=t_sdpa)
                 tiles = decode.cdiv(hq // hkv * N, decode.row_tile(hq // hkv, N))
-                per_sm = decode._default_per_sm(q, d, max(16, triton.next_power_of_2(d)), cache != "contiguous") if device.type == "cuda" else 1
-                auto = decode.choose_splits(B, hkv, tiles, M, decode.sm_count(q), per_sm) if device.type == "cuda" else 1
+                masked = cache != "contiguous"
+                auto = 1  # the CPU smoke run: no SMs to fill
+                if device.type == "cuda":
+                    per_sm = decode._default_per_sm(q, d, max(16, triton.next_power_of_2(d)), masked)
+                    auto = decode.choose_splits(B, hkv, tiles, M, decode.sm_count(q), per_sm)
+                default_cfg = (decode._CUDA_MASK_CONFIGS if masked else decode._CUDA_CONFIGS)[0]
                 best, t_default = None, float("nan")
                 for cfg in configs:
                     use_config(cfg)
@@ -133,7 +137,7 @@ def main():
                             os.environ.pop("FLASHFUSE_DECODE_SPLITS", None)
                         res.add(**case, provider="flashfuse", block_n=cfg[0], warps=cfg[1], stages=cfg[2], splits=S,
                                 split_factor=f, status="ok", us_graph=t)
-                        if cfg == (decode._CUDA_MASK_CONFIGS if cache != "contiguous" else decode._CUDA_CONFIGS)[0] and f == 1.0:
+                        if cfg == default_cfg and f == 1.0:
                             t_default = t
                         if best is None or t < best[0]:
                             best = (t, cfg, S)

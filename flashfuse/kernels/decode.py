@@ -305,9 +305,8 @@ def _decode_combine(
 # ---------------------------------------------------------------------------
 
 # (BLOCK_N, num_warps, num_stages), first = untuned default; few, so tuning a
-# new shape class compiles few variants. With a bool mask the first is a
-# narrower tile (the loads wait on the mask tile, so more programs in flight
-# pay; bench/NOTES.md run 16).
+# new shape class compiles few variants. With a bool mask the first is the
+# narrower tile, which measured fastest there (bench/NOTES.md run 16).
 _CUDA_CONFIGS = [(64, 4, 3), (128, 4, 2), (64, 8, 3), (32, 4, 3)]
 _CUDA_MASK_CONFIGS = [(32, 4, 3), (64, 4, 3), (128, 4, 2), (32, 4, 4)]
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _CUDA_CONFIGS]
@@ -335,7 +334,7 @@ _INTERPRET_SMS = 4
 # config and split count (``bench/decode_configs.py``, bench/NOTES.md run 16)
 # found the time set by wave quantisation: a grid that fills every SM's
 # program slots exactly once streams at copy speed, while one that spills a
-# partial second wave lost 10-40 %. So S is the largest count whose grid fits
+# partial second wave lost 7-15 %. So S is the largest count whose grid fits
 # one wave at the default config's occupancy (``programs_per_sm``: the
 # programs whose pipelined K/V tiles fit one SM's shared memory). Each split
 # also costs a partial output and its share of the combine, and a split with
@@ -583,7 +582,8 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
     p.forced = config.decode_splits()
     p.interp = _interpreting(q)
     p.block_dv = max(16, next_pow2(Dv))
-    p.want = _wanted_splits(hint(B), hint(Hkv), hint(p.tiles), sm_count(q), _default_per_sm(q, D, p.block_dv, attn_mask is not None))
+    per_sm = _default_per_sm(q, D, p.block_dv, attn_mask is not None)
+    p.want = _wanted_splits(hint(B), hint(Hkv), hint(p.tiles), sm_count(q), per_sm)
     p.tune = _autotune_enabled()
     p.chunks = _INTERPRET_BOUNDS_CHUNKS if p.interp else _BOUNDS_CHUNKS
     p.meta = dict(

@@ -118,7 +118,8 @@ def main():
                 masked = cache != "contiguous"
                 auto = 1  # the CPU smoke run: no SMs to fill
                 if device.type == "cuda":
-                    per_sm = decode._default_per_sm(q, d, max(16, triton.next_power_of_2(d)), masked)
+                    block_d = max(16, triton.next_power_of_2(d))  # D == Dv here
+                    per_sm = decode._default_per_sm(q, block_d, block_d, masked)
                     auto = decode.choose_splits(B, hkv, tiles, M, decode.sm_count(q), per_sm)
                 default_cfg = (decode._CUDA_MASK_CONFIGS if masked else decode._CUDA_CONFIGS)[0]
                 best, t_default = None, float("nan")

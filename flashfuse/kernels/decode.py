@@ -57,7 +57,7 @@ from .. import config
 from .forward import _LOG2E, _dot
 from .launch import (
     _DRY_RUN, ConfigLauncher, _autotune_enabled, _bucket, _current_stream, _dot_precision, _fingerprint,
-    _interpreting, bool_mask_as_bytes, cdiv, clamp_window, hint, next_pow2, run_binary, static_int,
+    _interpreting, bool_mask_as_bytes, cdiv, clamp_window, device_shared_mem, hint, next_pow2, run_binary, static_int,
 )
 
 __all__ = ["decode_forward", "decode_suits", "decode_refusal", "DecodeCall", "choose_splits"]
@@ -309,8 +309,8 @@ def _decode_combine(
 # narrower tile, which measured fastest there (bench/NOTES.md run 16).
 _CUDA_CONFIGS = [(64, 4, 3), (128, 4, 2), (64, 8, 3), (32, 4, 3)]
 _CUDA_MASK_CONFIGS = [(32, 4, 3), (64, 4, 3), (128, 4, 2), (32, 4, 4)]
-_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _CUDA_CONFIGS]
-_MASK_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _CUDA_MASK_CONFIGS]
+_CONFIGS, _MASK_CONFIGS = ([triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in table]
+                           for table in (_CUDA_CONFIGS, _CUDA_MASK_CONFIGS))
 _split_launcher = ConfigLauncher(_decode_split)
 _combine_launcher = ConfigLauncher(_decode_combine)
 _bounds_launcher = ConfigLauncher(_mask_bounds)
@@ -348,9 +348,6 @@ _INTERPRET_SMS = 4
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 128
 MASK_WAVES = 2
-# Shared memory per SM when the device does not say (an H100's or H200's
-# 228 kB less the 1 kB each block reserves).
-_SMEM_PER_SM = 227 * 1024
 _WARPS_PER_SM = 64
 
 # The decode path is taken for up to this many queries per head ...
@@ -373,17 +370,18 @@ def sm_count(t: torch.Tensor) -> int:
     return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def _default_per_sm(q: torch.Tensor, D: int, block_dv: int, has_mask: bool = False) -> int:
+def _default_per_sm(q: torch.Tensor, block_d: int, block_dv: int, has_mask: bool = False) -> int:
     """Programs per SM the split count is chosen for: ``programs_per_sm`` of
     the untuned config on q's device, ``MASK_WAVES`` times that with a mask
-    (1 under the interpreter, whose stand-in SMs run one program each)."""
+    (1 under the interpreter, whose stand-in SMs run one program each). The
+    device's shared memory per block stands for the SM's (on Hopper 227 of
+    228 kB)."""
     if _interpreting(q):
         return 1
     block_n, warps, stages = (_CUDA_MASK_CONFIGS if has_mask else _CUDA_CONFIGS)[0]
     waves = MASK_WAVES if has_mask else 1
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return waves * programs_per_sm(block_n, warps, stages, max(16, next_pow2(D)), block_dv, q.element_size(),
-                                   _smem_per_sm(index))
+    return waves * programs_per_sm(block_n, warps, stages, block_d, block_dv, q.element_size(),
+                                   device_shared_mem(q.device))
 
 
 def row_tile(G: int, N: int) -> int:
@@ -392,14 +390,8 @@ def row_tile(G: int, N: int) -> int:
     return min(MAX_ROWS, max(16, next_pow2(G * N)))
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_per_sm(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_multiprocessor", 0) or _SMEM_PER_SM) - 1024
-
-
 def programs_per_sm(block_n: int, num_warps: int, num_stages: int, block_d: int, block_dv: int, elem: int,
-                    smem: int = _SMEM_PER_SM) -> int:
+                    smem: int) -> int:
     """Split programs one SM holds at once with this config: its
     ``num_stages`` pipelined K and V tiles (BLOCK_N x (BLOCK_D + BLOCK_DV)
     elements each stage) in ``smem`` bytes, at most 64 warps."""
@@ -582,12 +574,13 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
     p.forced = config.decode_splits()
     p.interp = _interpreting(q)
     p.block_dv = max(16, next_pow2(Dv))
-    per_sm = _default_per_sm(q, D, p.block_dv, attn_mask is not None)
+    block_d = max(16, next_pow2(D))
+    per_sm = _default_per_sm(q, block_d, p.block_dv, attn_mask is not None)
     p.want = _wanted_splits(hint(B), hint(Hkv), hint(p.tiles), sm_count(q), per_sm)
     p.tune = _autotune_enabled()
     p.chunks = _INTERPRET_BOUNDS_CHUNKS if p.interp else _BOUNDS_CHUNKS
     p.meta = dict(
-        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=p.block_dv,
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=p.block_dv,
         HAS_SEQLENS=cache_seqlens is not None, PAGED=block_table is not None, PAGE_SIZE=page_size,
         BOTTOM_RIGHT=bool(bottom_right), HAS_WINDOW_LEFT=window_left is not None,
         HAS_WINDOW_RIGHT=window_right is not None, INPUT_PRECISION=_dot_precision(q),

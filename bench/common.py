@@ -597,7 +597,7 @@ def causal_visibility(case: AttnCase, device: torch.device) -> torch.Tensor:
     return torch.ones(case.N, case.m, dtype=torch.bool, device=device).tril(diagonal=off)
 
 
-ATTENTION_PROVIDERS = ["flashfuse", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "naive"]
+ATTENTION_PROVIDERS = ["flashfuse", "flashfuse_portable", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "naive"]
 
 _SDPA_BACKENDS = {
     "sdpa_flash": "FLASH_ATTENTION",
@@ -640,6 +640,24 @@ def build_attention(provider: str, case: AttnCase, mask, device: torch.device, g
         def fn(q, k, v):
             return flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=case.causal,
                                        enable_gqa=case.gqa, alignment=align)
+        return fn
+
+    if provider == "flashfuse_portable":
+        # flashfuse with the Hopper kernel turned off: the portable Triton
+        # kernels, to compare the two in one process.
+        import flashfuse
+
+        def fn(q, k, v):
+            saved = os.environ.get("FLASHFUSE_HOPPER")
+            os.environ["FLASHFUSE_HOPPER"] = "0"
+            try:
+                return flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=case.causal,
+                                           enable_gqa=case.gqa, alignment=align)
+            finally:
+                if saved is None:
+                    del os.environ["FLASHFUSE_HOPPER"]
+                else:
+                    os.environ["FLASHFUSE_HOPPER"] = saved
         return fn
 
     if provider == "sdpa" or provider in _SDPA_BACKENDS:

@@ -566,6 +566,29 @@ torch.library.register_fake("flashfuse::_attention_forward_cpu", _attention_forw
 torch.library.register_fake("flashfuse::_attention_backward_cpu", _attention_backward_fake, lib=_lib)
 
 
+# The Hopper forward inside a traced graph: Inductor launches Triton kernels
+# from its generated code but not Gluon ones, so a traced forward that the
+# Hopper kernel suits (``hopper.traced_takes``) records this opaque op, whose
+# CUDA kernel runs the eager launcher on the real tensors (the Hopper kernel,
+# or the portable one where their layout does not suit the copy engine).
+_lib.define("_hopper_forward(Tensor q, Tensor k, Tensor v, float scale, SymInt? window_left, "
+            "SymInt? window_right, bool bottom_right) -> (Tensor, Tensor)")
+
+
+def _hopper_forward(q, k, v, scale, window_left, window_right, bottom_right):
+    return _kernels.attention_forward(q, k, v, None, None, dropout_p=0.0, scale=scale, window_left=window_left,
+                                      window_right=window_right, bottom_right=bottom_right)
+
+
+def _hopper_forward_fake(q, k, v, scale, window_left, window_right, bottom_right):
+    B, Hq, N, _ = q.shape
+    return _empty_out(q, v), q.new_empty((B, Hq, N), dtype=torch.float32)
+
+
+_lib.impl("_hopper_forward", _hopper_forward, "CUDA")
+torch.library.register_fake("flashfuse::_hopper_forward", _hopper_forward_fake, lib=_lib)
+
+
 # Annotations, not strings: the schemas are inferred from them.
 @torch.library.triton_op("flashfuse::_attention_forward", mutates_args=())
 def _attention_forward_op(

@@ -36,6 +36,7 @@ from .launch import (
 )
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
 from .mask_ranges import mask_tables, table_strides
+from . import hopper
 from .problem import AttentionProblem
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
@@ -564,6 +565,10 @@ def attention_forward(
     p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
                                window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
                                softcap=softcap)
+    if hopper.takes(p, q, k, v, dropout_p=dropout_p, softcap=softcap, sinks=sinks):
+        return hopper.hopper_forward(p, q, k, v)
+    if hopper.traced_takes(p, q, k, v, dropout_p=dropout_p, softcap=softcap, sinks=sinks):
+        return torch.ops.flashfuse._hopper_forward(q, k, v, scale, window_left, window_right, bottom_right)
     B, Hq, N, M = p.B, p.Hq, p.N, p.M
     # (B, N, Hq, Dv) in memory; a tensor of its own, not a view (see launch._traced).
     out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)

@@ -1,0 +1,111 @@
+"""Hopper forward schedules against the portable kernel and SDPA, forward only.
+
+For each shape of the attention sweep (bf16, B*N = 16k tokens, H*D = 2048,
+D in {64, 128}, N in {1k, 4k, 16k}, causal and not) it times, in one
+process, ``do_bench`` medians of:
+
+* ``ws``: the Hopper kernel's warp-specialised schedule (a copy warp and
+  two consumer warp groups), the one the op takes;
+* ``pipelined``: the Hopper kernel with one group of 8 warps issuing its own
+  copies;
+* ``portable``: the portable Triton forward (the op with FLASHFUSE_HOPPER=0);
+* ``sdpa``: PyTorch's default SDPA (cuDNN on an H200).
+
+Each Hopper output is checked against the portable one first (relative
+error in the table; the float64 checks are the GPU tests). Writes
+bench/results/hopper_schedules.csv.
+
+    python bench/hopper_schedules.py
+    python bench/hopper_schedules.py --d 128 --n 4096 --causal yes
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flashfuse.kernels import forward, hopper  # noqa: E402
+from flashfuse.kernels.problem import AttentionProblem  # noqa: E402
+
+SCHEDULES = ("ws", "pipelined")
+
+
+def parse_args():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=240)
+    p.add_argument("--d", default="128,64", help="comma-separated head dims")
+    p.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
+    p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    common.quiet_warnings()
+    common.interrupt_on_sigterm()
+    device = common.pick_device(args)
+    if device.type != "cuda":
+        sys.exit("the Hopper kernels need a CUDA GPU (compute capability 9.x)")
+    budget = common.make_budget(args)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    res = common.Results(args.out, "hopper_schedules.csv", common.env_info(device))
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    gen = torch.Generator(device=device).manual_seed(0)
+    table = []
+    for D in (int(x) for x in args.d.split(",")):
+        for N in (int(x) for x in args.n.split(",")):
+            for causal in causals:
+                B, H = max(1, args.tokens // N), args.hidden // D
+                case = dict(D=D, N=N, causal=causal, B=B, H=H, dtype=args.dtype)
+                if budget.exceeded():
+                    res.add(**case, provider="all", status="time budget")
+                    continue
+                q, k, v = (torch.randn(B, H, N, D, device=device, dtype=dtype, generator=gen) for _ in range(3))
+                band = dict(window_left=None, window_right=0 if causal else None, bottom_right=False)
+                p = AttentionProblem.build(q, k, v, None, dropout_p=0.0, scale=D ** -0.5, **band)
+                flops = common.attention_flops(B, H, N, N, D, D, causal=causal)
+                os.environ["FLASHFUSE_HOPPER"] = "0"
+                try:
+                    portable_fn = lambda: forward.attention_forward(  # noqa: E731
+                        q, k, v, None, None, dropout_p=0.0, scale=D ** -0.5, **band)
+                    want = portable_fn()[0].float()
+                    times = {"portable": common.bench_ms(portable_fn, device)}
+                finally:
+                    del os.environ["FLASHFUSE_HOPPER"]
+                times["sdpa"] = common.bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                                device)
+                errors = {}
+                for sched in SCHEDULES:
+                    try:
+                        out = hopper.hopper_forward(p, q, k, v, sched)[0].float()
+                        errors[sched] = ((out - want).norm() / want.norm()).item()
+                        times[sched] = common.bench_ms(lambda s=sched: hopper.hopper_forward(p, q, k, v, s), device)
+                    except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+                        res.add(**case, provider=sched, status="error", error=common.short_error(exc))
+                for prov, ms in times.items():
+                    res.add(**case, provider=prov, status="ok", ms=ms, tflops=common.tflops(flops, ms),
+                            rel_err_vs_portable=errors.get(prov, ""))
+                row = [D, N, causal]
+                for prov in (*SCHEDULES, "portable", "sdpa"):
+                    row.append(common.fmt(common.tflops(flops, times[prov]), 0) if prov in times else "error")
+                row += [common.fmt(times["sdpa"] / times["ws"], 2) if "ws" in times else "-",
+                        " ".join(f"{errors[s]:.1e}" for s in SCHEDULES if s in errors)]
+                table.append(row)
+                del q, k, v
+                common.free_memory()
+    common.tables_header()
+    common.print_table(table, ["D", "N", "causal", "ws", "pipelined", "portable", "sdpa", "ws / sdpa",
+                               "rel err vs portable"], title=f"Forward TFLOP/s, {args.dtype}")
+    print(f"\nCSV: {res.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Tests of the Hopper (Gluon) forward kernel, ``flashfuse.kernels.hopper``.
+
+The kernel runs only on a Hopper GPU (Gluon kernels do not run in Triton's
+interpreter), so its numerics are ``gpu`` tests: the float64 reference on
+fresh random inputs, odd sizes (one query, one key, partial tiles), every
+band (causal top-left and bottom-right, with rows that see nothing, windows
+on both sides), grouped heads, inputs in NaN padding (a read past an edge
+shows) and outputs poisoned (an unwritten element shows), the same bits on
+repeated runs (a race would move them), and gradients through the op (the
+portable backward reads this kernel's lse). The selection rule is tested on
+the CPU as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flashfuse
+from flashfuse import reference as ref
+from flashfuse.kernels import hopper
+from flashfuse.kernels.problem import AttentionProblem
+
+from .padding import in_nan_padding, poison_empty
+
+BANDS = {
+    "none": {},
+    "causal": dict(window_right=0),
+    "causal_bottom_right": dict(window_right=0, bottom_right=True),
+    "window": dict(window_left=100, window_right=0),
+    "two_sided_bottom_right": dict(window_left=37, window_right=50, bottom_right=True),
+}
+
+# ‖out − ref‖ / ‖ref‖ bounds for 16-bit operands (P is rounded to the input dtype).
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _problem(q, k, v, **band):
+    return AttentionProblem.build(q, k, v, None, dropout_p=0.0, scale=0.125,
+                                  window_left=band.get("window_left"), window_right=band.get("window_right"),
+                                  bottom_right=band.get("bottom_right", False))
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(B, Hq, Hkv, N, M, D, dtype, layout, gen):
+    def make(H, L):
+        if layout == "bnhd":  # (B, L, H, D) transposed, as projections leave it
+            return torch.randn(B, L, H, D, generator=gen, device="cuda").to(dtype).transpose(1, 2)
+        t = torch.randn(B, H, L, D, generator=gen, device="cuda").to(dtype)
+        return in_nan_padding(t) if layout == "nan_padded" else t
+    return make(Hq, N), make(Hkv, M), make(Hkv, M)
+
+
+# ---------------------------------------------------------------------------
+# The selection rule (CPU)
+# ---------------------------------------------------------------------------
+
+def _as_hopper_call(monkeypatch, p):
+    """``p`` as if its tensors were on a Hopper GPU with a supported Triton."""
+    monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(hopper, "gluon_available", lambda: True)
+    return dataclasses.replace(p, device=torch.device("cuda", 0), interpret=False)
+
+
+def test_refusal_reasons(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    p = _problem(q, k, v)
+    assert "CUDA" in hopper.hopper_refusal(p, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    hp = _as_hopper_call(monkeypatch, p)
+    assert hopper.hopper_refusal(hp, q, k, v, dropout_p=0.0, softcap=None, sinks=None) is None
+    assert hopper.hopper_refusal(hp, q, k, v, dropout_p=0.1, softcap=None, sinks=None) == "dropout"
+    assert "soft-cap" in hopper.hopper_refusal(hp, q, k, v, dropout_p=0.0, softcap=30.0, sinks=None)
+    monkeypatch.setenv("FLASHFUSE_HOPPER", "0")
+    assert hopper.hopper_refusal(hp, q, k, v, dropout_p=0.0, softcap=None, sinks=None) == "FLASHFUSE_HOPPER=0"
+    monkeypatch.delenv("FLASHFUSE_HOPPER")
+    # Head dims, dtypes, masks and layouts the kernel does not cover.
+    q96 = torch.randn(1, 2, 1024, 96, dtype=torch.bfloat16)
+    p96 = _as_hopper_call(monkeypatch, _problem(q96, q96, q96))
+    assert "head dims" in hopper.hopper_refusal(p96, q96, q96, q96, dropout_p=0.0, softcap=None, sinks=None)
+    q32 = q.float()
+    p32 = _as_hopper_call(monkeypatch, _problem(q32, q32, q32))
+    assert "dtype" in hopper.hopper_refusal(p32, q32, q32, q32, dropout_p=0.0, softcap=None, sinks=None)
+    mask = torch.ones(1024, 1024, dtype=torch.bool)
+    pm = _as_hopper_call(monkeypatch, AttentionProblem.build(
+        q, k, v, mask, dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False))
+    assert hopper.hopper_refusal(pm, q, k, v, dropout_p=0.0, softcap=None, sinks=None) == "a mask tensor"
+    odd = torch.randn(1, 2, 1024, 129, dtype=torch.bfloat16)[..., :128]  # rows 258 bytes apart
+    assert "copy engine" in hopper.hopper_refusal(hp, odd, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    monkeypatch.setattr(hopper, "_capability", lambda index: (8, 0))
+    assert "Hopper" in hopper.hopper_refusal(hp, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+
+
+def test_cpu_calls_never_take_it():
+    q, k, v = (torch.randn(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(3))
+    assert not hopper.takes(_problem(q, k, v), q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+
+
+def test_supported_triton_versions_only(monkeypatch):
+    import triton
+
+    hopper.gluon_available.cache_clear()
+    try:
+        assert hopper.gluon_available() == triton.__version__.startswith(hopper.SUPPORTED_TRITON)
+    finally:
+        hopper.gluon_available.cache_clear()
+
+
+# ---------------------------------------------------------------------------
+# Numerics (GPU)
+# ---------------------------------------------------------------------------
+
+def _require_hopper():
+    if torch.cuda.get_device_capability()[0] != 9 or not hopper.gluon_available():
+        pytest.skip("needs a Hopper GPU and a Triton whose Gluon API the kernel targets")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("band", list(BANDS))
+@pytest.mark.parametrize("B,Hq,Hkv,N,M", [(2, 4, 4, 1000, 1000), (1, 8, 2, 129, 4097), (1, 2, 2, 1, 300),
+                                          (1, 4, 1, 300, 1), (2, 2, 1, 2048, 640)])
+def test_forward_against_reference(monkeypatch, dtype, D, band, B, Hq, Hkv, N, M):
+    _require_hopper()
+    poison_empty(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(D * 1000003 + N * 31 + M)
+    q, k, v = _inputs(B, Hq, Hkv, N, M, D, dtype, "nan_padded", gen)
+    kw = BANDS[band]
+    p = _problem(q, k, v, **kw)
+    why = hopper.hopper_refusal(p, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    assert why is None or "visible keys" in why, why  # short rows: the kernel runs when called directly
+    out, lse = hopper.hopper_forward(p, q, k, v)
+    want = ref.reference_attention(q.cpu(), k.cpu(), v.cpu(), scale=0.125, **kw)
+    want_lse = ref.reference_lse(q.cpu(), k.cpu(), scale=0.125, **kw)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert _rel(out.cpu(), want) < REL_TOL[dtype]
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.cpu().double()[fin], want_lse[fin], atol=2e-3, rtol=1e-3)
+    hidden = torch.isinf(want_lse)
+    assert (out.cpu()[hidden] == 0).all()  # rows that see no key are 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["ws", "pipelined"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
+def test_layouts_schedules_and_repeatability(monkeypatch, layout, D, schedule):
+    _require_hopper()
+    poison_empty(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
+    p = _problem(q, k, v, window_right=0)
+    runs = [hopper.hopper_forward(p, q, k, v, schedule) for _ in range(3)]
+    for out, lse in runs[1:]:  # a race would move bits between runs
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+    want = ref.reference_attention(q.cpu(), k.cpu(), v.cpu(), scale=0.125, window_right=0)
+    assert _rel(runs[0][0].cpu(), want) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("band,N,M", [("none", 777, 1025), ("causal", 2000, 2000),
+                                      ("causal_bottom_right", 1000, 2100)])
+def test_gradients_through_the_op(band, N, M):
+    """The op's forward on the Hopper kernel, backward on the portable one."""
+    _require_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = _inputs(2, 4, 2, N, M, 128, torch.bfloat16, "contiguous", gen)
+    kw = BANDS[band]
+    assert hopper.takes(_problem(q, k, v, **kw), q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashfuse.attention(*leaves, scale=0.125, is_causal="causal" in band, enable_gqa=True,
+                              alignment="bottom_right" if kw.get("bottom_right") else "top_left")
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+    out.backward(dout)
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want = ref.reference_attention(*ref_leaves, scale=0.125, **kw)
+    want.backward(dout.cpu().double())
+    assert _rel(out.detach().cpu(), want.detach()) < 1e-2
+    for got, exp in zip(leaves, ref_leaves):
+        assert not got.grad.isnan().any()
+        assert _rel(got.grad.cpu(), exp.grad) < 2e-2
+
+
+def test_mean_visible_keys_and_crossover_rule():
+    # No band: every key; causal top-left at N = M: about half; bottom-right
+    # with more keys than queries: the extra keys too; a window: its width.
+    assert hopper.mean_visible_keys(1024, 1024, 0, 0, 0, False, False) == 1024
+    assert abs(hopper.mean_visible_keys(1024, 1024, 0, 0, 0, False, True) - 512) < 20
+    assert abs(hopper.mean_visible_keys(100, 4100, 4000, 0, 0, False, True) - 4050) < 5
+    assert hopper.mean_visible_keys(4096, 4096, 0, 100, 0, True, True) <= 101
+
+
+def test_crossover_refusals(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    full = _as_hopper_call(monkeypatch, _problem(q, k, v))
+    causal = _as_hopper_call(monkeypatch, _problem(q, k, v, window_right=0))
+    assert hopper.hopper_refusal(full, q, k, v, dropout_p=0.0, softcap=None, sinks=None) is None
+    why = hopper.hopper_refusal(causal, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    assert "visible keys per query row" in why
+    q64 = q[..., :64].contiguous()
+    p64 = _as_hopper_call(monkeypatch, _problem(q64, q64, q64))
+    assert "fewer than 6144 at D = 64" in hopper.hopper_refusal(p64, q64, q64, q64, dropout_p=0.0, softcap=None,
+                                                               sinks=None)
+
+
+def test_hopper_forward_op_fake_layout():
+    """The opaque op a traced graph records gives the launcher's layouts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 300, 128, dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 500, 128, dtype=torch.bfloat16)
+        out, lse = torch.ops.flashfuse._hopper_forward(q, k, k, 0.1, None, 0, True)
+    assert out.shape == (2, 8, 300, 128) and out.stride() == (300 * 8 * 128, 128, 8 * 128, 1)
+    assert lse.shape == (2, 8, 300) and lse.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_compiled_graph_takes_the_hopper_kernel(monkeypatch):
+    """Inside torch.compile the forward runs on the Hopper kernel (through
+    flashfuse::_hopper_forward) with the same bits as the eager call, and
+    the backward compiles around it."""
+    _require_hopper()
+    calls = []
+    real = hopper.hopper_forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper, "hopper_forward", counted)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = _inputs(2, 8, 2, 2048, 2048, 128, torch.bfloat16, "bnhd", gen)
+    dout = torch.randn(2, 8, 2048, 128, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def f(q, k, v):
+        return flashfuse.attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        calls.clear()
+        out = fn(*leaves)
+        out.backward(dout)
+        assert calls, "the Hopper kernel did not run"
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    (eo, *eg), (co, *cg) = results
+    assert torch.equal(eo, co)
+    for a, b in zip(eg, cg):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)

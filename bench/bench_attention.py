@@ -1,6 +1,7 @@
 """Attention kernel benchmark: flashfuse's op against PyTorch's attention.
 
-Providers: ``flashfuse`` (torch.ops.flashfuse.attention), ``sdpa`` (default
+Providers: ``flashfuse`` (torch.ops.flashfuse.attention), ``flashfuse_portable``
+(the same with ``FLASHFUSE_HOPPER=0``: the portable Triton kernels), ``sdpa`` (default
 dispatch), ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient`` (one SDPA
 backend forced with ``sdpa_kernel``), ``flex`` (FlexAttention compiled once per
 configuration, block mask built once) and ``naive`` (eager matmul-softmax-matmul, only where it

@@ -3,7 +3,8 @@ N = 1024, D = 64, bf16), forward+backward, with and without dropout: the
 causal mask given as a (B, 1, N, N) bfloat16 tensor (what Hugging Face
 models pass) with the tables built in every call, the same mask through one
 ``flashfuse.block_mask`` built once per step and shared by ``--layers``
-layers (its table passes counted once per step, i.e. divided by the layers),
+layers, each with its own k and v (its table passes counted once per step,
+i.e. divided by the layers),
 and ``is_causal``; SDPA's default backend for reference. Kernel durations from
 the CUDA profiler (every kernel launch of a step summed, so host time never
 counts). Also a BERT-style (B = 16, N = 512) key-padding mask. Each
@@ -90,12 +91,19 @@ def main():
             print(f"{name:20s} {variant:12s} {total:8.1f} us per layer", flush=True)  # rows as they come
         # One block mask per step, shared by the layers: build it in the
         # step, run the layers on it, count the step's kernels per layer.
+        # Each layer has its own k and v, as in a model: shared ones would
+        # make autograd sum every layer's gradient into them (bf16 adds the
+        # one-layer rows do not pay; run 16 found them 17-19 µs per layer).
+        layer_kv = [tuple(torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+                          for _ in range(2)) for _ in range(args.layers)]
+        leaves = (q, *(t for kv in layer_kv for t in kv))
+
         def shared_step():
             bm = flashfuse.block_mask(mask, N, N)
             x = q
-            for _ in range(args.layers):
-                x = flashfuse.attention(x, k, v, attn_mask=bm, dropout_p=p_drop)
-            torch.autograd.grad(x, (q, k, v), g)
+            for lk, lv in layer_kv:
+                x = flashfuse.attention(x, lk, lv, attn_mask=bm, dropout_p=p_drop)
+            torch.autograd.grad(x, leaves, g)
 
         times = profile_kernels(shared_step, args.reps)
         record_kernels(name, "block mask", times, args.layers)
@@ -103,7 +111,8 @@ def main():
         per_layer = total / args.layers
         rows["block mask"] = per_layer
         res.add(case=name, variant="block mask", layers=args.layers, us_per_layer=per_layer,
-                table_us=tables / args.layers)
+                table_us=tables / args.layers, kv="per layer")
+        del layer_kv, leaves
         ref = rows.get("is_causal", rows["sdpa"])
         summary.append([name, f"{rows['mask tensor']:.0f}", f"{rows['block mask']:.0f}",
                         f"{rows['is_causal']:.0f}" if "is_causal" in rows else "-", f"{rows['sdpa']:.0f}",

@@ -379,6 +379,20 @@ def kernel_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return _kernels.launch_problem(*args, backward=backward)
 
 
+def forward_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
+                   mask_fill=None, softcap=None, sinks=None) -> str | None:
+    """Which forward kernel ``attention`` with these arguments (the public
+    op's, on fake or real tensors) takes on CUDA (``kernels.forward_kernel``),
+    or None for tensors not on CUDA. ``explain`` reports it per candidate."""
+    if _kernels is None or query.device.type != "cuda":
+        return None
+    args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                         alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64),
+                         softcap=softcap, sinks=sinks)
+    return _kernels.forward_kernel(*args)
+
+
 def _plain_eager_call(*tensors: Tensor | None) -> bool:
     """True for an ordinary eager call: real tensors (parameters included), no
     compiler, tracer, dispatch mode or functorch transform watching. Only then

@@ -37,6 +37,9 @@ class ExplainRow:
     # How a layout other than (batch, heads, query, key) was brought to the
     # op's (e.g. "batch dims folded: (2, 4)"), with what it copies.
     layout: str = ""
+    # On CUDA, the forward kernel the op call takes ("hopper", "portable:
+    # <why not>", "split-KV decode"; kernels.forward_kernel).
+    kernel: str = ""
 
 
 @dataclasses.dataclass
@@ -58,6 +61,9 @@ class Explanation:
         layouts = any(r.layout for r in self.rows)
         if layouts:
             headers.append("layout")
+        kernels = any(r.kernel for r in self.rows)  # only for CUDA inputs
+        if kernels:
+            headers.append("forward kernel")
         data = []
         for r in self.rows:
             data.append([
@@ -65,7 +71,7 @@ class Explanation:
                 "yes" if r.rewritten else f"no: {_clip(r.reason, 70)}",
                 r.scale or "-", r.mask or "-", r.causal or "-", r.window or "-",
                 r.gqa or "-", f"{r.dropout_p:g}" if r.rewritten else "-",
-            ] + ([r.layout or "-"] if layouts else []))
+            ] + ([r.layout or "-"] if layouts else []) + ([_clip(r.kernel, 60) or "-"] if kernels else []))
         summary = f"{self.rewritten} of {len(self.rows)} attention candidates rewritten in {self.graphs} graph(s)"
         if not data:
             return summary
@@ -95,6 +101,7 @@ def _row(index: int, cand: Candidate) -> ExplainRow:
         gqa=str(f.get("gqa", "")) if cand.ok else "",
         dropout_p=float(f.get("dropout", 0.0)) if cand.ok else 0.0,
         layout=str(f.get("layout", "")) if cand.ok else "",
+        kernel=str(f.get("kernel", "")) if cand.ok else "",
     )
 
 

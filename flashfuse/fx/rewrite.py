@@ -286,6 +286,9 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict, shared
     problem = _launch_problem(q, k, v, mask, kwargs)
     if problem is not None:
         raise CannotLaunch(problem)
+    kernel = _forward_kernel(q, k, v, mask, kwargs)
+    if kernel is not None:
+        cand.facts["kernel"] = kernel
     if mask is not None:
         # The mask's tables, built once per distinct mask (block_mask node)
         # and read by every attention using it, forward and backward.
@@ -351,6 +354,24 @@ def _launch_problem(q, k, v, mask, kwargs) -> Optional[str]:
     if options.get("sinks") is not None:
         options["sinks"] = N.tensor_val(options["sinks"])
     return ops.kernel_problem(qv, kv, vv, mv, **options, backward=backward)
+
+
+def _forward_kernel(q, k, v, mask, kwargs) -> Optional[str]:
+    """Which forward kernel the op call about to be emitted takes on CUDA
+    (``ops.forward_kernel``, from the operands' example values), or None."""
+    qv, kv, vv = N.tensor_val(q), N.tensor_val(k), N.tensor_val(v)
+    if qv is None or kv is None or vv is None or qv.device.type != "cuda":
+        return None
+    from .. import ops
+
+    options = {name: value for name, value in kwargs.items() if name != "attn_mask"}
+    if options.get("sinks") is not None:
+        options["sinks"] = N.tensor_val(options["sinks"])
+    mv = N.tensor_val(mask) if mask is not None else None
+    try:
+        return ops.forward_kernel(qv, kv, vv, mv, **options)
+    except Exception as exc:  # noqa: BLE001 - a report, never a reason to refuse the rewrite
+        return f"unknown ({type(exc).__name__})"
 
 
 def _needs_backward(q, k, v, mask) -> bool:

@@ -30,6 +30,28 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
     return launch(q, k, v, attn_mask, seed, **kwargs)
 
 
+def forward_kernel(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,
+                   bottom_right: bool, mask_fill=None, mask_key_table=None, mask_query_table=None, softcap=None,
+                   sinks=None) -> str:
+    """Which forward kernel a CUDA call with these arguments (``_attention_forward``'s,
+    on fake or real tensors) takes: ``"split-KV decode"``, ``"hopper"`` or
+    ``"portable: <why not the Hopper kernel>"``. The Hopper kernel's layout
+    rule is checked when a call runs (a fake tensor has no address); a call
+    whose layout the copy engine cannot read takes the portable kernel."""
+    from . import hopper
+    from .decode import DecodeCall, decode_suits
+    from .problem import AttentionProblem
+
+    if decode_suits(DecodeCall(q, k, attn_mask, dropout_p, window_left, window_right, bottom_right, mask_fill,
+                               softcap, sinks)):
+        return "split-KV decode"
+    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
+                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
+                               softcap=softcap)
+    why = hopper.problem_refusal(p, dropout_p, softcap, sinks)
+    return "hopper" if why is None else f"portable: {why}"
+
+
 def attention_backward(*args, **kwargs):
     """See :func:`flashfuse.kernels.backward.attention_backward`."""
     from .backward import attention_backward as launch

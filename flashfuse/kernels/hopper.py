@@ -5,7 +5,7 @@ one group of warps loads, multiplies and takes the softmax in turn. The
 Hopper kernel (``hopper_gluon.py``) schedules it itself, as FlashAttention-3
 does:
 
-* **Warp-specialised** (``ws``, the one the op takes): a copy warp streams
+* **Warp-specialised**: a copy warp streams
   q's two 64-row halves once and K/V blocks of 128 keys into shared-memory
   slots through the copy engine (TMA), each slot with a ready and an empty
   mbarrier; two consumer warp groups (64 query rows each, 240 registers;
@@ -14,9 +14,9 @@ does:
 * Within a consumer, iteration j issues S_j = q·K_jᵀ and O += P_{j-1}·V_{j-1}
   as asynchronous warp-group products, waits for S_j only, and computes the
   softmax of S_j while the tensor cores still work on P_{j-1}·V_{j-1}.
-* ``pipelined``: the same loop in one group of 8 warps that issues its own
-  copies (a thread barrier before each refill); measured slower, kept for
-  comparison in ``bench/hopper_schedules.py``.
+* The same loop in one group of 8 warps that issued its own copies (a
+  thread barrier before each refill) measured slower than the portable
+  kernel and was removed (bench/NOTES.md run 17).
 
 Scope (``hopper_refusal`` names the first reason a call is not taken):
 fp16/bf16, head dims 64 or 128 (q, k and v alike), any band (causal,
@@ -48,7 +48,8 @@ from .launch import _capability, _traced, cdiv, ensure_scratch_allocator
 from .problem import AttentionProblem
 from .. import config
 
-__all__ = ["hopper_forward", "hopper_refusal", "takes", "traced_takes", "gluon_available", "mean_visible_keys"]
+__all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "takes", "traced_takes", "gluon_available",
+           "mean_visible_keys"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
 SUPPORTED_TRITON = ("3.6",)
@@ -56,8 +57,7 @@ SUPPORTED_TRITON = ("3.6",)
 # Tile: 128 query rows (two warp groups of 64) by 128 keys.
 BLOCK_M = 128
 BLOCK_N = 128
-NUM_WARPS = 8  # the pipelined schedule's one group
-# K/V slots per head dim in the warp-specialised schedule (shared memory:
+# K/V slots per head dim (shared memory:
 # q 32 KiB + 2 x 2 x 32 KiB at D = 128).
 WS_STAGES = {64: 3, 128: 2}
 
@@ -99,8 +99,9 @@ def mean_visible_keys(N: int, M: int, diag_off: int, window_left: int, window_ri
     return total / len(rows)
 
 
-def _problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks) -> str | None:
-    """The reasons that depend on the problem alone (also known in a trace)."""
+def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks) -> str | None:
+    """The reasons that depend on the problem alone (also known in a trace,
+    where the tensors have no address to check the layout on)."""
     if config.hopper() == "0":
         return "FLASHFUSE_HOPPER=0"
     if p.interpret or p.device.type != "cuda":
@@ -139,7 +140,7 @@ def hopper_refusal(p: AttentionProblem, q, k, v, *, dropout_p: float, softcap, s
 
     The one selection rule: the forward launcher asks it, and so do the
     benchmarks and tests that name the kernel a call takes."""
-    why = _problem_refusal(p, dropout_p, softcap, sinks)
+    why = problem_refusal(p, dropout_p, softcap, sinks)
     if why is None and _traced((q, k, v)):
         return "traced graph (the forward records flashfuse::_hopper_forward instead: traced_takes)"
     if why is None:
@@ -161,7 +162,7 @@ def traced_takes(p: AttentionProblem, q, k, v, *, dropout_p: float, softcap, sin
     problem suits the kernel (the layout is checked when it runs)."""
     if p.interpret or p.device.type != "cuda" or not _traced((q, k, v)):
         return False
-    return _problem_refusal(p, dropout_p, softcap, sinks) is None
+    return problem_refusal(p, dropout_p, softcap, sinks) is None
 
 
 def _triton_version() -> str:
@@ -177,15 +178,14 @@ def _layout_ok(t: torch.Tensor) -> bool:
             and all((s * elt) % 16 == 0 for s in t.stride()[:3]))
 
 
-def kernel(schedule: str = "ws"):
-    """The Gluon kernel of a schedule, imported on first use: ``ws``, the
-    warp-specialised one (default); ``pipelined``, one group of 8 warps."""
+def kernel():
+    """The Gluon kernel, imported on first use."""
     from . import hopper_gluon
 
-    return hopper_gluon._hopper_attn_fwd_ws if schedule == "ws" else hopper_gluon._hopper_attn_fwd
+    return hopper_gluon._hopper_attn_fwd_ws
 
 
-def kernel_args(p: AttentionProblem, q, k, v, out, lse, schedule: str = "ws") -> tuple[tuple, dict]:
+def kernel_args(p: AttentionProblem, q, k, v, out, lse) -> tuple[tuple, dict]:
     """The kernel's positional arguments and launch options for a problem."""
     args = (
         q, k, v, out, lse,
@@ -193,25 +193,21 @@ def kernel_args(p: AttentionProblem, q, k, v, out, lse, schedule: str = "ws") ->
         p.Hq, p.Hkv, p.N, p.M,
         p.qk_scale, p.diag_off, p.window_left, p.window_right,
     )
+    # Two consumer warp groups at 240 registers and the copy warp at 24 (its
+    # warp group's share): 168 per thread at launch over 12 warps.
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
-                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    if schedule == "ws":
-        # Two consumer warp groups at 240 registers and the copy warp at 24
-        # (its warp group's share); 168 per thread at launch over 12 warps.
-        meta.update(STAGES=WS_STAGES[p.D], num_warps=4, maxnreg=168)
-    else:
-        meta.update(num_warps=NUM_WARPS)
+                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], num_warps=4, maxnreg=168)
     return args, meta
 
 
-def hopper_forward(p: AttentionProblem, q, k, v, schedule: str = "ws") -> tuple[torch.Tensor, torch.Tensor]:
+def hopper_forward(p: AttentionProblem, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward on the Hopper kernel; ``(out, lse)`` as ``forward.attention_forward``
     returns them (out laid out as ``empty(B, N, Hq, D).transpose(1, 2)``)."""
     B, Hq, N = p.B, p.Hq, p.N
     out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    args, meta = kernel_args(p, q, k, v, out, lse, schedule)
+    args, meta = kernel_args(p, q, k, v, out, lse)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
-        kernel(schedule)[(cdiv(N, BLOCK_M), Hq, B)](*args, **meta)
+        kernel()[(cdiv(N, BLOCK_M), Hq, B)](*args, **meta)
     return out, lse

@@ -1,5 +1,5 @@
-"""The Hopper forward kernels in Gluon (see ``hopper.py`` for the schedule,
-the scope and the launcher). Imported only when a Hopper launch needs them:
+"""The Hopper forward kernel in Gluon (see ``hopper.py`` for the schedule,
+the scope and the launcher). Imported only when a Hopper launch needs it:
 Gluon kernels do not run in Triton's interpreter.
 
 Written for Gluon as shipped with Triton 3.6.
@@ -30,188 +30,22 @@ def _mask_scores(s, start_n, m0, key_end, diag_off, window_left, window_right,
 
 
 @gluon.jit
-def _hopper_attn_fwd(
-    Q, K, V, Out, Lse,
-    stride_q_b, stride_q_h, stride_q_n,
-    stride_k_b, stride_k_h, stride_k_n,
-    stride_v_b, stride_v_h, stride_v_n,
-    stride_o_b, stride_o_h, stride_o_n,
-    Hq, Hkv, N, M,
-    qk_scale, diag_off, window_left, window_right,
-    HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
-):
-    dtype: gl.constexpr = Q.dtype.element_ty
-    # Longest query tiles first under a band: the grid's tail is short ones.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    hk = h // (Hq // Hkv)
-    m0 = pid_m * BLOCK_M
-    b64 = b.to(gl.int64)
-
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    # Per (batch, head) descriptors: the copy engine clips at N and M and
-    # reads zeros past them, whatever the strides between heads.
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + h.to(gl.int64) * stride_q_h,
-                                        shape=[N, HEAD_DIM], strides=[stride_q_n, 1],
-                                        block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + hk.to(gl.int64) * stride_k_h,
-                                        shape=[M, HEAD_DIM], strides=[stride_k_n, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + hk.to(gl.int64) * stride_v_h,
-                                        shape=[M, HEAD_DIM], strides=[stride_v_n, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-    o_desc = tma.make_tensor_descriptor(Out + b64 * stride_o_b + h.to(gl.int64) * stride_o_h,
-                                        shape=[N, HEAD_DIM], strides=[stride_o_n, 1],
-                                        block_shape=[BLOCK_M, HEAD_DIM], layout=q_layout)
-
-    # Scores and output as the warp-group MMA leaves them; P is fed from
-    # registers as the A operand of P·V.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    # The key blocks the tile's band reaches (common._visible).
-    last_row = gl.minimum(m0 + BLOCK_M, N) - 1
-    lo = 0
-    hi = M
+def _mask_if_crossing(s, start_n, m0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
+                      window_right, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """The block's scores, masked only if the block crosses the key end
+    (``full_end``: the last start whose block ends inside the keys) or an
+    edge of the band (``right_edge`` / ``left_edge``: the block starts
+    between which every row sees all of it)."""
+    need = start_n > full_end
     if HAS_WINDOW_RIGHT:
-        hi = gl.minimum(hi, gl.maximum(last_row + diag_off + window_right + 1, 0))
+        need = need | (start_n > right_edge)
     if HAS_WINDOW_LEFT:
-        lo = gl.maximum(m0 + diag_off - window_left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    n_blocks = gl.cdiv(hi - lo, BLOCK_N)
-    # A tile that sees no key runs one block with every key hidden, so
-    # that its rows come out as 0 with lse +inf like any hidden row.
-    none_visible = n_blocks <= 0
-    key_end = gl.where(none_visible, 0, M)
-    lo = gl.where(none_visible, 0, lo)
-    n_blocks = gl.maximum(n_blocks, 1)
-
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-    fence_async_shared()
-
-    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
-    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
-    for i in gl.static_range(2):
-        ok = i < n_blocks
-        mbarrier.expect(k_bars.index(i), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(k_desc, [lo + i * BLOCK_N, 0], k_bars.index(i), k_smem.index(i), pred=ok)
-        mbarrier.expect(v_bars.index(i), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(v_desc, [lo + i * BLOCK_N, 0], v_bars.index(i), v_smem.index(i), pred=ok)
-
-    # Which blocks need the element-wise mask: those crossing the key
-    # end (or every block of a tile that sees nothing) or the band.
-    full_end = key_end - BLOCK_N  # a block starting at or before this ends inside the keys
-    right_edge = m0 + diag_off + window_right - BLOCK_N + 1  # first row sees the whole block up to here
-    left_edge = last_row + diag_off - window_left  # last row sees the whole block from here
-
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-
-    # Block 0, synchronously: it starts the running max.
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
-    gl.thread_barrier()  # both warp groups are done with K slot 0
-    ok = 2 < n_blocks
-    mbarrier.expect(k_bars.index(0), kv_bytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [lo + 2 * BLOCK_N, 0], k_bars.index(0), k_smem.index(0), pred=ok)
-    need = lo > full_end
-    if HAS_WINDOW_RIGHT:
-        need = need | (lo > right_edge)
-    if HAS_WINDOW_LEFT:
-        need = need | (lo < left_edge)
+        need = need | (start_n < left_edge)
     if need:
-        s = _mask_scores(s, lo, m0, key_end, diag_off, window_left, window_right,
-                         HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N, s_layout)
-    m_i = gl.max(s, axis=1) * qk_scale
-    m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-    l_i = gl.sum(p, axis=1)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-
-    for j in range(1, n_blocks):
-        slot = j % 2
-        prev = 1 - slot
-        start_n = lo + j * BLOCK_N
-        mbarrier.wait(k_bars.index(slot), (j // 2) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // 2) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        # Groups finish in order: S_j is ready, P_{j-1}·V_{j-1} may still run.
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        gl.thread_barrier()
-        ok = j + 2 < n_blocks
-        mbarrier.expect(k_bars.index(slot), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(k_desc, [start_n + 2 * BLOCK_N, 0], k_bars.index(slot),
-                                        k_smem.index(slot), pred=ok)
-        need = start_n > full_end
-        if HAS_WINDOW_RIGHT:
-            need = need | (start_n > right_edge)
-        if HAS_WINDOW_LEFT:
-            need = need | (start_n < left_edge)
-        if need:
-            s = _mask_scores(s, start_n, m0, key_end, diag_off, window_left, window_right,
-                             HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        gl.thread_barrier()
-        ok = j + 1 < n_blocks
-        mbarrier.expect(v_bars.index(prev), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(v_desc, [start_n + BLOCK_N, 0], v_bars.index(prev),
-                                        v_smem.index(prev), pred=ok)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-
-    last = n_blocks - 1
-    mbarrier.wait(v_bars.index(last % 2), (last // 2) & 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(last % 2), acc)
-
-    # Rows that saw no key (l_i == 0): output 0, lse +inf.
-    l_o = gl.convert_layout(l_i, row_o)
-    m_o = gl.convert_layout(m_i, row_o)
-    empty = l_o == 0.0
-    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
-    out = acc * gl.expand_dims(inv_l, 1)
-    lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=row_o)
-    gl.store(Lse + (b64 * Hq + h) * N + rows, lse, mask=rows < N)
-
-    gl.thread_barrier()  # every warp group's last q·kᵀ has read q's slot
-    q_smem.store(out.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [m0, 0], q_smem)
-    tma.store_wait(0)
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(2):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
+        s = _mask_scores(s, start_n, m0, key_end, diag_off, window_left, window_right,
+                         HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N, layout)
+    return s
 
 
 @gluon.jit
@@ -261,14 +95,8 @@ def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v
     mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
     mbarrier.arrive(k_empty.index(0))
-    need = lo > full_end
-    if HAS_WINDOW_RIGHT:
-        need = need | (lo > right_edge)
-    if HAS_WINDOW_LEFT:
-        need = need | (lo < left_edge)
-    if need:
-        s = _mask_scores(s, lo, r0, key_end, diag_off, window_left, window_right,
-                         HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+    s = _mask_if_crossing(s, lo, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
+                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
     m_i = gl.max(s, axis=1) * qk_scale
     m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
@@ -287,14 +115,8 @@ def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v
         o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot))
-        need = start_n > full_end
-        if HAS_WINDOW_RIGHT:
-            need = need | (start_n > right_edge)
-        if HAS_WINDOW_LEFT:
-            need = need | (start_n < left_edge)
-        if need:
-            s = _mask_scores(s, start_n, r0, key_end, diag_off, window_left, window_right,
-                             HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+        s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
+                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from . import nodes as N
-from .match import Operand
+from .match import Operand, Step, Transform
 
 
 def _no_match(reason: str) -> Exception:
@@ -88,7 +88,7 @@ def fold_softcap(transforms: list) -> list:
             kind = {"add": "a mask is added", "fill": "a mask is filled in", "noop": "a constant is added"}.get(
                 t[0], f"{t[0]} is applied")
             raise _no_match(f"{kind} before the soft-cap: tanh would cap the masked scores (left alone)")
-    return transforms[: i - 1] + [("softcap", abs(outer))] + transforms[i + 2:]
+    return transforms[: i - 1] + [Transform("softcap", abs(outer))] + transforms[i + 2:]
 
 
 def _num(x: float) -> str:
@@ -229,7 +229,7 @@ def _per_head_vector(col: torch.fx.Node, heads) -> Optional[Operand]:
         if k in N.CAST_KINDS:
             if not cv.dtype.is_floating_point:
                 return None
-            casts.append(("to", cv.dtype))
+            casts.append(Step("to", cv.dtype))
             cur = cur.args[0]
             continue
         if k in ("reshape", "view") or (k == "getitem" and _adds_axes_around_heads(cur)):

@@ -34,8 +34,8 @@ from . import capsink as _capsink
 from . import nodes as N
 from . import views as V
 from .masks import Band, MaskEvaluator
-from .match import (Candidate, MaskTerm, Operand, Plan, ProbsPath, ScoreOperands, ScoresPath, ValueOperands,
-                    source_line)
+from .match import (Candidate, MaskTerm, Operand, Plan, ProbsPath, ScoreOperands, ScoresPath, Step, Transform,
+                    ValueOperands, source_line)
 
 # Head sizes and dtypes the op supports.
 MIN_HEAD_DIM = 16
@@ -566,7 +566,7 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
         return None, node.args[0]
     if known_chain is None and _swaps_last_two(node):
         # Scores built transposed, (k @ qᵀ).transpose(-1, -2): see layouts.
-        return ("transpose",), node.args[0]
+        return Transform("transpose"), node.args[0]
     if k in V.VIEW_KINDS and known_chain is None:
         why = V.why_not_batch_view(node)
         if why is not None:
@@ -579,18 +579,18 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
                 continue
             ct = N.tensor_val(chain_arg)
             if isinstance(chain_arg, torch.fx.Node) and ct is not None and ct.dim() > 0 and N.is_scalar_like(other):
-                return ("scale", "mul", _factor(other)), chain_arg
+                return Transform("scale", "mul", _factor(other)), chain_arg
             if isinstance(chain_arg, torch.fx.Node) and _per_head_factor(other, ct):
-                return ("scale", "mul", other), chain_arg
+                return Transform("scale", "mul", other), chain_arg
         raise NoMatch("the scores are multiplied by a tensor that varies over the query or key dim")
     if base == "div":
         if N.arg(node, 2, "rounding_mode") is not None:
             raise NoMatch("the scores are divided with a rounding mode")
         a, b = node.args[0], node.args[1]
         if (known_chain is None or a is known_chain) and N.is_scalar_like(b) and isinstance(a, torch.fx.Node):
-            return ("scale", "div", _factor(b)), a
+            return Transform("scale", "div", _factor(b)), a
         if (known_chain is None or a is known_chain) and isinstance(a, torch.fx.Node) and _per_head_factor(b, N.tensor_val(a)):
-            return ("scale", "div", b), a
+            return Transform("scale", "div", b), a
         raise NoMatch("the scores are divided by a tensor that varies over the query or key dim, or divide something")
     if base in ("add", "sub"):
         a, b = node.args[0], node.args[1]
@@ -613,21 +613,21 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
             if isinstance(other, (int, float)) and not isinstance(other, bool):
                 if not math.isfinite(other):
                     raise NoMatch("an infinite constant is added to the scores")
-                return ("noop",), chain_arg  # softmax ignores a constant shift
+                return Transform("noop"), chain_arg  # softmax ignores a constant shift
             ov = N.val(other)
             if isinstance(ov, (torch.SymInt, torch.SymFloat)):
-                return ("noop",), chain_arg
+                return Transform("noop"), chain_arg
             if isinstance(other, torch.fx.Node) and isinstance(ov, torch.Tensor):
                 if ov.dim() == 0:
                     raise NoMatch("a 0-d tensor is added to the scores")
-                return ("add", other, base == "sub", alpha), chain_arg
+                return Transform("add", other, base == "sub", alpha), chain_arg
         raise NoMatch(f"{N.describe(node)} combines the scores in a way that is not understood")
     if base == "masked_fill":
         chain_arg, cond, value = node.args[0], N.arg(node, 1, "mask"), N.arg(node, 2, "value")
         v = N.number(value)
         if v is None:
             raise NoMatch("masked_fill with a value that is not a compile-time constant")
-        return ("fill", cond, True, _in_dtype(v, sv)), chain_arg
+        return Transform("fill", cond, True, _in_dtype(v, sv)), chain_arg
     if base == "where":
         if len(node.args) < 3:
             raise NoMatch("torch.where with one argument")
@@ -638,15 +638,15 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
             v = N.number(b)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return ("fill", cond, False, _in_dtype(v, sv)), a
+            return Transform("fill", cond, False, _in_dtype(v, sv)), a
         if b_chain and not a_chain:
             v = N.number(a)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return ("fill", cond, True, _in_dtype(v, sv)), b
+            return Transform("fill", cond, True, _in_dtype(v, sv)), b
         raise NoMatch("torch.where mixes the scores with another tensor")
     if k == "tanh" and node.args and isinstance(node.args[0], torch.fx.Node):
-        return ("tanh",), node.args[0]  # a soft-cap, checked by capsink.fold_softcap
+        return Transform("tanh"), node.args[0]  # a soft-cap, checked by capsink.fold_softcap
     raise NoMatch(f"{N.describe(node)} between the q·kᵀ product and the softmax is not understood")
 
 
@@ -856,12 +856,12 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, 
                 alpha = alpha_arg  # a symbolic scale: folded into q like any other
             if beta is None or alpha is None:
                 raise NoMatch("baddbmm with a beta or alpha that is not a constant or a symbolic number")
-            pre.append(("scale", "mul", alpha))
+            pre.append(Transform("scale", "mul", alpha))
             if beta != 0:
                 if not isinstance(bias, torch.fx.Node):
-                    pre.append(("noop",))
+                    pre.append(Transform("noop"))
                 else:
-                    pre.append(("add", bias, False, beta))
+                    pre.append(Transform("add", bias, False, beta))
         else:
             a, b = qk.args[0], qk.args[1]
         av, bv = N.tensor_val(a), N.tensor_val(b)
@@ -875,11 +875,11 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, 
             an, as_ = _peel_scalar_only(a)
         bn, bs, flips = _peel_scalar_and_transpose(b)
         if as_ != 1.0:
-            pre.insert(0, ("scale", "mul", as_))
+            pre.insert(0, Transform("scale", "mul", as_))
         if bs != 1.0:
-            pre.insert(0, ("scale", "mul", bs))
+            pre.insert(0, Transform("scale", "mul", bs))
         a_op = Operand(an)
-        b_op = Operand(bn) if flips else Operand(bn, [("transpose", -2, -1)])
+        b_op = Operand(bn) if flips else Operand(bn, [Step("transpose", -2, -1)])
         nb = max(av.dim(), bv.dim()) - 2
         if nb > max_batch:
             raise NoMatch("scores with more than two batch dims")
@@ -1026,17 +1026,17 @@ def _einsum_to(node: Any, have: str, want: list) -> Operand:
     letters = list(have)
     perm = [letters.index(c) for c in want if c in letters]
     if perm != list(range(len(perm))):
-        op = op.then(("permute", tuple(perm)))
+        op = op.then(Step("permute", tuple(perm)))
     for pos, c in enumerate(want):
         if c not in letters:
-            op = op.then(("unsqueeze", pos))
+            op = op.then(Step("unsqueeze", pos))
     return op
 
 
 def _pad_batch(op: Operand, ndim: int, nb: int) -> Operand:
     """Right-align an operand with ``ndim - 2`` batch dims to two batch dims."""
     for _ in range(2 - (ndim - 2)):
-        op = op.then(("unsqueeze", 0))
+        op = op.then(Step("unsqueeze", 0))
     return op
 
 
@@ -1056,7 +1056,7 @@ def _value_operand(pv: torch.fx.Node, perm=None) -> ValueOperands:
         if nb > 2:
             raise NoMatch("output with more than two batch dims")
         v_op = _pad_batch(Operand(v), vv.dim(), nb)
-        out_steps = [("squeeze", 0)] * (2 - nb)
+        out_steps = [Step("squeeze", 0)] * (2 - nb)
         return ValueOperands(v_op, out_steps)
     # einsum: probabilities carry the score layout (batch..., n, m).
     eq, ops = _einsum_operands(pv)
@@ -1086,10 +1086,10 @@ def _value_operand(pv: torch.fx.Node, perm=None) -> ValueOperands:
         raise NoMatch("output with more than two batch dims")
     v_op = _pad_batch(_einsum_to(ops[1], tv, batch + [m_l, e_l]), len(batch) + 2, len(batch))
     canon = batch + [n_l, e_l]
-    out_steps: list = [("squeeze", 0)] * (2 - len(batch))
+    out_steps: list = [Step("squeeze", 0)] * (2 - len(batch))
     perm = tuple(canon.index(c) for c in to)
     if perm != tuple(range(len(perm))):
-        out_steps.append(("permute", perm))
+        out_steps.append(Step("permute", perm))
     return ValueOperands(v_op, out_steps)
 
 
@@ -1391,7 +1391,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         if cv is None or cv.dtype != torch.bool:
             raise NoMatch("masked_fill/where condition is not a bool tensor")
         _check_mask_shape(cond, scores_t, steps_of(cond))
-        operand = Operand(cond, steps_of(cond) + ([] if hide_true else [("not",)]))
+        operand = Operand(cond, steps_of(cond) + ([] if hide_true else [Step("not")]))
         # A band is proved on the mask's own last two dims: not when a
         # permuted layout moves them (the mask then stays a tensor).
         band = None if L.reorders(steps_of(cond)) else _visible_band(mask_value(cond), cond, hide_true, N_, M_)

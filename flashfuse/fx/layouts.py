@@ -30,6 +30,7 @@ import torch.fx
 
 from . import nodes as N
 from . import views as V
+from .match import Step
 
 
 class LayoutMismatch(Exception):
@@ -110,7 +111,7 @@ class GroupLayout:
             if src is not None and src.dim() == 4 and all(N.known_eq(x, y) for x, y in zip(src.shape, want)):
                 # A view keeps the row-major order: splitting dim 1 is unflatten.
                 return type(op)(node.args[0])
-        return op.then(("flatten", 1, 2))
+        return op.then(Step("flatten", 1, 2))
 
     def mode(self, t: torch.Tensor, what: str) -> str:
         """How k or v (.., a, b, M, D) meets the (Hkv, G) head dims."""
@@ -127,32 +128,32 @@ class GroupLayout:
 
     def kv(self, op, t: torch.Tensor, mode: str, unsqueezed_source):
         if mode == "full":
-            return op.then(("flatten", 1, 2))
+            return op.then(Step("flatten", 1, 2))
         # Drop the size-1 group dim; peel the unsqueeze that made it.
-        if not op.steps or op.steps == [("transpose", -2, -1)]:
+        if not op.steps or op.steps == [Step("transpose", -2, -1)]:
             src = unsqueezed_source(op.node)
             if src is not None:
                 return type(op)(src, list(op.steps))
-        return op.then(("squeeze", 2))
+        return op.then(Step("squeeze", 2))
 
     def output_steps(self) -> list:
         g = self._size(self.g)
         if g is None:
             raise LayoutMismatch("the group size of the 5-D product is not a size the graph holds")
-        return [("unflatten", 1, (-1, g))]
+        return [Step("unflatten", 1, (-1, g))]
 
     def mask_steps(self, t: torch.Tensor) -> list:
         """Steps taking a tensor that broadcasts to (B, Hkv, G, N, M) into one
         that broadcasts to (B, Hkv·G, N, M) with the same values per head."""
         if t.dim() > 5:
             raise LayoutMismatch("a mask has more dims than the scores")
-        steps: list = [("unsqueeze", 0)] * (5 - t.dim())
+        steps: list = [Step("unsqueeze", 0)] * (5 - t.dim())
         shape = [1] * (5 - t.dim()) + list(t.shape)
         a, b = shape[1], shape[2]
         if N.known_eq(a, 1) and N.known_eq(b, 1):
-            return steps + [("squeeze", 2)]
+            return steps + [Step("squeeze", 2)]
         if N.known_eq(a, self.hkv) and N.known_eq(b, self.g):
-            return steps + [("flatten", 1, 2)]
+            return steps + [Step("flatten", 1, 2)]
         # Broadcast over one of the two head dims only: make it full first.
         sizes: list = [-1] * 5
         for dim, (have, full) in enumerate(((a, self.hkv), (b, self.g)), start=1):
@@ -161,7 +162,7 @@ class GroupLayout:
                 if arg is None:
                     raise LayoutMismatch("a mask broadcasts over head dims whose sizes the graph does not hold")
                 sizes[dim] = arg
-        return steps + [("expand", tuple(sizes)), ("flatten", 1, 2)]
+        return steps + [Step("expand", tuple(sizes)), Step("flatten", 1, 2)]
 
 
 class ScoresLayout:
@@ -180,7 +181,7 @@ class ScoresLayout:
         if perm is not None and not identity(perm):
             if t.dim() > self.rank:
                 raise LayoutMismatch("a mask has more dims than the scores")
-            steps = [("unsqueeze", 0)] * (self.rank - t.dim()) + [("permute", inverse(perm))]
+            steps = [Step("unsqueeze", 0)] * (self.rank - t.dim()) + [Step("permute", inverse(perm))]
             t = t.reshape((1,) * (self.rank - t.dim()) + tuple(t.shape)).permute(*inverse(perm))
         if self.group is not None and t is not None and t.dim() > 0:
             steps += self.group.mask_steps(t)
@@ -261,7 +262,7 @@ class BatchFold:
         padded = t.reshape((1,) * pad + tuple(t.shape))
         if not _mergeable(padded, 0, self.f - 1):
             self.copies.append(what)
-        return op.then(*([("unsqueeze", 0)] * pad), ("flatten", 0, self.f - 1))
+        return op.then(*([Step("unsqueeze", 0)] * pad), Step("flatten", 0, self.f - 1))
 
     def output_steps(self, out: torch.Tensor) -> list:
         if out.dim() != self.nd or not all(N.known_eq(x, y) for x, y in zip(out.shape[: self.f], self.lead)):
@@ -269,7 +270,7 @@ class BatchFold:
         sizes = [self._size(s) for s in self.lead[1:]]
         if any(s is None for s in sizes):
             raise LayoutMismatch("the folded batch dims are not sizes the graph holds")
-        return [("unflatten", 0, tuple([-1] + sizes))]
+        return [Step("unflatten", 0, tuple([-1] + sizes))]
 
     def mask_steps(self, t: torch.Tensor) -> list:
         """Steps taking a tensor that broadcasts to the scores into one that
@@ -277,12 +278,12 @@ class BatchFold:
         if t.dim() > self.nd:
             raise LayoutMismatch("a mask has more dims than the scores")
         pad = self.nd - t.dim()
-        steps: list = [("unsqueeze", 0)] * pad
+        steps: list = [Step("unsqueeze", 0)] * pad
         shape = [1] * pad + list(t.shape)
         have = shape[: self.f]
         ones = [N.known_eq(x, 1) for x in have]
         if all(ones) or all(N.known_eq(x, y) for x, y in zip(have, self.lead)):
-            return steps + [("flatten", 0, self.f - 1)]
+            return steps + [Step("flatten", 0, self.f - 1)]
         sizes: list = []
         for x, full, one in zip(have, self.lead, ones):
             if N.known_eq(x, full):
@@ -296,7 +297,7 @@ class BatchFold:
             else:
                 raise LayoutMismatch("a mask does not provably broadcast over the folded batch dims")
         # One slice per batch index: the flatten copies the expanded mask.
-        return steps + [("expand", tuple(sizes) + (-1,) * (self.nd - self.f)), ("flatten", 0, self.f - 1)]
+        return steps + [Step("expand", tuple(sizes) + (-1,) * (self.nd - self.f)), Step("flatten", 0, self.f - 1)]
 
     def describe(self, plan) -> str:
         """For ``explain``: the folded dims, and what the fold copies (an

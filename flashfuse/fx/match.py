@@ -20,12 +20,40 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.fx
 
-# A view step, replayed in front of the op (``find.apply_steps``,
-# ``rewrite``): ("transpose", d0, d1) | ("permute", dims) | ("unsqueeze", d)
-# | ("squeeze", d) | ("to", dtype) | ("not",) (logical not, for masks)
-# | ("flatten", d0, d1) | ("unflatten", d, sizes) | ("expand", sizes), where
-# sizes may hold graph nodes (symbolic sizes).
-Step = tuple
+class Step(tuple):
+    """A view step replayed in front of the op (``find.apply_steps``,
+    ``rewrite``): the tensor method's name, then its arguments.
+
+    ``Step("transpose", d0, d1)``, ``Step("permute", dims)``,
+    ``Step("unsqueeze", d)``, ``Step("squeeze", d)``, ``Step("to", dtype)``,
+    ``Step("not")`` (logical not, for masks), ``Step("flatten", d0, d1)``,
+    ``Step("unflatten", d, sizes)``, ``Step("expand", sizes)``; sizes may hold
+    graph nodes (symbolic sizes). It is the tuple ``(name, *args)``, so the
+    replays index it and it compares equal to that tuple.
+    """
+
+    __slots__ = ()
+    NAMES = frozenset({"transpose", "permute", "unsqueeze", "squeeze", "to", "not", "flatten", "unflatten",
+                       "expand"})
+
+    def __new__(cls, name: str, *args: Any) -> "Step":
+        if name not in cls.NAMES:
+            raise ValueError(f"unknown view step {name!r}; one of {sorted(cls.NAMES)}")
+        return super().__new__(cls, (name, *args))
+
+    def __getnewargs__(self):  # copy and pickle rebuild it from (name, *args)
+        return tuple(self)
+
+    @property
+    def name(self) -> str:
+        return self[0]
+
+    @property
+    def args(self) -> tuple:
+        return tuple(self[1:])
+
+    def __repr__(self) -> str:
+        return f"Step({', '.join(map(repr, self))})"
 
 # A scale factor applied to the scores: a Python number, or a graph node that
 # evaluates to a SymInt/SymFloat or a 0-d tensor, or a per-head tensor (an
@@ -44,12 +72,40 @@ class Operand:
         return Operand(self.node, self.steps + list(steps))
 
 
-# A score transform between the q·kᵀ product and the softmax, in the order
-# it applies: ("scale", "mul" | "div", factor) | ("add", term, negate, alpha)
-# | ("fill", cond, hide_where_true, value) | ("noop",) (a constant shift)
-# | ("transpose",) (scores built as k @ qᵀ) | ("tanh",), which
-# ``capsink.fold_softcap`` turns with its two scales into ("softcap", cap).
-Transform = tuple
+class Transform(tuple):
+    """A score transform between the q·kᵀ product and the softmax, in the
+    order it applies: its kind, then its arguments.
+
+    ``Transform("scale", "mul" | "div", factor)``,
+    ``Transform("add", term, negate, alpha)``,
+    ``Transform("fill", cond, hide_where_true, value)``, ``Transform("noop")``
+    (a constant shift), ``Transform("transpose")`` (scores built as k @ qᵀ),
+    ``Transform("tanh")``, which ``capsink.fold_softcap`` turns with its two
+    scales into ``Transform("softcap", cap)``. It is the tuple
+    ``(kind, *args)``, indexed by its readers, equal to that tuple.
+    """
+
+    __slots__ = ()
+    KINDS = frozenset({"scale", "add", "fill", "noop", "transpose", "tanh", "softcap"})
+
+    def __new__(cls, kind: str, *args: Any) -> "Transform":
+        if kind not in cls.KINDS:
+            raise ValueError(f"unknown score transform {kind!r}; one of {sorted(cls.KINDS)}")
+        return super().__new__(cls, (kind, *args))
+
+    def __getnewargs__(self):  # copy and pickle rebuild it from (kind, *args)
+        return tuple(self)
+
+    @property
+    def kind(self) -> str:
+        return self[0]
+
+    @property
+    def args(self) -> tuple:
+        return tuple(self[1:])
+
+    def __repr__(self) -> str:
+        return f"Transform({', '.join(map(repr, self))})"
 
 
 class ProbsPath(NamedTuple):

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from . import nodes as N
+from .match import Step
 
 VIEW_KINDS = ("view", "reshape")
 
@@ -85,20 +86,20 @@ def to_canonical(nd: int, layout: tuple, canon_args: list, lead: Any = -1) -> li
     steps: list = []
     nb = len(layout)
     if nb == 0:
-        return [("unsqueeze", 0), ("unsqueeze", 0)]
+        return [Step("unsqueeze", 0), Step("unsqueeze", 0)]
     if nb > 1:
-        steps.append(("flatten", 0, nb - 1))
-    steps.append(("unflatten", 0, tuple([lead] + list(canon_args))))
+        steps.append(Step("flatten", 0, nb - 1))
+    steps.append(Step("unflatten", 0, tuple([lead] + list(canon_args))))
     return steps
 
 
 def from_canonical(layout: tuple, layout_args: list) -> list:
     """Steps turning the op's (B, H, ...) result into leading ``layout``."""
-    steps: list = [("flatten", 0, 1)]
+    steps: list = [Step("flatten", 0, 1)]
     if len(layout) > 1:
-        steps.append(("unflatten", 0, tuple([-1] + list(layout_args))))
+        steps.append(Step("unflatten", 0, tuple([-1] + list(layout_args))))
     elif len(layout) == 0:
-        steps.append(("squeeze", 0))
+        steps.append(Step("squeeze", 0))
     return steps
 
 
@@ -112,11 +113,11 @@ def mask_steps(t: torch.Tensor, layout: tuple, canon: tuple, nd_scores: int, lay
     pad = nd_scores - t.dim()
     shape = [1] * pad + list(t.shape)
     lead = shape[:nb]
-    steps: list = [("unsqueeze", 0)] * pad
+    steps: list = [Step("unsqueeze", 0)] * pad
     if all(N.known_eq(x, 1) for x in lead):
         # Broadcast over every batch dim: drop them, keep two size-1 dims.
-        steps += [("squeeze", 0)] * nb
-        return steps + [("unsqueeze", 0), ("unsqueeze", 0)]
+        steps += [Step("squeeze", 0)] * nb
+        return steps + [Step("unsqueeze", 0), Step("unsqueeze", 0)]
     if any(a is None for a in canon_tail_args):
         return None
     partial = [not N.known_eq(x, f) for x, f in zip(lead, layout)]
@@ -128,5 +129,5 @@ def mask_steps(t: torch.Tensor, layout: tuple, canon: tuple, nd_scores: int, lay
             if bcast and arg is None:
                 return None
             sizes.append(arg if bcast else -1)
-        steps.append(("expand", tuple(sizes) + (-1, -1)))
+        steps.append(Step("expand", tuple(sizes) + (-1, -1)))
     return steps + to_canonical(nd_scores, layout, canon_tail_args)

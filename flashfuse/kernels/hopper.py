@@ -57,8 +57,7 @@ SUPPORTED_TRITON = ("3.6",)
 # Tile: 128 query rows (two warp groups of 64) by 128 keys.
 BLOCK_M = 128
 BLOCK_N = 128
-# K/V slots per head dim (shared memory:
-# q 32 KiB + 2 x 2 x 32 KiB at D = 128).
+# K/V slots per head dim (shared memory at D = 128: q 32 KiB + 2 x 2 x 32 KiB).
 WS_STAGES = {64: 3, 128: 2}
 
 # Fewest visible keys per query row (mean over the rows) for which the

@@ -96,3 +96,4 @@ def test_gpu_explain_names_the_kernel():
         assert kernel.startswith("portable: "), kernel
     short = explain(_Heads128(), q[:, :, :256], k[:, :, :256], v[:, :, :256], print_table=False)
     assert short.rows[0].kernel.startswith("portable: ")  # rows too short for the Hopper kernel
+

@@ -20,7 +20,31 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.fx
 
-class Step(tuple):
+class _Tagged(tuple):
+    """A tuple ``(tag, *args)`` whose tag is checked when it is built: the
+    base of the plan's two vocabularies below."""
+
+    __slots__ = ()
+    TAGS: frozenset = frozenset()
+    WHAT = "tag"
+
+    def __new__(cls, tag: str, *args: Any):
+        if tag not in cls.TAGS:
+            raise ValueError(f"unknown {cls.WHAT} {tag!r}; one of {sorted(cls.TAGS)}")
+        return super().__new__(cls, (tag, *args))
+
+    def __getnewargs__(self):  # copy and pickle rebuild it from (tag, *args)
+        return tuple(self)
+
+    @property
+    def args(self) -> tuple:
+        return tuple(self[1:])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(map(repr, self))})"
+
+
+class Step(_Tagged):
     """A view step replayed in front of the op (``find.apply_steps``,
     ``rewrite``): the tensor method's name, then its arguments.
 
@@ -33,27 +57,13 @@ class Step(tuple):
     """
 
     __slots__ = ()
-    NAMES = frozenset({"transpose", "permute", "unsqueeze", "squeeze", "to", "not", "flatten", "unflatten",
-                       "expand"})
-
-    def __new__(cls, name: str, *args: Any) -> "Step":
-        if name not in cls.NAMES:
-            raise ValueError(f"unknown view step {name!r}; one of {sorted(cls.NAMES)}")
-        return super().__new__(cls, (name, *args))
-
-    def __getnewargs__(self):  # copy and pickle rebuild it from (name, *args)
-        return tuple(self)
+    TAGS = frozenset({"transpose", "permute", "unsqueeze", "squeeze", "to", "not", "flatten", "unflatten", "expand"})
+    WHAT = "view step"
 
     @property
     def name(self) -> str:
         return self[0]
 
-    @property
-    def args(self) -> tuple:
-        return tuple(self[1:])
-
-    def __repr__(self) -> str:
-        return f"Step({', '.join(map(repr, self))})"
 
 # A scale factor applied to the scores: a Python number, or a graph node that
 # evaluates to a SymInt/SymFloat or a 0-d tensor, or a per-head tensor (an
@@ -72,7 +82,7 @@ class Operand:
         return Operand(self.node, self.steps + list(steps))
 
 
-class Transform(tuple):
+class Transform(_Tagged):
     """A score transform between the q·kᵀ product and the softmax, in the
     order it applies: its kind, then its arguments.
 
@@ -86,26 +96,12 @@ class Transform(tuple):
     """
 
     __slots__ = ()
-    KINDS = frozenset({"scale", "add", "fill", "noop", "transpose", "tanh", "softcap"})
-
-    def __new__(cls, kind: str, *args: Any) -> "Transform":
-        if kind not in cls.KINDS:
-            raise ValueError(f"unknown score transform {kind!r}; one of {sorted(cls.KINDS)}")
-        return super().__new__(cls, (kind, *args))
-
-    def __getnewargs__(self):  # copy and pickle rebuild it from (kind, *args)
-        return tuple(self)
+    TAGS = frozenset({"scale", "add", "fill", "noop", "transpose", "tanh", "softcap"})
+    WHAT = "score transform"
 
     @property
     def kind(self) -> str:
         return self[0]
-
-    @property
-    def args(self) -> tuple:
-        return tuple(self[1:])
-
-    def __repr__(self) -> str:
-        return f"Transform({', '.join(map(repr, self))})"
 
 
 class ProbsPath(NamedTuple):

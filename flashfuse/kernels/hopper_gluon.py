@@ -150,6 +150,17 @@ def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v
 
 
 @gluon.jit
+def _head_matrix(base, b64, head, stride_b, stride_h, stride_row, rows, BLOCK_ROWS: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """A descriptor over one (batch, head)'s (rows, HEAD_DIM) matrix: the copy
+    engine clips at ``rows`` and reads zeros past it, whatever the strides
+    between heads."""
+    return tma.make_tensor_descriptor(base + b64 * stride_b + head.to(gl.int64) * stride_h,
+                                      shape=[rows, HEAD_DIM], strides=[stride_row, 1],
+                                      block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+
+@gluon.jit
 def _hopper_attn_fwd_ws(
     Q, K, V, Out, Lse,
     stride_q_b, stride_q_h, stride_q_n,
@@ -173,18 +184,10 @@ def _hopper_attn_fwd_ws(
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + h.to(gl.int64) * stride_q_h,
-                                        shape=[N, HEAD_DIM], strides=[stride_q_n, 1],
-                                        block_shape=[HALF_M, HEAD_DIM], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + hk.to(gl.int64) * stride_k_h,
-                                        shape=[M, HEAD_DIM], strides=[stride_k_n, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + hk.to(gl.int64) * stride_v_h,
-                                        shape=[M, HEAD_DIM], strides=[stride_v_n, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-    o_desc = tma.make_tensor_descriptor(Out + b64 * stride_o_b + h.to(gl.int64) * stride_o_h,
-                                        shape=[N, HEAD_DIM], strides=[stride_o_n, 1],
-                                        block_shape=[HALF_M, HEAD_DIM], layout=q_layout)
+    q_desc = _head_matrix(Q, b64, h, stride_q_b, stride_q_h, stride_q_n, N, HALF_M, HEAD_DIM, q_layout)
+    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, BLOCK_N, HEAD_DIM, kv_layout)
+    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, BLOCK_N, HEAD_DIM, kv_layout)
+    o_desc = _head_matrix(Out, b64, h, stride_o_b, stride_o_h, stride_o_n, N, HALF_M, HEAD_DIM, q_layout)
 
     last_row = gl.minimum(m0 + BLOCK_M, N) - 1
     lo = 0

@@ -5,12 +5,12 @@ one group of warps loads, multiplies and takes the softmax in turn. The
 Hopper kernel (``hopper_gluon.py``) schedules it itself, as FlashAttention-3
 does:
 
-* **Warp-specialised**: a copy warp streams
-  q's two 64-row halves once and K/V blocks of 128 keys into shared-memory
-  slots through the copy engine (TMA), each slot with a ready and an empty
-  mbarrier; two consumer warp groups (64 query rows each, 240 registers;
-  the copy warp's group 24) release a slot as soon as their product that
-  reads it has finished. The groups never wait for each other.
+* Warp-specialised: a copy warp streams q's two 64-row halves once and
+  K/V blocks of 128 keys into shared-memory slots through the copy engine
+  (TMA), each slot with a ready and an empty mbarrier; two consumer warp
+  groups (64 query rows each, 240 registers; the copy warp's group 24)
+  release a slot as soon as their product that reads it has finished. The
+  groups never wait for each other.
 * Within a consumer, iteration j issues S_j = q·K_jᵀ and O += P_{j-1}·V_{j-1}
   as asynchronous warp-group products, waits for S_j only, and computes the
   softmax of S_j while the tensor cores still work on P_{j-1}·V_{j-1}.

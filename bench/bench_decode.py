@@ -71,13 +71,10 @@ def timer(device):
 
     if device.type != "cuda":
         return eager, lambda fn: float("nan")
-    from triton.testing import do_bench_cudagraph
 
     def graph(fn):
-        fn()  # compile and tune outside the capture
-        torch.cuda.synchronize()
         try:
-            return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+            return common.graph_us(fn, rep_ms=30)
         except Exception:  # noqa: BLE001 - a provider that cannot be captured
             return float("nan")
 
@@ -86,10 +83,7 @@ def timer(device):
 
 def main():
     args = parse_args()
-    common.quiet_warnings()
-    common.interrupt_on_sigterm()
-    device = common.pick_device(args)
-    budget = common.make_budget(args)
+    device, budget = common.start(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.smoke:
         lengths, batches, queries, hq, hkv, d = [64, 128], [1, 2], [1, 4], 4, 2, 16

@@ -85,10 +85,7 @@ def tokens_match(cfg, device, cache: str) -> bool:
 
 def main():
     args = parse_args()
-    common.interrupt_on_sigterm()
-    common.quiet_warnings()
-    device = common.pick_device(args)
-    budget = common.make_budget(args)
+    device, budget = common.start(args)
     batches = [int(b) for b in args.batch.split(",")]
     prompts = [int(t) for t in args.prompt.split(",")]
     caches = args.caches.split(",")

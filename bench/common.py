@@ -82,6 +82,26 @@ def base_parser(description: str, budget_s: float) -> argparse.ArgumentParser:
     return p
 
 
+def start(args) -> tuple[torch.device, "Budget"]:
+    """What every script's ``main`` does first: warnings quiet, SIGTERM as
+    KeyboardInterrupt (so a cut-short run keeps its rows), then the device and
+    the time budget."""
+    quiet_warnings()
+    interrupt_on_sigterm()
+    return pick_device(args), make_budget(args)
+
+
+def graph_us(fn, rep_ms: float) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph
+    (``do_bench_cudagraph``), after one call outside the capture to compile
+    and tune."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+
+
 def pick_device(args) -> torch.device:
     """The device the run uses: ``--device``, else CPU for ``--smoke``, else CUDA."""
     name = args.device or ("cpu" if args.smoke else "cuda")

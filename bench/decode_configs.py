@@ -48,13 +48,10 @@ def parse_args():
 
 
 def graph_us(fn, device) -> float:
+    """CUDA-graph median µs (a plain median on the CPU smoke run)."""
     if device.type != "cuda":
         return common.bench_ms(fn, device) * 1e3
-    from triton.testing import do_bench_cudagraph
-
-    fn()
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(fn, rep=10, return_mode="median") * 1e3
+    return common.graph_us(fn, rep_ms=10)
 
 
 def use_config(cfg) -> None:
@@ -68,10 +65,7 @@ def use_config(cfg) -> None:
 
 def main():
     args = parse_args()
-    common.quiet_warnings()
-    common.interrupt_on_sigterm()
-    device = common.pick_device(args)
-    budget = common.make_budget(args)
+    device, budget = common.start(args)
     os.environ["FLASHFUSE_AUTOTUNE"] = "0"
     if args.smoke:
         lengths, batches, hq, hkv, d, dtype = [64], [1], 4, 2, 16, torch.float32

@@ -49,12 +49,9 @@ def parse_args():
 
 def main():
     args = parse_args()
-    common.quiet_warnings()
-    common.interrupt_on_sigterm()
-    device = common.pick_device(args)
+    device, budget = common.start(args)
     if device.type != "cuda":
         sys.exit("the Hopper kernels need a CUDA GPU (compute capability 9.x)")
-    budget = common.make_budget(args)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     res = common.Results(args.out, "hopper_schedules.csv", common.env_info(device))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]

@@ -373,10 +373,18 @@ def kernel_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     pass asks this before it emits an op call."""
     if _kernels is None or query.device.type != "cuda":
         return None
-    args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+    args = _kernel_call_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                             alignment, mask_fill, softcap, sinks)
+    return _kernels.launch_problem(*args, backward=backward)
+
+
+def _kernel_call_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                      alignment, mask_fill, softcap, sinks) -> "ForwardArgs":
+    """``_attention_forward``'s arguments for a public call that nothing
+    runs (the kernels' dry run and naming): a stand-in seed."""
+    return _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                          alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64),
                          softcap=softcap, sinks=sinks)
-    return _kernels.launch_problem(*args, backward=backward)
 
 
 def forward_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -387,10 +395,9 @@ def forward_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     or None for tensors not on CUDA. ``explain`` reports it per candidate."""
     if _kernels is None or query.device.type != "cuda":
         return None
-    args = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
-                         alignment, mask_fill, new_seed=lambda: query.new_empty((), dtype=torch.int64),
-                         softcap=softcap, sinks=sinks)
-    return _kernels.forward_kernel(*args)
+    return _kernels.forward_kernel(*_kernel_call_args(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                      window_left, window_right, alignment, mask_fill, softcap,
+                                                      sinks))
 
 
 def _plain_eager_call(*tensors: Tensor | None) -> bool:
@@ -595,8 +602,7 @@ def _hopper_forward(q, k, v, scale, window_left, window_right, bottom_right):
 
 
 def _hopper_forward_fake(q, k, v, scale, window_left, window_right, bottom_right):
-    B, Hq, N, _ = q.shape
-    return _empty_out(q, v), q.new_empty((B, Hq, N), dtype=torch.float32)
+    return _attention_forward_fake(q, k, v, None, None, 0.0, scale, window_left, window_right, bottom_right)
 
 
 _lib.impl("_hopper_forward", _hopper_forward, "CUDA")

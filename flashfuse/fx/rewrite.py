@@ -338,36 +338,41 @@ class CannotLaunch(RuntimeError):
     attention's shapes and dtype; the candidate is left as it is."""
 
 
+def _example_call(q, k, v, mask, kwargs) -> Optional[tuple]:
+    """The op call about to be emitted on its operands' example values:
+    ``(q, k, v, mask, options)``, or None when an operand has none."""
+    qv, kv, vv = N.tensor_val(q), N.tensor_val(k), N.tensor_val(v)
+    if qv is None or kv is None or vv is None:
+        return None
+    options = {name: value for name, value in kwargs.items() if name != "attn_mask"}
+    if options.get("sinks") is not None:
+        options["sinks"] = N.tensor_val(options["sinks"])
+    return qv, kv, vv, (N.tensor_val(mask) if mask is not None else None), options
+
+
 def _launch_problem(q, k, v, mask, kwargs) -> Optional[str]:
     """Why the kernels could not run the op call about to be emitted (from
     the operands' example values), or None. Only CUDA graphs can hit a
     limit: e.g. fp32 at the largest head dims needs more shared memory than
     every candidate tile fits in."""
-    qv, kv, vv = N.tensor_val(q), N.tensor_val(k), N.tensor_val(v)
-    if qv is None or kv is None or vv is None:
+    call = _example_call(q, k, v, mask, kwargs)
+    if call is None:
         return None
-    mv = N.tensor_val(mask) if mask is not None else None
     from .. import ops
 
-    backward = _needs_backward(q, k, v, mask)
-    options = {name: value for name, value in kwargs.items() if name != "attn_mask"}
-    if options.get("sinks") is not None:
-        options["sinks"] = N.tensor_val(options["sinks"])
-    return ops.kernel_problem(qv, kv, vv, mv, **options, backward=backward)
+    qv, kv, vv, mv, options = call
+    return ops.kernel_problem(qv, kv, vv, mv, **options, backward=_needs_backward(q, k, v, mask))
 
 
 def _forward_kernel(q, k, v, mask, kwargs) -> Optional[str]:
     """Which forward kernel the op call about to be emitted takes on CUDA
     (``ops.forward_kernel``, from the operands' example values), or None."""
-    qv, kv, vv = N.tensor_val(q), N.tensor_val(k), N.tensor_val(v)
-    if qv is None or kv is None or vv is None or qv.device.type != "cuda":
+    call = _example_call(q, k, v, mask, kwargs)
+    if call is None or call[0].device.type != "cuda":
         return None
     from .. import ops
 
-    options = {name: value for name, value in kwargs.items() if name != "attn_mask"}
-    if options.get("sinks") is not None:
-        options["sinks"] = N.tensor_val(options["sinks"])
-    mv = N.tensor_val(mask) if mask is not None else None
+    qv, kv, vv, mv, options = call
     try:
         return ops.forward_kernel(qv, kv, vv, mv, **options)
     except Exception as exc:  # noqa: BLE001 - a report, never a reason to refuse the rewrite

@@ -12,44 +12,82 @@ from .. import config
 BUILT_FOR_INTERPRETER = config.interpreter_on()
 
 
+_MODULES: tuple = ()  # (hopper, decode, AttentionProblem, forward), imported at the first call
+
+
+def _load_modules() -> tuple:
+    """Import the dispatch's modules once (they import Triton), so that a
+    call pays no import statement."""
+    global _MODULES
+    from . import decode, forward, hopper
+    from .problem import AttentionProblem
+
+    _MODULES = (hopper, decode, AttentionProblem, forward)
+    return _MODULES
+
+
+def _route(q, k, v, attn_mask, kwargs) -> tuple:
+    """The one rule for which forward kernel takes a call, asked both to run
+    it (``attention_forward``) and to name it (``forward_kernel``):
+    ``(route, problem, why)``, route ``"decode"`` (few queries: the split-KV
+    kernels; no problem built), ``"hopper"`` (the Hopper kernel, eager),
+    ``"hopper-op"`` (a traced call the Hopper kernel suits, whose layout is
+    checked when it runs) or ``"portable"`` (``why``: not the Hopper kernel)."""
+    hopper, decode, AttentionProblem, _ = _MODULES or _load_modules()
+    if decode.decode_suits(decode.DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"],
+                                             kwargs["window_right"], kwargs["bottom_right"], kwargs.get("mask_fill"),
+                                             kwargs.get("softcap"), kwargs.get("sinks"))):
+        return "decode", None, None
+    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], scale=kwargs["scale"],
+                               window_left=kwargs["window_left"], window_right=kwargs["window_right"],
+                               bottom_right=kwargs["bottom_right"], mask_fill=kwargs.get("mask_fill"),
+                               softcap=kwargs.get("softcap"))
+    if p.interpret or p.device.type != "cuda":  # the CPU case, before any other check
+        return "portable", p, "not a CUDA tensor (Gluon kernels do not run in Triton's interpreter)"
+    if hopper.traced_takes(p, q, k, v, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
+                           sinks=kwargs.get("sinks")):
+        return "hopper-op", p, None
+    why = hopper.hopper_refusal(p, q, k, v, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
+                                sinks=kwargs.get("sinks"))
+    return ("hopper" if why is None else "portable"), p, why
+
+
 def attention_forward(q, k, v, attn_mask, seed, **kwargs):
     """See :func:`flashfuse.kernels.forward.attention_forward`. Few queries
     against many keys take the split-KV decoding kernels instead
-    (:func:`flashfuse.kernels.decode.decode_suits`); their ``out`` and
+    (:func:`flashfuse.kernels.decode.decode_suits`), and calls the Hopper
+    kernel suits take it (``hopper.hopper_refusal``); their ``out`` and
     ``lse`` have the same layout and meaning."""
-    from .decode import DecodeCall, decode_forward, decode_suits
+    route, p, _ = _route(q, k, v, attn_mask, kwargs)
+    if route == "decode":
+        return _MODULES[1].decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
+                                          window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
+                                          attn_mask=attn_mask)
+    if route == "hopper":
+        return _MODULES[0].hopper_forward(p, q, k, v)
+    if route == "hopper-op":
+        # Inductor cannot launch a Gluon kernel from its generated code: the
+        # trace records the opaque op (ops.py) that runs this function again
+        # on the real tensors.
+        import torch
 
-    if decode_suits(DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"], kwargs["window_right"],
-                               kwargs["bottom_right"], kwargs.get("mask_fill"), kwargs.get("softcap"),
-                               kwargs.get("sinks"))):
-        return decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
-                              window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
-                              attn_mask=attn_mask)
-    from .forward import attention_forward as launch
-
-    return launch(q, k, v, attn_mask, seed, **kwargs)
+        return torch.ops.flashfuse._hopper_forward(q, k, v, kwargs["scale"], kwargs["window_left"],
+                                                   kwargs["window_right"], kwargs["bottom_right"])
+    return _MODULES[3].attention_forward(q, k, v, attn_mask, seed, **kwargs, problem=p)
 
 
 def forward_kernel(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,
                    bottom_right: bool, mask_fill=None, mask_key_table=None, mask_query_table=None, softcap=None,
                    sinks=None) -> str:
     """Which forward kernel a CUDA call with these arguments (``_attention_forward``'s,
-    on fake or real tensors) takes: ``"split-KV decode"``, ``"hopper"`` or
-    ``"portable: <why not the Hopper kernel>"``. The Hopper kernel's layout
-    rule is checked when a call runs (a fake tensor has no address); a call
-    whose layout the copy engine cannot read takes the portable kernel."""
-    from . import hopper
-    from .decode import DecodeCall, decode_suits
-    from .problem import AttentionProblem
-
-    if decode_suits(DecodeCall(q, k, attn_mask, dropout_p, window_left, window_right, bottom_right, mask_fill,
-                               softcap, sinks)):
-        return "split-KV decode"
-    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
-                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
-                               softcap=softcap)
-    why = hopper.problem_refusal(p, dropout_p, softcap, sinks)
-    return "hopper" if why is None else f"portable: {why}"
+    on fake or real tensors) takes (``_route``): ``"split-KV decode"``,
+    ``"hopper"`` or ``"portable: <why not the Hopper kernel>"``. On fake
+    tensors the Hopper kernel's layout rule is checked when a call runs (a
+    call whose layout the copy engine cannot read takes the portable kernel)."""
+    kwargs = dict(dropout_p=dropout_p, scale=scale, window_left=window_left, window_right=window_right,
+                  bottom_right=bottom_right, mask_fill=mask_fill, softcap=softcap, sinks=sinks)
+    route, _, why = _route(q, k, v, attn_mask, kwargs)
+    return {"decode": "split-KV decode", "hopper": "hopper", "hopper-op": "hopper"}.get(route, f"portable: {why}")
 
 
 def attention_backward(*args, **kwargs):

@@ -36,7 +36,6 @@ from .launch import (
 )
 from .mask_ranges import ROW_GROUP as _RANGE_GROUP
 from .mask_ranges import mask_tables, table_strides
-from . import hopper
 from .problem import AttentionProblem
 
 __all__ = ["attention_forward", "dropout_keep_mask_triton"]
@@ -530,8 +529,9 @@ def attention_forward(
     key_table: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    problem: AttentionProblem | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash-attention forward on the Triton kernel.
+    """Flash-attention forward on the portable Triton kernel.
 
     Args:
         q: queries (B, Hq, N, D), fp16 / bf16 / fp32, any strides.
@@ -555,6 +555,8 @@ def attention_forward(
             before the mask; None: no capping.
         sinks: None, or (Hq,) per-head logits that join each row's softmax
             denominator without a value (the lse includes them).
+        problem: the call's ``AttentionProblem`` when the caller (the
+            kernels' dispatch, ``kernels._route``) built it already.
 
     Returns:
         ``(out, lse)``: out (B, Hq, N, Dv) in q's dtype, laid out as
@@ -562,13 +564,9 @@ def attention_forward(
         contiguous, natural log, +inf for rows with no visible key,
         ``reference.lse_marker`` for rows that average their keys.
     """
-    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
-                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
-                               softcap=softcap)
-    if hopper.takes(p, q, k, v, dropout_p=dropout_p, softcap=softcap, sinks=sinks):
-        return hopper.hopper_forward(p, q, k, v)
-    if hopper.traced_takes(p, q, k, v, dropout_p=dropout_p, softcap=softcap, sinks=sinks):
-        return torch.ops.flashfuse._hopper_forward(q, k, v, scale, window_left, window_right, bottom_right)
+    p = problem or AttentionProblem.build(
+        q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left, window_right=window_right,
+        bottom_right=bottom_right, mask_fill=mask_fill, softcap=softcap)
     B, Hq, N, M = p.B, p.Hq, p.N, p.M
     # (B, N, Hq, Dv) in memory; a tensor of its own, not a view (see launch._traced).
     out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)

@@ -44,11 +44,11 @@ import functools
 
 import torch
 
-from .launch import _capability, _traced, cdiv, ensure_scratch_allocator
+from .launch import _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator
 from .problem import AttentionProblem
 from .. import config
 
-__all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "takes", "traced_takes", "gluon_available",
+__all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes", "gluon_available",
            "mean_visible_keys"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
@@ -137,23 +137,16 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks) -> st
 def hopper_refusal(p: AttentionProblem, q, k, v, *, dropout_p: float, softcap, sinks) -> str | None:
     """Why the Hopper kernel does not run this forward (None: it does).
 
-    The one selection rule: the forward launcher asks it, and so do the
-    benchmarks and tests that name the kernel a call takes."""
+    The one selection rule: the kernels' dispatch (``kernels._route``) asks
+    it, and so do the benchmarks and tests that name the kernel a call takes."""
     why = problem_refusal(p, dropout_p, softcap, sinks)
     if why is None and _traced((q, k, v)):
         return "traced graph (the forward records flashfuse::_hopper_forward instead: traced_takes)"
     if why is None:
         for t in (q, k, v):
-            if not _layout_ok(t):
+            if not copy_engine_layout(t):
                 return "a layout the copy engine cannot read (unit last stride, 16-byte aligned base and strides)"
     return why
-
-
-def takes(p: AttentionProblem, q, k, v, *, dropout_p: float, softcap, sinks) -> bool:
-    """Whether this eager forward runs on the Hopper kernel."""
-    if p.interpret or p.device.type != "cuda" or _traced((q, k, v)):  # cheap cases first
-        return False
-    return hopper_refusal(p, q, k, v, dropout_p=dropout_p, softcap=softcap, sinks=sinks) is None
 
 
 def traced_takes(p: AttentionProblem, q, k, v, *, dropout_p: float, softcap, sinks) -> bool:
@@ -168,13 +161,6 @@ def _triton_version() -> str:
     import triton
 
     return triton.__version__
-
-
-def _layout_ok(t: torch.Tensor) -> bool:
-    """The copy engine's rule: unit last stride, 16-byte aligned base and strides."""
-    elt = t.element_size()
-    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all((s * elt) % 16 == 0 for s in t.stride()[:3]))
 
 
 def kernel():

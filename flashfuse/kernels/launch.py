@@ -484,13 +484,17 @@ def descriptor_loads(*tensors: torch.Tensor, faster: bool = True) -> bool:
         head = max(t.shape[3] for t in tensors)
         if head > 128 or (mode != "1" and (head <= 64 or not faster)):
             return False
-    for t in tensors:
-        elt = t.element_size()
-        if t.stride(3) != 1 or (t.shape[3] * elt) % 16 or t.data_ptr() % 16:
-            return False
-        if any(size > 1 and (st <= 0 or (st * elt) % 16) for size, st in zip(t.shape[:3], t.stride()[:3])):
-            return False
-    return True
+    return all(copy_engine_layout(t) for t in tensors)
+
+
+def copy_engine_layout(t: torch.Tensor) -> bool:
+    """Whether the copy engine can read the (B, H, L, D) tensor ``t`` row by
+    row: unit last stride, 16-byte rows, a 16-byte aligned base and, for each
+    dimension of more than one element, a positive stride of whole 16 bytes."""
+    elt = t.element_size()
+    if t.stride(3) != 1 or (t.shape[3] * elt) % 16 or t.data_ptr() % 16:
+        return False
+    return not any(size > 1 and (st <= 0 or (st * elt) % 16) for size, st in zip(t.shape[:3], t.stride()[:3]))
 
 
 @functools.lru_cache(maxsize=None)

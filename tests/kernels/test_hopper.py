@@ -97,7 +97,7 @@ def test_refusal_reasons(monkeypatch):
 
 def test_cpu_calls_never_take_it():
     q, k, v = (torch.randn(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(3))
-    assert not hopper.takes(_problem(q, k, v), q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    assert hopper.hopper_refusal(_problem(q, k, v), q, k, v, dropout_p=0.0, softcap=None, sinks=None) is not None
 
 
 def test_supported_triton_versions_only(monkeypatch):
@@ -171,7 +171,7 @@ def test_gradients_through_the_op(band, N, M):
     gen = torch.Generator(device="cuda").manual_seed(11)
     q, k, v = _inputs(2, 4, 2, N, M, 128, torch.bfloat16, "contiguous", gen)
     kw = BANDS[band]
-    assert hopper.takes(_problem(q, k, v, **kw), q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    assert hopper.hopper_refusal(_problem(q, k, v, **kw), q, k, v, dropout_p=0.0, softcap=None, sinks=None) is None
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = flashfuse.attention(*leaves, scale=0.125, is_causal="causal" in band, enable_gqa=True,
                               alignment="bottom_right" if kw.get("bottom_right") else "top_left")
@@ -263,3 +263,29 @@ def test_forward_kernel_names_the_path():
     name = kernels.forward_kernel(q, k, v, None, None, 0.0, 0.125, None, None, False)
     assert name.startswith("portable: not a CUDA tensor")
     assert flashfuse.ops.forward_kernel(q, k, v) is None  # not on CUDA: no kernel to name
+
+
+def test_dispatch_routes_through_the_one_rule(monkeypatch):
+    """``kernels.attention_forward`` takes the kernel ``_route`` names: on fake
+    CUDA tensors (a trace) that the Hopper kernel suits, the opaque
+    ``flashfuse::_hopper_forward``; on real tensors the rule admits, the
+    Hopper launcher itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashfuse import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the suite's setting: a CUDA tensor would interpret
+    monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(hopper, "gluon_available", lambda: True)
+    band = dict(dropout_p=0.0, scale=0.125, window_left=None, window_right=0, bottom_right=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.empty(1, 4, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        assert kernels._route(q, k, v, None, band)[0] == "hopper-op"
+        assert kernels.forward_kernel(q, k, v, None, None, **band) == "hopper"
+        out, lse = kernels.attention_forward(q, k, v, None, None, **band)
+        assert out.stride() == (2048 * 4 * 128, 128, 4 * 128, 1) and lse.shape == (1, 4, 2048)
+    calls = []
+    monkeypatch.setattr(kernels, "_route", lambda *a: ("hopper", "problem", None))
+    monkeypatch.setattr(hopper, "hopper_forward", lambda p, q, k, v: calls.append(p) or ("out", "lse"))
+    cq = torch.randn(1, 2, 8, 64)
+    assert kernels.attention_forward(cq, cq, cq, None, None, **band) == ("out", "lse") and calls == ["problem"]

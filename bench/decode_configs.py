@@ -54,13 +54,10 @@ def graph_us(fn, device) -> float:
     return common.graph_us(fn, rep_ms=10)
 
 
-def use_config(cfg) -> None:
-    """Make the split kernel's candidate list this one config (the launcher
-    and the launch plans forget what they chose before)."""
+def forced(cfg):
+    """The split kernel restricted to this one config (``decode.split_candidates``)."""
     bn, w, st = cfg
-    only = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)]
-    decode._split_configs = lambda has_mask=False: only
-    decode._split_launcher.forget()
+    return decode.split_candidates([triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)])
 
 
 def main():
@@ -77,7 +74,6 @@ def main():
         hq, hkv, d, dtype, configs, factors = HQ, HKV, D, torch.bfloat16, CONFIGS, FACTORS
         if args.configs != "all":
             configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    original = decode._split_configs
     res = common.Results(args.out, "decode_configs.csv" if not args.smoke else "decode_configs_smoke.csv",
                          common.env_info(device))
     gen = torch.Generator(device=device).manual_seed(0)
@@ -118,32 +114,30 @@ def main():
                 default_cfg = (decode._CUDA_MASK_CONFIGS if masked else decode._CUDA_CONFIGS)[0]
                 best, t_default = None, float("nan")
                 for cfg in configs:
-                    use_config(cfg)
-                    for f in factors:
-                        S = max(1, min(decode.MAX_SPLITS, round(auto * f)))
-                        os.environ["FLASHFUSE_DECODE_SPLITS"] = str(S)
-                        try:
-                            t = graph_us(ff, device)
-                        except Exception as exc:  # noqa: BLE001 - a config the GPU cannot fit
-                            res.add(**case, provider="flashfuse", block_n=cfg[0], warps=cfg[1], stages=cfg[2],
-                                    splits=S, status="error", error=common.short_error(exc))
-                            continue
-                        finally:
-                            os.environ.pop("FLASHFUSE_DECODE_SPLITS", None)
-                        res.add(**case, provider="flashfuse", block_n=cfg[0], warps=cfg[1], stages=cfg[2], splits=S,
-                                split_factor=f, status="ok", us_graph=t)
-                        if cfg == default_cfg and f == 1.0:
-                            t_default = t
-                        if best is None or t < best[0]:
-                            best = (t, cfg, S)
+                    with forced(cfg):
+                        for f in factors:
+                            S = max(1, min(decode.MAX_SPLITS, round(auto * f)))
+                            os.environ["FLASHFUSE_DECODE_SPLITS"] = str(S)
+                            try:
+                                t = graph_us(ff, device)
+                            except Exception as exc:  # noqa: BLE001 - a config the GPU cannot fit
+                                res.add(**case, provider="flashfuse", block_n=cfg[0], warps=cfg[1], stages=cfg[2],
+                                        splits=S, status="error", error=common.short_error(exc))
+                                continue
+                            finally:
+                                os.environ.pop("FLASHFUSE_DECODE_SPLITS", None)
+                            res.add(**case, provider="flashfuse", block_n=cfg[0], warps=cfg[1], stages=cfg[2], splits=S,
+                                    split_factor=f, status="ok", us_graph=t)
+                            if cfg == default_cfg and f == 1.0:
+                                t_default = t
+                            if best is None or t < best[0]:
+                                best = (t, cfg, S)
                 summary.append([B, N, M, cache, auto, common.fmt(t_default),
                                 common.fmt(best[0]) if best else "-",
                                 "x".join(map(str, best[1])) if best else "-", best[2] if best else "-",
                                 common.fmt(t_sdpa), common.fmt(t_sdpa / best[0], 2) if best else "-"])
                 del q, k, v
                 common.free_memory()
-    decode._split_configs = original
-    decode._split_launcher.forget()
     common.tables_header()
     common.print_table(summary, ["B", "queries", "cached keys", "cache", "auto splits", "default us",
                                  "best us", "best BLOCK_N x warps x stages", "best splits", "sdpa us",

@@ -622,8 +622,32 @@ def _one_config():
     return [triton.Config({}, num_warps=4, num_stages=1)]
 
 
+# The split kernel's candidates when a sweep forces them (split_candidates);
+# None: the tuned lists above.
+_FORCED_CONFIGS = None
+
+
 def _split_configs(has_mask: bool = False):
+    if _FORCED_CONFIGS is not None:
+        return _FORCED_CONFIGS
     return _MASK_CONFIGS if has_mask else _CONFIGS
+
+
+@contextlib.contextmanager
+def split_candidates(configs):
+    """Within the block, the split kernel chooses among ``configs`` (a list
+    of ``triton.Config``) alone, masked or not; the launcher forgets the
+    configs it chose before on entry and on exit. For config sweeps
+    (``bench/decode_configs.py``)."""
+    global _FORCED_CONFIGS
+    previous = _FORCED_CONFIGS
+    _FORCED_CONFIGS = list(configs)
+    _split_launcher.forget()
+    try:
+        yield
+    finally:
+        _FORCED_CONFIGS = previous
+        _split_launcher.forget()
 
 
 def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream, cache: bool) -> None:

@@ -378,3 +378,20 @@ def test_gpu_static_cache_mask(B, M, filled):
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().nan_to_num(), v.float().nan_to_num(), attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_split_candidates_override_and_restore():
+    """The sweep hook replaces both candidate lists inside its block and
+    restores them (and forgets the launcher's choices) when it ends, also
+    after an error."""
+    import triton
+
+    tuned, tuned_mask = decode._split_configs(False), decode._split_configs(True)
+    only = [triton.Config({"BLOCK_N": 32}, num_warps=2, num_stages=1)]
+    with decode.split_candidates(only):
+        assert decode._split_configs(False) == only and decode._split_configs(True) == only
+    assert decode._split_configs(False) is tuned and decode._split_configs(True) is tuned_mask
+    with pytest.raises(RuntimeError, match="inside"):
+        with decode.split_candidates(only):
+            raise RuntimeError("inside")
+    assert decode._split_configs(False) is tuned

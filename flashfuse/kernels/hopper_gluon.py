@@ -230,3 +230,332 @@ def _hopper_attn_fwd_ws(
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                       v_empty, m0, lo, n_blocks, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])
+
+
+# The backward kernels (measured by bench/hopper_backward.py, not yet taken
+# by the op's dispatch): dK/dV per 128-key tile, its two consumer warp
+# groups 64 keys each, looping over the group's query heads and the query
+# blocks of the band; dQ per 128-query tile, as the forward streams K and V.
+# Both deterministic (no atomics), the lse and delta the portable backward
+# reads.
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
+                 do_ready, do_empty, h0, n0, lo_m, n_m, n_iters, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    half_bytes: gl.constexpr = HALF_N * HEAD_DIM * 2
+    mbarrier.expect(kv_bar, 4 * half_bytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [n0 + HALF_N, 0], kv_bar, k_smem.index(1))
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [n0 + HALF_N, 0], kv_bar, v_smem.index(1))
+    blk_bytes: gl.constexpr = BLOCK_M * HEAD_DIM * 2
+    for i in range(n_iters):
+        slot = i % STAGES
+        phase = ((i // STAGES) & 1) ^ 1
+        head = h0 + i // n_m
+        m0 = lo_m + (i % n_m) * BLOCK_M
+        mbarrier.wait(q_empty.index(slot), phase)
+        mbarrier.expect(q_ready.index(slot), blk_bytes)
+        tma.async_copy_global_to_shared(q_desc, [head, m0, 0], q_ready.index(slot),
+                                        q_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]))
+        mbarrier.wait(do_empty.index(slot), phase)
+        mbarrier.expect(do_ready.index(slot), blk_bytes)
+        tma.async_copy_global_to_shared(do_desc, [head, m0, 0], do_ready.index(slot),
+                                        do_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]))
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
+                   do_ready, do_empty, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
+                   diag_off, window_left, window_right, HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr,
+                   HAS_WINDOW_RIGHT: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row: gl.constexpr = gl.SliceLayout(1, st_layout)
+    j0 = n0 + HALF * HALF_N
+    k_half = k_smem.index(HALF)
+    v_half = v_smem.index(HALF)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    zero_st = gl.zeros([HALF_N, BLOCK_M], gl.float32, st_layout)
+    kj = gl.expand_dims(j0 + gl.arange(0, HALF_N, layout=row), 1)
+    # Query blocks whose rows all see every key of this half (no mask needed):
+    # m0 >= right_from (causal edge) and m0 <= left_to (left window edge).
+    right_from = j0 + HALF_N - 1 - diag_off - window_right
+    left_to = j0 - diag_off + window_left - BLOCK_M + 1
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iters):
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        head = h0 + i // n_m
+        m0 = lo_m + (i % n_m) * BLOCK_M
+        qi = m0 + gl.arange(0, BLOCK_M, layout=col)
+        stat = stat_b + head.to(gl.int64) * stride_stat_h + qi
+        lse2 = gl.load(Lse + stat, mask=qi < N, other=float("inf")) * LOG2E
+        delta = gl.load(Delta + stat, mask=qi < N, other=0.0)
+        mbarrier.wait(q_ready.index(slot), phase)
+        st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                                is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st_tok, ))
+        need = False
+        if HAS_WINDOW_RIGHT:
+            need = need | (m0 < right_from)
+        if HAS_WINDOW_LEFT:
+            need = need | (m0 > left_to)
+        if need:
+            i2 = gl.expand_dims(qi, 0)
+            vis = (kj >= 0) & (i2 >= 0)
+            if HAS_WINDOW_RIGHT:
+                vis = vis & (kj <= i2 + diag_off + window_right)
+            if HAS_WINDOW_LEFT:
+                vis = vis & (kj >= i2 + diag_off - window_left)
+            st = gl.where(vis, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+        dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+        dk_tok = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, dst_op))
+        mbarrier.arrive(q_empty.index(slot))
+        mbarrier.arrive(do_empty.index(slot))
+    k_half.store((dk * scale).to(dtype))
+    v_half.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [j0, 0], k_half)
+    tma.async_copy_shared_to_global(dv_desc, [j0, 0], v_half)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _hopper_attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, Lse, Delta,
+    stride_q_b, stride_q_h, stride_q_n,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_do_b, stride_do_h, stride_do_n,
+    stride_dk_b, stride_dk_h, stride_dk_n,
+    stride_dv_b, stride_dv_h, stride_dv_n,
+    stride_stat_b, stride_stat_h,
+    Hq, Hkv, N, M,
+    qk_scale, scale, diag_off, window_left, window_right,
+    HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    pid_n = gl.program_id(0)
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
+    G = Hq // Hkv
+    n0 = pid_n * BLOCK_N
+    b64 = b.to(gl.int64)
+    qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    qo3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b, shape=[Hq, N, HEAD_DIM],
+                                        strides=[stride_q_h, stride_q_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
+                                        layout=qo3_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b64 * stride_do_b, shape=[Hq, N, HEAD_DIM],
+                                         strides=[stride_do_h, stride_do_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
+                                         layout=qo3_layout)
+    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, HALF_N, HEAD_DIM, kv_layout)
+    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, HALF_N, HEAD_DIM, kv_layout)
+    dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
+    dv_desc = _head_matrix(DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, M, HALF_N, HEAD_DIM, kv_layout)
+
+    lo_m = 0
+    hi_m = N
+    if HAS_WINDOW_RIGHT:
+        lo_m = gl.maximum(n0 - diag_off - window_right, 0)
+        lo_m = (lo_m // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW_LEFT:
+        hi_m = gl.minimum(hi_m, n0 + BLOCK_N - diag_off + window_left)
+    n_m = gl.cdiv(gl.maximum(hi_m - lo_m, 0), BLOCK_M)
+    n_iters = G * n_m
+    n_m = gl.maximum(n_m, 1)  # a divisor; no iteration runs when n_iters is 0
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_empty.index(i), count=2)
+    fence_async_shared()
+    h0 = hk * G
+    stat_b = b64 * stride_stat_b
+    gl.warp_specialize([
+        (_dkdv_consumer, (dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
+                          do_ready, do_empty, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
+                          diag_off, window_left, window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M,
+                          HEAD_DIM, STAGES)),
+        (_dkdv_consumer, (dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
+                          do_ready, do_empty, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
+                          diag_off, window_left, window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M,
+                          HEAD_DIM, STAGES)),
+        (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
+                        do_ready, do_empty, h0, n0, lo_m, n_m, n_iters, HALF_N, BLOCK_M, HEAD_DIM, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
+               v_ready, v_empty, m0, lo, n_blocks, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(qdo_bar, 4 * HALF_M * HEAD_DIM * 2)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], qdo_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [m0 + HALF_M, 0], qdo_bar, q_smem.index(1))
+    tma.async_copy_global_to_shared(do_desc, [m0, 0], qdo_bar, do_smem.index(0))
+    tma.async_copy_global_to_shared(do_desc, [m0 + HALF_M, 0], qdo_bar, do_smem.index(1))
+    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
+    for i in range(n_blocks):
+        slot = i % STAGES
+        phase = ((i // STAGES) & 1) ^ 1
+        start_n = lo + i * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), kv_bytes)
+        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready, v_empty,
+                 stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left, window_right,
+                 HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    r0 = m0 + HALF * HALF_M
+    last_row = gl.minimum(r0 + HALF_M, N) - 1
+    q_half = q_smem.index(HALF)
+    do_half = do_smem.index(HALF)
+    full_end = M - BLOCK_N
+    right_edge = r0 + diag_off + window_right - BLOCK_N + 1
+    left_edge = last_row + diag_off - window_left
+    rows = r0 + gl.arange(0, HALF_M, layout=row)
+    lse2 = gl.load(Lse + stat_base + rows, mask=rows < N, other=float("inf")) * LOG2E
+    delta = gl.load(Delta + stat_base + rows, mask=rows < N, other=0.0)
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(qdo_bar, 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        start_n = lo + j * BLOCK_N
+        mbarrier.wait(k_ready.index(slot), phase)
+        s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        s = _mask_if_crossing(s, start_n, r0, M, full_end, right_edge, left_edge, diag_off, window_left,
+                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        mbarrier.arrive(v_empty.index(slot))
+        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+        dq_tok = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(k_empty.index(slot))
+    q_half.store((dq * scale).to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dq_desc, [r0, 0], q_half)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _hopper_attn_bwd_dq(
+    Q, K, V, DO, DQ, Lse, Delta,
+    stride_q_b, stride_q_h, stride_q_n,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_do_b, stride_do_h, stride_do_n,
+    stride_dq_b, stride_dq_h, stride_dq_n,
+    stride_stat_b, stride_stat_h,
+    Hq, Hkv, N, M,
+    qk_scale, scale, diag_off, window_left, window_right,
+    HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    hk = h // (Hq // Hkv)
+    m0 = pid_m * BLOCK_M
+    b64 = b.to(gl.int64)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_desc = _head_matrix(Q, b64, h, stride_q_b, stride_q_h, stride_q_n, N, HALF_M, HEAD_DIM, q_layout)
+    do_desc = _head_matrix(DO, b64, h, stride_do_b, stride_do_h, stride_do_n, N, HALF_M, HEAD_DIM, q_layout)
+    dq_desc = _head_matrix(DQ, b64, h, stride_dq_b, stride_dq_h, stride_dq_n, N, HALF_M, HEAD_DIM, q_layout)
+    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, BLOCK_N, HEAD_DIM, kv_layout)
+    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, BLOCK_N, HEAD_DIM, kv_layout)
+    last_row = gl.minimum(m0 + BLOCK_M, N) - 1
+    lo = 0
+    hi = M
+    if HAS_WINDOW_RIGHT:
+        hi = gl.minimum(hi, gl.maximum(last_row + diag_off + window_right + 1, 0))
+    if HAS_WINDOW_LEFT:
+        lo = gl.maximum(m0 + diag_off - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(qdo_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    stat_base = b64 * stride_stat_b + h.to(gl.int64) * stride_stat_h
+    gl.warp_specialize([
+        (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
+                        v_empty, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
+                        window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
+                        v_empty, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
+                        window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
+                      v_ready, v_empty, m0, lo, n_blocks, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+    ], [4, 1], [240, 24])

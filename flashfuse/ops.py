@@ -400,6 +400,40 @@ def forward_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                                       sinks))
 
 
+def backward_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
+                    mask_fill=None, softcap=None, sinks=None) -> str | None:
+    """Which backward kernels ``attention`` with these arguments takes on
+    CUDA (``kernels.backward_kernel``), or None for tensors not on CUDA. The
+    output gradient's layout is known only when the backward runs: this
+    answers for one the copy engine can read (a call given another takes
+    the portable kernels). ``explain`` reports it for candidates that need
+    gradients."""
+    if _kernels is None or query.device.type != "cuda":
+        return None
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a = _kernel_call_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                          alignment, mask_fill, softcap, sinks)
+    B, Hq, N = a.q.shape[:3]
+    shape = (B, Hq, N, a.v.shape[-1])
+    # Stand-ins with no memory behind them, in the inputs' fake mode when
+    # they are fake (their sizes may be symbolic): the rule then answers as
+    # for a traced backward, which checks the layout when it runs.
+    mode = detect_fake_mode((a.q, a.k, a.v)) or FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        grad_out = torch.empty(shape, dtype=a.q.dtype, device=a.q.device)
+        out = torch.empty(shape, dtype=a.q.dtype, device=a.q.device)
+        lse = torch.empty((B, Hq, N), dtype=torch.float32, device=a.q.device)
+        mask_grad = a.attn_mask is not None and a.attn_mask.is_floating_point() and a.attn_mask.requires_grad
+        return _kernels.backward_kernel(
+            grad_out, a.q, a.k, a.v, a.attn_mask, a.seed, out, lse, dropout_p=a.dropout_p, scale=a.scale,
+            window_left=a.window_left, window_right=a.window_right, bottom_right=a.bottom_right,
+            mask_grad=mask_grad, mask_fill=a.mask_fill, key_table=a.mask_key_table,
+            query_table=a.mask_query_table, softcap=a.softcap)
+
+
 def _plain_eager_call(*tensors: Tensor | None) -> bool:
     """True for an ordinary eager call: real tensors (parameters included), no
     compiler, tracer, dispatch mode or functorch transform watching. Only then
@@ -607,6 +641,31 @@ def _hopper_forward_fake(q, k, v, scale, window_left, window_right, bottom_right
 
 _lib.impl("_hopper_forward", _hopper_forward, "CUDA")
 torch.library.register_fake("flashfuse::_hopper_forward", _hopper_forward_fake, lib=_lib)
+
+
+# The Hopper backward inside a traced graph, for the same reason: a traced
+# backward the Hopper kernels suit (``hopper.traced_backward_takes``) records
+# this op, whose CUDA kernel runs the eager dispatch on the real tensors (the
+# Hopper kernels, or the portable ones where the layout does not suit the
+# copy engine).
+_lib.define("_hopper_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
+            "SymInt? window_left, SymInt? window_right, bool bottom_right, Tensor? grad_lse) "
+            "-> (Tensor, Tensor, Tensor)")
+
+
+def _hopper_backward(grad_out, q, k, v, out, lse, scale, window_left, window_right, bottom_right, grad_lse):
+    dq, dk, dv, _ = _kernels.attention_backward(
+        grad_out, q, k, v, None, None, out, lse, dropout_p=0.0, scale=scale, window_left=window_left,
+        window_right=window_right, bottom_right=bottom_right, mask_grad=False, grad_lse=grad_lse)
+    return dq, dk, dv
+
+
+def _hopper_backward_fake(grad_out, q, k, v, out, lse, scale, window_left, window_right, bottom_right, grad_lse):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_lib.impl("_hopper_backward", _hopper_backward, "CUDA")
+torch.library.register_fake("flashfuse::_hopper_backward", _hopper_backward_fake, lib=_lib)
 
 
 # Annotations, not strings: the schemas are inferred from them.

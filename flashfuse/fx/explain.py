@@ -40,6 +40,9 @@ class ExplainRow:
     # On CUDA, the forward kernel the op call takes ("hopper", "portable:
     # <why not>", "split-KV decode"; kernels.forward_kernel).
     kernel: str = ""
+    # The backward kernels, for candidates that need gradients
+    # (kernels.backward_kernel).
+    backward_kernel: str = ""
 
 
 @dataclasses.dataclass
@@ -64,6 +67,9 @@ class Explanation:
         kernels = any(r.kernel for r in self.rows)  # only for CUDA inputs
         if kernels:
             headers.append("forward kernel")
+        backward = any(r.backward_kernel for r in self.rows)
+        if backward:
+            headers.append("backward kernel")
         data = []
         for r in self.rows:
             data.append([
@@ -71,7 +77,8 @@ class Explanation:
                 "yes" if r.rewritten else f"no: {_clip(r.reason, 70)}",
                 r.scale or "-", r.mask or "-", r.causal or "-", r.window or "-",
                 r.gqa or "-", f"{r.dropout_p:g}" if r.rewritten else "-",
-            ] + ([r.layout or "-"] if layouts else []) + ([_clip(r.kernel, 60) or "-"] if kernels else []))
+            ] + ([r.layout or "-"] if layouts else []) + ([_clip(r.kernel, 60) or "-"] if kernels else [])
+              + ([_clip(r.backward_kernel, 60) or "-"] if backward else []))
         summary = f"{self.rewritten} of {len(self.rows)} attention candidates rewritten in {self.graphs} graph(s)"
         if not data:
             return summary
@@ -102,6 +109,7 @@ def _row(index: int, cand: Candidate) -> ExplainRow:
         dropout_p=float(f.get("dropout", 0.0)) if cand.ok else 0.0,
         layout=str(f.get("layout", "")) if cand.ok else "",
         kernel=str(f.get("kernel", "")) if cand.ok else "",
+        backward_kernel=str(f.get("backward_kernel", "") or "") if cand.ok else "",
     )
 
 

@@ -5,6 +5,8 @@ and the Triton interpreter decision (made by Triton when a kernel is defined)
 is recorded here so the ops layer knows which tensors the kernels can take.
 """
 
+import torch
+
 from .. import config
 
 # Triton decides when a kernel is *defined* whether it runs compiled or in the
@@ -69,8 +71,6 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
         # Inductor cannot launch a Gluon kernel from its generated code: the
         # trace records the opaque op (ops.py) that runs this function again
         # on the real tensors.
-        import torch
-
         return torch.ops.flashfuse._hopper_forward(q, k, v, kwargs["scale"], kwargs["window_left"],
                                                    kwargs["window_right"], kwargs["bottom_right"])
     return _MODULES[3].attention_forward(q, k, v, attn_mask, seed, **kwargs, problem=p)
@@ -90,11 +90,57 @@ def forward_kernel(q, k, v, attn_mask, seed, dropout_p: float, scale: float, win
     return {"decode": "split-KV decode", "hopper": "hopper", "hopper-op": "hopper"}.get(route, f"portable: {why}")
 
 
-def attention_backward(*args, **kwargs):
-    """See :func:`flashfuse.kernels.backward.attention_backward`."""
-    from .backward import attention_backward as launch
+def _backward_route(grad_out, q, k, v, attn_mask, kwargs) -> tuple:
+    """The one rule for which backward kernels take a call, asked both to
+    run it (``attention_backward``) and to name it (``backward_kernel``):
+    ``(route, problem, why)``, route ``"hopper"`` (the Hopper kernels,
+    eager), ``"hopper-op"`` (a traced call they suit, whose layout is
+    checked when it runs) or ``"portable"`` (``why``: not the Hopper
+    kernels). The arguments are ``backward.attention_backward``'s."""
+    hopper, _, AttentionProblem, _ = _MODULES or _load_modules()
+    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], scale=kwargs["scale"],
+                               window_left=kwargs["window_left"], window_right=kwargs["window_right"],
+                               bottom_right=kwargs["bottom_right"], mask_fill=kwargs.get("mask_fill"),
+                               softcap=kwargs.get("softcap"), backward=True)
+    if p.interpret or p.device.type != "cuda":
+        return "portable", p, "not a CUDA tensor (Gluon kernels do not run in Triton's interpreter)"
+    rule = dict(dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
+                mask_grad=bool(kwargs.get("mask_grad")) and attn_mask is not None,
+                tables=kwargs.get("key_table") is not None or kwargs.get("query_table") is not None)
+    if hopper.traced_backward_takes(p, grad_out, q, k, v, **rule):
+        return "hopper-op", p, None
+    why = hopper.backward_refusal(p, grad_out, q, k, v, **rule)
+    return ("hopper" if why is None else "portable"), p, why
 
-    return launch(*args, **kwargs)
+
+def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):
+    """See :func:`flashfuse.kernels.backward.attention_backward`. Calls the
+    Hopper backward kernels suit take them (``hopper.backward_refusal``);
+    their gradients have the same meaning."""
+    from . import backward
+
+    route, p, _ = _backward_route(grad_out, q, k, v, attn_mask, kwargs)
+    if route == "hopper":
+        with torch.cuda.device(q.device):
+            delta, _ = backward.row_delta(p, out, grad_out, lse, kwargs.get("grad_lse"))
+        dq, dk, dv = _MODULES[0].hopper_backward(p, grad_out, q, k, v, lse, delta)
+        return dq, dk, dv, None
+    if route == "hopper-op":
+        # As the forward's hopper-op: Inductor cannot launch Gluon kernels,
+        # so the trace records an opaque op that runs this function again.
+        dq, dk, dv = torch.ops.flashfuse._hopper_backward(
+            grad_out, q, k, v, out, lse, kwargs["scale"], kwargs["window_left"], kwargs["window_right"],
+            kwargs["bottom_right"], kwargs.get("grad_lse"))
+        return dq, dk, dv, None
+    return backward.attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs, problem=p)
+
+
+def backward_kernel(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs) -> str:
+    """Which backward kernels a CUDA call with ``attention_backward``'s
+    arguments (fake or real tensors) takes (``_backward_route``):
+    ``"hopper"`` or ``"portable: <why not the Hopper kernels>"``."""
+    route, _, why = _backward_route(grad_out, q, k, v, attn_mask, kwargs)
+    return "hopper" if route in ("hopper", "hopper-op") else f"portable: {why}"
 
 
 def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,
@@ -113,7 +159,6 @@ def launch_problem(q, k, v, attn_mask, seed, dropout_p: float, scale: float, win
     fitting the GPU. A block mask's tables change no config (the dry run
     builds its own).
     """
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .launch import NoKernelConfig, dry_run, hint

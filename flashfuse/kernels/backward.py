@@ -63,7 +63,7 @@ from .mask_ranges import ROW_GROUP as _ROW_GROUP
 from .mask_ranges import mask_tables, table_strides
 from .problem import AttentionProblem
 
-__all__ = ["attention_backward"]
+__all__ = ["attention_backward", "row_delta"]
 
 # Cap on the float32 dS buffer for a mask that broadcasts over the batch
 # (module-level so tests can shrink it); a non-broadcast batch needs no cap,
@@ -819,6 +819,7 @@ def attention_backward(
     key_table: torch.Tensor | None = None,
     query_table: torch.Tensor | None = None,
     softcap: float | None = None,
+    problem: AttentionProblem | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and a float mask.
 
@@ -853,6 +854,8 @@ def attention_backward(
             scores are recomputed through the tanh. (Sinks need nothing
             here: the forward's lse includes them; ``ops.sink_gradient``
             gives their gradient.)
+        problem: the call's ``AttentionProblem`` (built with ``backward=True``)
+            when the caller (the dispatch) has built it; None: built here.
 
     Returns:
         (dq, dk, dv, dmask): ``empty_like`` of q, k, v; dmask is None unless
@@ -865,9 +868,10 @@ def attention_backward(
     """
     if mask_grad and attn_mask is not None and not attn_mask.is_floating_point():
         raise ValueError(f"mask_grad needs a floating attn_mask, got {attn_mask.dtype}")
-    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale, window_left=window_left,
-                               window_right=window_right, bottom_right=bottom_right, mask_fill=mask_fill,
-                               softcap=softcap, backward=True)
+    p = problem or AttentionProblem.build(q, k, v, attn_mask, dropout_p=dropout_p, scale=scale,
+                                          window_left=window_left, window_right=window_right,
+                                          bottom_right=bottom_right, mask_fill=mask_fill, softcap=softcap,
+                                          backward=True)
     B, Hq, Hkv, N, M, D, Dv = p.B, p.Hq, p.Hkv, p.N, p.M, p.D, p.Dv
     G = Hq // Hkv
     device = q.device
@@ -954,22 +958,9 @@ def attention_backward(
 
     # Launch on q's device (the current CUDA device may be another one).
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        # delta = rowsum(dO * O)
-        delta = torch.empty((B, Hq, N), device=device, dtype=torch.float32)
         # 1 / l per row for rows lse marks as averaging l keys (1 elsewhere).
         marks = mask_kind == MASK_FLOAT or fill == 2
-        cap = torch.empty((B, Hq, N), device=device, dtype=torch.float32) if marks else delta
-        pre_args = (out, grad_out, delta, lse, cap, *out.stride(), *grad_out.stride(), *lse.stride(), N, Dv)
-        if interp:
-            _bwd_preprocess[(cdiv(N, 16), Hq, B)](*pre_args, MARKS=marks, BLOCK_M=16, BLOCK_DV=BLOCK_DV)
-        else:
-            _preprocess_launcher(
-                (device, BLOCK_DV, marks), lambda: [_preprocess_config(BLOCK_DV)],
-                lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), *pre_args, MARKS=marks, BLOCK_DV=BLOCK_DV,
-            )
-        if grad_lse is not None:
-            # dS = P * (dP - delta) + P * grad_lse: the lse term folds into delta.
-            delta = (delta - grad_lse.to(torch.float32)).contiguous()
+        delta, cap = row_delta(p, out, grad_out, lse, grad_lse, marks=marks)
 
         # When the mask broadcasts over the batch, the dS buffer is filled a
         # batch chunk at a time and summed in a fixed order, which bounds its
@@ -1020,6 +1011,28 @@ def attention_backward(
 
     dmask = _reduce_dmask(gbuf, attn_mask) if do_grad else None
     return dq, dk, dv, dmask
+
+
+def row_delta(p: AttentionProblem, out, grad_out, lse, grad_lse=None, *, marks: bool = False) -> tuple:
+    """``(delta, cap)``: delta = rowsum(dO * O) in float32, (B, Hq, N)
+    contiguous, less ``grad_lse`` where lse has a gradient (dS = P * (dP -
+    delta) + P * grad_lse); with ``marks``, cap = 1 / l for the rows lse
+    marks as averaging l keys (1 elsewhere), else cap is delta itself (never
+    read). Runs on the current device (the launchers set it)."""
+    B, Hq, N = p.B, p.Hq, p.N
+    delta = torch.empty((B, Hq, N), device=out.device, dtype=torch.float32)
+    cap = torch.empty((B, Hq, N), device=out.device, dtype=torch.float32) if marks else delta
+    pre_args = (out, grad_out, delta, lse, cap, *out.stride(), *grad_out.stride(), *lse.stride(), N, p.Dv)
+    if p.interpret:
+        _bwd_preprocess[(cdiv(N, 16), Hq, B)](*pre_args, MARKS=marks, BLOCK_M=16, BLOCK_DV=p.block_dv)
+    else:
+        _preprocess_launcher(
+            (out.device, p.block_dv, marks), lambda: [_preprocess_config(p.block_dv)],
+            lambda m: (cdiv(N, m["BLOCK_M"]), Hq, B), *pre_args, MARKS=marks, BLOCK_DV=p.block_dv,
+        )
+    if grad_lse is not None:
+        delta = (delta - grad_lse.to(torch.float32)).contiguous()
+    return delta, cap
 
 
 def _reduce_dmask(gbuf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

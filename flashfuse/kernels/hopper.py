@@ -1,36 +1,44 @@
-"""Hopper (sm_90) forward in Gluon: the launcher and the rule that selects it.
+"""Hopper (sm_90) kernels in Gluon: their launchers and the rules that select them.
 
-The portable forward (``forward.py``) leaves Triton to schedule its loop:
-one group of warps loads, multiplies and takes the softmax in turn. The
-Hopper kernel (``hopper_gluon.py``) schedules it itself, as FlashAttention-3
-does:
+The portable kernels (``forward.py``, ``backward.py``) leave Triton to
+schedule their loops: one group of warps loads, multiplies and takes the
+softmax in turn. The Hopper kernels (``hopper_gluon.py``) schedule them
+themselves, as FlashAttention-3 does:
 
-* Warp-specialised: a copy warp streams q's two 64-row halves once and
-  K/V blocks of 128 keys into shared-memory slots through the copy engine
-  (TMA), each slot with a ready and an empty mbarrier; two consumer warp
-  groups (64 query rows each, 240 registers; the copy warp's group 24)
-  release a slot as soon as their product that reads it has finished. The
-  groups never wait for each other.
-* Within a consumer, iteration j issues S_j = q·K_jᵀ and O += P_{j-1}·V_{j-1}
-  as asynchronous warp-group products, waits for S_j only, and computes the
-  softmax of S_j while the tensor cores still work on P_{j-1}·V_{j-1}.
-* The same loop in one group of 8 warps that issued its own copies (a
-  thread barrier before each refill) measured slower than the portable
-  kernel and was removed (bench/NOTES.md run 17).
+* Warp-specialised: a copy warp streams tiles into shared-memory slots
+  through the copy engine (TMA), each slot with a ready and an empty
+  mbarrier; two consumer warp groups (240 registers; the copy warp's group
+  24) release a slot as soon as their product that reads it has finished.
+  The groups never wait for each other.
+* Forward: q's two 64-row halves are loaded once and K/V blocks of 128 keys
+  stream. Within a consumer, iteration j issues S_j = q·K_jᵀ and
+  O += P_{j-1}·V_{j-1} as asynchronous warp-group products, waits for S_j
+  only, and computes the softmax of S_j while the tensor cores still work on
+  P_{j-1}·V_{j-1}. (The same loop in one group of 8 warps that issued its
+  own copies measured slower than the portable kernel: bench/NOTES.md run 17.)
+* Backward, two kernels, no atomics (deterministic): dK/dV per 128-key tile
+  (each consumer 64 keys, K and V loaded once; q and dO stream in 64-row
+  blocks over every query head of the group and every query block of the
+  band) computing Sᵀ, dPᵀ, dV and dK; then dQ per 128-query tile (q and dO
+  loaded once, K and V streamed) computing S, dP and dQ. Both read the
+  forward's lse and the portable preprocess kernel's delta.
 
-Scope (``hopper_refusal`` names the first reason a call is not taken):
-fp16/bf16, head dims 64 or 128 (q, k and v alike), any band (causal,
-windows, bottom-right), grouped heads; no mask tensor, dropout, soft-cap or
-sinks; enough keys per query row that the kernel's fixed cost per tile pays
-(``MIN_KEYS``, from the measured crossover with the portable kernel). The
-backward is the portable one; it reads this kernel's lse, which follows the
-same conventions (natural log, +inf for a row with no visible key, whose
-output is 0).
+Scope (``hopper_refusal`` and ``backward_refusal`` name the first reason a
+call is not taken): fp16/bf16, head dims 64 or 128 (q, k and v alike), any
+band (causal, windows, bottom-right), grouped heads; no mask tensor,
+dropout or soft-cap (the forward also no sinks; the backward takes them,
+since the forward's lse includes them); enough keys per query row that the
+kernels' fixed cost per tile pays (``MIN_KEYS``, ``BWD_MIN_KEYS``, from the
+measured crossovers with the portable kernels). Either direction may run on
+the Hopper kernel while the other runs on the portable one: their lse
+follows the same conventions (natural log, +inf for a row with no visible
+key, whose output is 0).
 
-Inside ``torch.compile`` the forward op records ``flashfuse::_hopper_forward``
-(``ops.py``), an opaque op whose CUDA kernel calls this launcher on the real
-tensors (and the portable kernel if their layout does not suit the copy
-engine), since Inductor cannot launch Gluon kernels itself.
+Inside ``torch.compile`` the op records ``flashfuse::_hopper_forward`` and
+``flashfuse::_hopper_backward`` (``ops.py``), opaque ops whose CUDA kernels
+call these launchers on the real tensors (and the portable kernels if their
+layout does not suit the copy engine), since Inductor cannot launch Gluon
+kernels itself.
 
 Written for Gluon as shipped with Triton 3.6 (its API changed from 3.5);
 other Triton versions take the portable kernels. Gluon kernels do not run
@@ -49,7 +57,8 @@ from .problem import AttentionProblem
 from .. import config
 
 __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes", "gluon_available",
-           "mean_visible_keys"]
+           "mean_visible_keys", "hopper_backward", "backward_refusal", "backward_problem_refusal",
+           "traced_backward_takes"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
 SUPPORTED_TRITON = ("3.6",)
@@ -68,6 +77,23 @@ WS_STAGES = {64: 3, 128: 2}
 # faster from 1k keys (causal 1k, 512 keys on average, slower); D = 64 only
 # at 16k (4k slower, causal 16k, 8k on average, faster).
 MIN_KEYS = {128: 768, 64: 6144}
+
+# The backward's tiles: dK/dV per 128 keys (two consumers of 64 keys)
+# streaming 64-row q/dO blocks; dQ per 128 queries (two of 64) streaming K/V
+# blocks of BWD_DQ_BLOCK_N keys. Slots: shared memory at D = 128 is
+# 2 x 2 x 16 KiB of q/dO plus 64 KiB of K/V for dK/dV.
+BWD_BLOCK_M = 64
+BWD_BLOCK_N = 128
+BWD_DQ_BLOCK_M = 128
+BWD_DQ_BLOCK_N = {64: 128, 128: 64}
+BWD_STAGES = {64: 3, 128: 2}
+BWD_DQ_STAGES = 2
+# Fewest visible keys per query row (mean over the rows) for which the
+# Hopper backward is taken; its own crossover with the portable backward
+# (bench/results/hopper_backward_crossover.csv, bench/NOTES.md run 19):
+# D = 128 slower at 256 keys on average, faster from 512; D = 64 even at
+# 1k, faster from 2k.
+BWD_MIN_KEYS = {128: 384, 64: 1024}
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,9 +124,11 @@ def mean_visible_keys(N: int, M: int, diag_off: int, window_left: int, window_ri
     return total / len(rows)
 
 
-def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks) -> str | None:
+def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, min_keys: dict = MIN_KEYS) -> str | None:
     """The reasons that depend on the problem alone (also known in a trace,
-    where the tensors have no address to check the layout on)."""
+    where the tensors have no address to check the layout on). ``min_keys``:
+    the crossover of the kernel asked about (``MIN_KEYS`` for the forward,
+    ``BWD_MIN_KEYS`` for the backward)."""
     if config.hopper() == "0":
         return "FLASHFUSE_HOPPER=0"
     if p.interpret or p.device.type != "cuda":
@@ -129,8 +157,8 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks) -> st
         return "an empty sequence"
     keys = mean_visible_keys(p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
                              p.has_window_right)
-    if keys < MIN_KEYS[p.D]:
-        return f"{keys:.0f} visible keys per query row on average (fewer than {MIN_KEYS[p.D]} at D = {p.D})"
+    if keys < min_keys[p.D]:
+        return f"{keys:.0f} visible keys per query row on average (fewer than {min_keys[p.D]} at D = {p.D})"
     return None
 
 
@@ -196,3 +224,98 @@ def hopper_forward(p: AttentionProblem, q, k, v) -> tuple[torch.Tensor, torch.Te
     with torch.cuda.device(q.device):
         kernel()[(cdiv(N, BLOCK_M), Hq, B)](*args, **meta)
     return out, lse
+
+
+# ---------------------------------------------------------------------------
+# The backward: dK/dV per key tile, then dQ per query tile
+# ---------------------------------------------------------------------------
+
+def backward_problem_refusal(p: AttentionProblem, grad_out, *, dropout_p: float, softcap, mask_grad: bool,
+                             tables: bool) -> str | None:
+    """Why the Hopper backward does not suit this problem, from what a
+    trace knows too (None: it does). The forward's reasons (sinks need
+    nothing here: the forward's lse includes them) with the backward's
+    crossover, plus dO's dtype; a block mask's tables mean a mask."""
+    if tables:
+        return "a mask tensor"
+    if mask_grad:
+        return "a mask gradient"
+    why = problem_refusal(p, dropout_p, softcap, None, min_keys=BWD_MIN_KEYS)
+    if why is None and grad_out.dtype != p.dtype:
+        return f"grad_out dtype {grad_out.dtype} differs from the inputs' {p.dtype}"
+    return why
+
+
+def backward_refusal(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float, softcap, mask_grad: bool = False,
+                     tables: bool = False) -> str | None:
+    """Why the Hopper backward kernels do not run this backward (None: they
+    do): ``backward_problem_refusal``, then the copy engine's layout rule
+    for q, k, v and dO (the gradients are allocated in a layout it takes).
+    The one rule the dispatch (``kernels._backward_route``), ``explain``
+    and the benchmarks ask."""
+    why = backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad,
+                                   tables=tables)
+    if why is None and _traced((grad_out, q, k, v)):
+        return "traced graph (the backward records flashfuse::_hopper_backward instead: traced_backward_takes)"
+    if why is None:
+        for t in (q, k, v, grad_out):
+            if not copy_engine_layout(t):
+                return "a layout the copy engine cannot read (unit last stride, 16-byte aligned base and strides)"
+    return why
+
+
+def traced_backward_takes(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float, softcap,
+                          mask_grad: bool = False, tables: bool = False) -> bool:
+    """Whether a traced backward records ``flashfuse::_hopper_backward``: the
+    problem suits the kernels (the layout is checked when it runs)."""
+    if p.interpret or p.device.type != "cuda" or not _traced((grad_out, q, k, v)):
+        return False
+    return backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad,
+                                    tables=tables) is None
+
+
+def _stacked_heads_stride(t: torch.Tensor) -> int:
+    """The head stride for a descriptor over one batch's (H, L, D) block:
+    any positive multiple of 16 bytes works when there is one head, so a
+    single head gets L rows' stride (the descriptor rejects 0)."""
+    return t.stride(1) if t.shape[1] > 1 else max(1, t.shape[2]) * t.stride(2)
+
+
+def backward_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq, dk, dv) -> tuple:
+    """``(dkdv_args, dkdv_meta, dq_args, dq_meta)``: the two kernels'
+    positional arguments and launch options. ``lse`` and ``delta`` share
+    their (B, Hq, N) strides, unit along N."""
+    q_st = (q.stride(0), _stacked_heads_stride(q), q.stride(2))
+    do_st = (grad_out.stride(0), _stacked_heads_stride(grad_out), grad_out.stride(2))
+    band = (p.Hq, p.Hkv, p.N, p.M, p.qk_scale, p.scale, p.diag_off, p.window_left, p.window_right)
+    flags = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right, HEAD_DIM=p.D,
+                 num_warps=4, maxnreg=168)
+    dkdv_args = (q, k, v, grad_out, dk, dv, lse, delta, *q_st, *p.k_strides[:3], *p.v_strides[:3], *do_st,
+                 *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], *band)
+    dkdv_meta = dict(flags, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D])
+    dq_args = (q, k, v, grad_out, dq, lse, delta, *p.q_strides[:3], *p.k_strides[:3], *p.v_strides[:3],
+               *grad_out.stride()[:3], *dq.stride()[:3], *lse.stride()[:2], *band)
+    dq_meta = dict(flags, BLOCK_M=BWD_DQ_BLOCK_M, BLOCK_N=BWD_DQ_BLOCK_N[p.D], STAGES=BWD_DQ_STAGES)
+    return dkdv_args, dkdv_meta, dq_args, dq_meta
+
+
+def hopper_backward(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` on the Hopper kernels, from the forward's ``lse``
+    and ``delta = rowsum(dO * O)`` (minus ``grad_lse`` where lse has a
+    gradient), both (B, Hq, N) float32. Deterministic: each gradient
+    element is written by one program, no atomics."""
+    from . import hopper_gluon
+
+    if lse.stride() != delta.stride():
+        lse = lse.contiguous()
+        delta = delta.contiguous()
+    # empty_like, as the portable backward and the traced op's fake give:
+    # strides of a dense input (multiples of its 128- or 256-byte rows) or
+    # contiguous ones, which the copy engine writes either way.
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dkdv_args, dkdv_meta, dq_args, dq_meta = backward_kernel_args(p, grad_out, q, k, v, lse, delta, dq, dk, dv)
+    ensure_scratch_allocator()
+    with torch.cuda.device(q.device):
+        hopper_gluon._hopper_attn_bwd_dkdv[(cdiv(p.M, BWD_BLOCK_N), p.Hkv, p.B)](*dkdv_args, **dkdv_meta)
+        hopper_gluon._hopper_attn_bwd_dq[(cdiv(p.N, BWD_DQ_BLOCK_M), p.Hq, p.B)](*dq_args, **dq_meta)
+    return dq, dk, dv

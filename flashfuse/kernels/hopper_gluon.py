@@ -1,4 +1,4 @@
-"""The Hopper forward kernel in Gluon (see ``hopper.py`` for the schedule,
+"""The Hopper kernels in Gluon, forward and backward (see ``hopper.py`` for the schedules,
 the scope and the launcher). Imported only when a Hopper launch needs it:
 Gluon kernels do not run in Triton's interpreter.
 
@@ -232,8 +232,8 @@ def _hopper_attn_fwd_ws(
     ], [4, 1], [240, 24])
 
 
-# The backward kernels (measured by bench/hopper_backward.py, not yet taken
-# by the op's dispatch): dK/dV per 128-key tile, its two consumer warp
+# The backward kernels (taken by the op's backward where
+# hopper.backward_refusal says so): dK/dV per 128-key tile, its two consumer warp
 # groups 64 keys each, looping over the group's query heads and the query
 # blocks of the band; dQ per 128-query tile, as the forward streams K and V.
 # Both deterministic (no atomics), the lse and delta the portable backward

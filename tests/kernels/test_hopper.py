@@ -1,18 +1,19 @@
-"""Tests of the Hopper (Gluon) forward kernel, ``flashfuse.kernels.hopper``.
+"""Tests of the Hopper (Gluon) kernels, ``flashfuse.kernels.hopper``.
 
-The kernel runs only on a Hopper GPU (Gluon kernels do not run in Triton's
-interpreter), so its numerics are ``gpu`` tests: the float64 reference on
+The kernels run only on a Hopper GPU (Gluon kernels do not run in Triton's
+interpreter), so their numerics are ``gpu`` tests: the float64 reference on
 fresh random inputs, odd sizes (one query, one key, partial tiles), every
 band (causal top-left and bottom-right, with rows that see nothing, windows
 on both sides), grouped heads, inputs in NaN padding (a read past an edge
 shows) and outputs poisoned (an unwritten element shows), the same bits on
-repeated runs (a race would move them), and gradients through the op (the
-portable backward reads this kernel's lse). The selection rule is tested on
-the CPU as well.
+repeated runs (a race would move them), and gradients through the op, eager
+and compiled. The selection rules, forward and backward, are tested on the
+CPU as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -165,9 +166,12 @@ def test_layouts_and_repeatability(monkeypatch, layout, D):
 @pytest.mark.gpu
 @pytest.mark.parametrize("band,N,M", [("none", 777, 1025), ("causal", 2000, 2000),
                                       ("causal_bottom_right", 1000, 2100)])
-def test_gradients_through_the_op(band, N, M):
-    """The op's forward on the Hopper kernel, backward on the portable one."""
+def test_gradients_through_the_op(monkeypatch, band, N, M):
+    """The op's forward and backward on the Hopper kernels."""
     _require_hopper()
+    calls = []
+    real = hopper.hopper_backward
+    monkeypatch.setattr(hopper, "hopper_backward", lambda *a: calls.append(1) or real(*a))
     gen = torch.Generator(device="cuda").manual_seed(11)
     q, k, v = _inputs(2, 4, 2, N, M, 128, torch.bfloat16, "contiguous", gen)
     kw = BANDS[band]
@@ -181,6 +185,7 @@ def test_gradients_through_the_op(band, N, M):
     want = ref.reference_attention(*ref_leaves, scale=0.125, **kw)
     want.backward(dout.cpu().double())
     assert _rel(out.detach().cpu(), want.detach()) < 1e-2
+    assert calls, "the Hopper backward did not run"
     for got, exp in zip(leaves, ref_leaves):
         assert not got.grad.isnan().any()
         assert _rel(got.grad.cpu(), exp.grad) < 2e-2
@@ -222,9 +227,9 @@ def test_hopper_forward_op_fake_layout():
 
 @pytest.mark.gpu
 def test_compiled_graph_takes_the_hopper_kernel(monkeypatch):
-    """Inside torch.compile the forward runs on the Hopper kernel (through
-    flashfuse::_hopper_forward) with the same bits as the eager call, and
-    the backward compiles around it."""
+    """Inside torch.compile the forward and backward run on the Hopper
+    kernels (through flashfuse::_hopper_forward and _hopper_backward), the
+    forward with the same bits as the eager call."""
     _require_hopper()
     calls = []
     real = hopper.hopper_forward
@@ -234,6 +239,9 @@ def test_compiled_graph_takes_the_hopper_kernel(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(hopper, "hopper_forward", counted)
+    bwd_calls = []
+    real_bwd = hopper.hopper_backward
+    monkeypatch.setattr(hopper, "hopper_backward", lambda *a: bwd_calls.append(1) or real_bwd(*a))
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = _inputs(2, 8, 2, 2048, 2048, 128, torch.bfloat16, "bnhd", gen)
     dout = torch.randn(2, 8, 2048, 128, generator=gen, device="cuda").to(torch.bfloat16)
@@ -246,9 +254,11 @@ def test_compiled_graph_takes_the_hopper_kernel(monkeypatch):
     for fn in (f, torch.compile(f, fullgraph=True)):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         calls.clear()
+        bwd_calls.clear()
         out = fn(*leaves)
         out.backward(dout)
         assert calls, "the Hopper kernel did not run"
+        assert bwd_calls, "the Hopper backward did not run"
         results.append((out.detach(), *(t.grad for t in leaves)))
     (eo, *eg), (co, *cg) = results
     assert torch.equal(eo, co)
@@ -289,3 +299,185 @@ def test_dispatch_routes_through_the_one_rule(monkeypatch):
     monkeypatch.setattr(hopper, "hopper_forward", lambda p, q, k, v: calls.append(p) or ("out", "lse"))
     cq = torch.randn(1, 2, 8, 64)
     assert kernels.attention_forward(cq, cq, cq, None, None, **band) == ("out", "lse") and calls == ["problem"]
+
+
+# ---------------------------------------------------------------------------
+# The backward kernels: the rule (CPU), numerics (GPU)
+# ---------------------------------------------------------------------------
+
+def _bwd_problem(q, k, v, mask=None, **band):
+    return AttentionProblem.build(q, k, v, mask, dropout_p=0.0, scale=0.125,
+                                  window_left=band.get("window_left"), window_right=band.get("window_right"),
+                                  bottom_right=band.get("bottom_right", False), backward=True)
+
+
+def test_backward_refusal_reasons(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    go = torch.randn_like(q)
+    p = _bwd_problem(q, k, v)
+    rule = dict(dropout_p=0.0, softcap=None)
+    assert "CUDA" in hopper.backward_refusal(p, go, q, k, v, **rule)
+    hp = _as_hopper_call(monkeypatch, p)
+    assert hopper.backward_refusal(hp, go, q, k, v, **rule) is None
+    assert hopper.backward_refusal(hp, go, q, k, v, dropout_p=0.1, softcap=None) == "dropout"
+    assert "soft-cap" in hopper.backward_refusal(hp, go, q, k, v, dropout_p=0.0, softcap=20.0)
+    assert hopper.backward_refusal(hp, go, q, k, v, **rule, tables=True) == "a mask tensor"
+    assert hopper.backward_refusal(hp, go, q, k, v, **rule, mask_grad=True) == "a mask gradient"
+    assert "grad_out dtype" in hopper.backward_refusal(hp, go.half(), q, k, v, **rule)
+    # ``out.sum().backward()`` hands the backward an expanded dO (strides 0).
+    ones = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16).expand_as(q)
+    assert "copy engine" in hopper.backward_refusal(hp, ones, q, k, v, **rule)
+    mask = torch.ones(1024, 1024, dtype=torch.bool)
+    pm = _as_hopper_call(monkeypatch, _bwd_problem(q, k, v, mask))
+    assert hopper.backward_refusal(pm, go, q, k, v, **rule) == "a mask tensor"
+    monkeypatch.setenv("FLASHFUSE_HOPPER", "0")
+    assert hopper.backward_refusal(hp, go, q, k, v, **rule) == "FLASHFUSE_HOPPER=0"
+    monkeypatch.delenv("FLASHFUSE_HOPPER")
+    # The backward's own crossover: short rows stay on the portable kernels.
+    qs = q[:, :, :256].contiguous()
+    ps = _as_hopper_call(monkeypatch, _bwd_problem(qs, qs, qs, window_right=0))
+    why = hopper.backward_refusal(ps, qs, qs, qs, qs, **rule)
+    assert f"fewer than {hopper.BWD_MIN_KEYS[128]} at D = 128" in why
+
+
+def test_backward_dispatch_routes_through_the_one_rule(monkeypatch):
+    """``kernels.attention_backward`` takes the kernels ``_backward_route``
+    names: on fake CUDA tensors (a trace) that the Hopper kernels suit, the
+    opaque ``flashfuse::_hopper_backward`` (gradients laid out as
+    ``empty_like`` their inputs); on real tensors the rule admits, the
+    Hopper launcher with the portable preprocess kernel's delta."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashfuse import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(hopper, "gluon_available", lambda: True)
+    band = dict(dropout_p=0.0, scale=0.125, window_left=None, window_right=0, bottom_right=False, mask_grad=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1, 2048, 4, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        k = torch.empty(1, 1, 2048, 128, dtype=torch.bfloat16, device="cuda")
+        go = torch.empty(1, 4, 2048, 128, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(1, 4, 2048, dtype=torch.float32, device="cuda")
+        assert kernels._backward_route(go, q, k, k, None, band)[0] == "hopper-op"
+        assert kernels.backward_kernel(go, q, k, k, None, None, go, lse, **band) == "hopper"
+        dq, dk, dv, dmask = kernels.attention_backward(go, q, k, k, None, None, go, lse, **band)
+        assert dq.stride() == q.stride() and dk.shape == k.shape and dmask is None
+        dropout = dict(band, dropout_p=0.1)
+        assert kernels.backward_kernel(go, q, k, k, None, None, go, lse, **dropout) == "portable: dropout"
+    calls = []
+    monkeypatch.setattr(kernels, "_backward_route", lambda *a: ("hopper", "problem", None))
+    from flashfuse.kernels import backward
+
+    monkeypatch.setattr(backward, "row_delta", lambda p, out, go, lse, grad_lse: ("delta", None))
+    monkeypatch.setattr(hopper, "hopper_backward",
+                        lambda p, go, q, k, v, lse, delta: calls.append((p, delta)) or ("dq", "dk", "dv"))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    cq = torch.randn(1, 2, 8, 64)
+    got = kernels.attention_backward(cq, cq, cq, cq, None, None, cq, cq[..., 0], **band)
+    assert got == ("dq", "dk", "dv", None) and calls == [("problem", "delta")]
+
+
+def test_hopper_backward_op_fake_layout():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 300, 8, 128, dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.empty(2, 2, 500, 128, dtype=torch.bfloat16)
+        go = torch.empty(2, 8, 300, 128, dtype=torch.bfloat16)
+        lse = torch.empty(2, 8, 300)
+        dq, dk, dv = torch.ops.flashfuse._hopper_backward(go, q, k, k, go, lse, 0.1, None, 0, True, None)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.shape == k.shape
+
+
+def test_backward_kernel_names_nothing_off_cuda():
+    q = torch.randn(1, 2, 64, 64)
+    assert flashfuse.ops.backward_kernel(q, q, q) is None
+
+
+def _reference_grads(q, k, v, dout, kw, lse_weight=None):
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    out = ref.reference_attention(*leaves, scale=0.125, **kw)
+    loss = (out * dout.cpu().double()).sum()
+    if lse_weight is not None:
+        lse = ref.reference_lse(*leaves[:2], scale=0.125, **kw)
+        fin = torch.isfinite(lse)
+        loss = loss + (torch.where(fin, lse, 0.0) * lse_weight.cpu().double()).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+def _hopper_grads(q, k, v, dout, kw, grad_lse=None):
+    """The forward on whichever kernel the op takes, then the Hopper
+    backward kernels called directly (short rows included)."""
+    from flashfuse.kernels import attention_forward, backward
+
+    band = dict(dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
+                window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
+    out, lse = attention_forward(q, k, v, None, None, **band)
+    p = _bwd_problem(q, k, v, **kw)
+    delta, _ = backward.row_delta(p, out, dout, lse, grad_lse)
+    return hopper.hopper_backward(p, dout, q, k, v, lse, delta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("band", list(BANDS))
+@pytest.mark.parametrize("B,Hq,Hkv,N,M", [(2, 4, 4, 1000, 1000), (1, 8, 2, 129, 4097), (1, 2, 2, 1, 300),
+                                          (1, 4, 1, 300, 1), (2, 2, 1, 2048, 640), (1, 3, 1, 77, 200)])
+def test_backward_against_reference(monkeypatch, dtype, D, band, B, Hq, Hkv, N, M):
+    _require_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(D * 999983 + N * 17 + M + 5)
+    q, k, v = _inputs(B, Hq, Hkv, N, M, D, dtype, "nan_padded", gen)
+    dout = in_nan_padding(torch.randn(B, Hq, N, D, generator=gen, device="cuda").to(dtype))
+    kw = BANDS[band]
+    poison_empty(monkeypatch)
+    dq, dk, dv = _hopper_grads(q, k, v, dout, kw)
+    want = _reference_grads(q, k, v, dout, kw)
+    for got, exp in zip((dq, dk, dv), want):
+        assert not got.isnan().any()
+        if exp.norm() == 0:
+            # Keys no query sees, queries that see no key, and rows with one
+            # visible key (p = 1, so dS = dP - delta is zero but for the
+            # rounding of two fp32 sums in different orders): zero, or
+            # rounding-sized where the kernel sums.
+            assert got.float().abs().max().item() < 1e-3
+        else:
+            assert _rel(got.cpu(), exp) < 2 * REL_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
+def test_backward_layouts_and_repeatability(monkeypatch, layout, D):
+    """The same bits on repeated runs (no atomics), in the layouts models
+    hand the op, against float64."""
+    _require_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
+    dout = torch.randn(2, 3000, 8, D, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    kw = dict(window_right=0)
+    poison_empty(monkeypatch)
+    runs = [_hopper_grads(q, k, v, dout, kw) for _ in range(3)]
+    for grads in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads, runs[0]))
+    for got, exp in zip(runs[0], _reference_grads(q, k, v, dout, kw)):
+        assert _rel(got.cpu(), exp) < 2 * REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_backward_with_an_lse_gradient():
+    """``attention_with_lse``: the gradient of lse folds into delta."""
+    _require_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    q, k, v = _inputs(1, 4, 2, 1500, 1500, 128, torch.bfloat16, "contiguous", gen)
+    dout = torch.randn(q.shape, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(1, 4, 1500, generator=gen, device="cuda")
+    kw = dict(window_right=0)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    assert flashfuse.ops.backward_kernel(*leaves, scale=0.125, is_causal=True, enable_gqa=True) == "hopper"
+    out, lse = flashfuse.attention_with_lse(*leaves, scale=0.125, is_causal=True, enable_gqa=True)
+    ((out.float() * dout.float()).sum() + (lse * w).sum()).backward()
+    for got, exp in zip(leaves, _reference_grads(q, k, v, dout, kw, lse_weight=w)):
+        assert _rel(got.grad.cpu(), exp) < 2e-2

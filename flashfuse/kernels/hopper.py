@@ -22,6 +22,17 @@ themselves, as FlashAttention-3 does:
   band) computing Sᵀ, dPᵀ, dV and dK; then dQ per 128-query tile (q and dO
   loaded once, K and V streamed) computing S, dP and dQ. Both read the
   forward's lse and the portable preprocess kernel's delta.
+* Backward, fused (the default): the dK/dV kernel's schedule, and from the
+  same dS the tile's dS·K added into a zeroed float32 (B, Hq, N, D) buffer,
+  by relaxed atomics or (FLASHFUSE_HOPPER_DQ=tma) the copy engine's
+  reduce-add; then a plain Triton kernel writes dq = scale * buffer. 5
+  products per (query block, key block) instead of 7. Each consumer stores
+  its dSᵀ half (64 keys x 64 queries) to shared memory; after an mbarrier
+  handshake each forms dQ for half the head dim over all 128 keys, so every
+  dQ element is added once per key tile and the accumulator is 64 x D/2.
+  dQ's last bits then depend on the order the adds land in, so
+  ``hopper_backward`` takes the two deterministic kernels instead under
+  ``torch.use_deterministic_algorithms(True)`` (or FLASHFUSE_HOPPER_DQ=separate).
 
 Scope (``hopper_refusal`` and ``backward_refusal`` name the first reason a
 call is not taken): fp16/bf16, head dims 64 or 128 (q, k and v alike), any
@@ -99,7 +110,9 @@ BWD_MIN_KEYS = {128: 384, 64: 1024}
 # The fused backward (dK/dV kernel that also adds dQ into a float32
 # buffer; ``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV kernel's tiles,
 # its own slots (shared memory at D = 128: the dK/dV kernel's 128 KiB plus
-# 2 x 2 x 8 KiB of dSᵀ, plus 2 x 16 KiB of float32 dQ staging for "tma").
+# 2 x 2 x 8 KiB of dSᵀ and 2 KiB of lse/delta, plus 2 x 16 KiB of float32
+# dQ staging for "tma": 162 or 194 KiB of the 227; compiled offline, ptxas
+# reports 166 336 / 199 104 bytes).
 # How dQ reaches the buffer: "atomic" (relaxed float32 adds from the
 # consumers' registers) or "tma" (the copy engine's reduce-add from shared
 # memory, one instruction per 64 x D/2 tile). FLASHFUSE_HOPPER_DQ overrides

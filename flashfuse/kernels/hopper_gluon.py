@@ -8,6 +8,7 @@ Written for Gluon as shipped with Triton 3.6.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as _gluon_builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -592,8 +593,24 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _prefetch_stats(Lse, Delta, stat_smem, t, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
+                    BLOCK_M: gl.constexpr):
+    """lse and delta of iteration ``t``'s query rows into ``stat_smem``
+    ([2 * BLOCK_M]: lse, then delta), one element per thread by ``cp.async``;
+    rows past N and iterations past the last are left as zeros."""
+    cp_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    idx = gl.arange(0, 2 * BLOCK_M, layout=cp_layout)
+    is_delta = idx >= BLOCK_M
+    rows = lo_m + (t % n_m) * BLOCK_M + gl.where(is_delta, idx - BLOCK_M, idx)
+    off = stat_b + (h0 + t // n_m).to(gl.int64) * stride_stat_h + rows
+    ptrs = gl.where(is_delta, Delta + off, Lse + off)
+    async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(rows < N) & (t < n_iters))
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                    kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b, stride_stat_h, dqa_b,
+                    stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b, stride_stat_h, dqa_b,
                     stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale, diag_off, window_left,
                     window_right, HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                     HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -626,6 +643,14 @@ def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_sm
     dq_cols_l: gl.constexpr = gl.SliceLayout(0, dq_layout)
     dq_r = gl.arange(0, BLOCK_M, layout=dq_rows_l)
     dq_c = HALF * HALF_D + gl.arange(0, HALF_D, layout=dq_cols_l)
+    # lse and delta go through shared memory, copied one iteration ahead:
+    # held in registers from their load to their use they would live across
+    # the wait for Sᵀ and dPᵀ, where dK, dV, Sᵀ and dPᵀ already fill the 240
+    # registers at D = 128 (ptxas spilled them). Two buffers per consumer:
+    # buffer (i + 1) % 2, written at iteration i, was last read at i - 1
+    # before that iteration's thread barrier.
+    _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF), 0, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
+                    BLOCK_M)
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iters):
         slot = i % STAGES
@@ -633,15 +658,19 @@ def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_sm
         head = h0 + i // n_m
         m0 = lo_m + (i % n_m) * BLOCK_M
         qi = m0 + gl.arange(0, BLOCK_M, layout=col)
-        stat = stat_b + head.to(gl.int64) * stride_stat_h + qi
-        lse2 = gl.load(Lse + stat, mask=qi < N, other=float("inf")) * LOG2E
-        delta = gl.load(Delta + stat, mask=qi < N, other=0.0)
+        _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF + (i + 1) % 2), i + 1, stat_b, stride_stat_h, N, h0,
+                        lo_m, n_m, n_iters, BLOCK_M)
         mbarrier.wait(q_ready.index(slot), phase)
         st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(slot), phase)
         dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)
         st = warpgroup_mma_wait(1, deps=(st_tok, ))
+        async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
+        gl.thread_barrier()  # every thread's element, not only its own
+        stats = stat_smem.index(2 * HALF + i % 2)
+        lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
+        delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
         need = False
         if HAS_WINDOW_RIGHT:
             need = need | (m0 < right_from)
@@ -694,6 +723,7 @@ def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_sm
             ptrs = (DQacc + dqa_b + head.to(gl.int64) * stride_dqa_h
                     + gl.expand_dims(rows.to(gl.int64) * stride_dqa_n, 1) + gl.expand_dims(dq_c, 0))
             gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < N, 1), sem="relaxed")
+    async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
     if DQ_TMA:
         tma.store_wait(0)
     k_half.store((dk * scale).to(dtype))
@@ -771,6 +801,7 @@ def _hopper_attn_bwd_fused(
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
     # dSᵀ of both consumers, two iterations' worth (see _fused_consumer).
     ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)  # [buffer * 2 + consumer]
+    stat_smem = gl.allocate_shared_memory(gl.float32, [4, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if DQ_TMA:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HALF_D], dq_layout)
     else:
@@ -795,12 +826,14 @@ def _hopper_attn_bwd_fused(
     dqa_b = b64 * stride_dqa_b
     gl.warp_specialize([
         (_fused_consumer, (dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                           dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b, stride_stat_h,
+                           dq_smem, stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b,
+                           stride_stat_h,
                            dqa_b, stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
                            diag_off, window_left, window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
                            BLOCK_M, HEAD_DIM, STAGES, DQ_TMA)),
         (_fused_consumer, (dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                           dq_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b, stride_stat_h,
+                           dq_smem, stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b,
+                           stride_stat_h,
                            dqa_b, stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
                            diag_off, window_left, window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
                            BLOCK_M, HEAD_DIM, STAGES, DQ_TMA)),

@@ -15,8 +15,6 @@ FLASHFUSE_TUNING_CACHE     (Triton's file of tuned choices; a path elsewhere, 0:
 FLASHFUSE_BWD              (unset)   one_pass / two_pass: force the backward schedule
 FLASHFUSE_TMA              (unset)   0 / 1: turn off / force tensor-descriptor loads
 FLASHFUSE_HOPPER           (unset)   0: never take the Hopper (Gluon) kernels
-FLASHFUSE_HOPPER_DQ        (unset)   atomic / tma: how the fused Hopper backward adds
-                                     dQ; separate: its two deterministic kernels
 FLASHFUSE_DECODE           (unset)   0: never take the split-KV decoding kernels;
                                      1: take them whenever the arguments allow
 FLASHFUSE_DECODE_SPLITS    (unset)   n: force the decoding kernels' split count
@@ -81,11 +79,6 @@ def tma() -> str:
 def hopper() -> str:
     """"" or "0" as written: whether the Hopper kernels may be taken."""
     return _get("FLASHFUSE_HOPPER")
-
-
-def hopper_dq() -> str:
-    """"", "atomic", "tma" or "separate" as written (checked by the launcher)."""
-    return _get("FLASHFUSE_HOPPER_DQ").strip().lower()
 
 
 def decode() -> str:

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flashfuse.kernels import attention_forward, attention_backward
 from flashfuse.kernels.problem import AttentionProblem
 from flashfuse.kernels.launch import ensure_scratch_allocator
-from flashfuse.kernels import hopper, hopper_gluon as hb
+from flashfuse.kernels import hopper_gluon as hb
 
 
 def dkdv(q, k, v, do, lse, delta, scale, wr):
@@ -28,7 +28,7 @@ def dkdv(q, k, v, do, lse, delta, scale, wr):
             *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], Hq, Hkv, N, M, p.qk_scale, scale, p.diag_off,
             p.window_left, p.window_right)
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right, HEAD_DIM=D, BLOCK_M=64,
-                BLOCK_N=128, STAGES=2 if D == 128 else 3, PINGPONG=hopper.BWD_PINGPONG[D], num_warps=4, maxnreg=168)
+                BLOCK_N=128, STAGES=2 if D == 128 else 3, num_warps=4, maxnreg=168)
     grid = (triton.cdiv(M, 128), Hkv, B)
     fn = lambda: hb._hopper_attn_bwd_dkdv[grid](*args, **meta)
     fn()
@@ -44,8 +44,7 @@ def dq_kernel(q, k, v, do, lse, delta, scale, wr):
             *dq.stride()[:3], *lse.stride()[:2], Hq, Hkv, N, M, p.qk_scale, scale, p.diag_off,
             p.window_left, p.window_right)
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right, HEAD_DIM=D, BLOCK_M=128,
-                BLOCK_N=64 if D == 128 else 128, STAGES=2, PINGPONG=hopper.BWD_DQ_PINGPONG[D], num_warps=4,
-                maxnreg=168)
+                BLOCK_N=64 if D == 128 else 128, STAGES=2, num_warps=4, maxnreg=168)
     grid = (triton.cdiv(N, 128), Hq, B)
     fn = lambda: hb._hopper_attn_bwd_dq[grid](*args, **meta)
     fn()

@@ -68,9 +68,6 @@ BLOCK_M = 128
 BLOCK_N = 128
 # K/V slots per head dim (shared memory at D = 128: q 32 KiB + 2 x 2 x 32 KiB).
 WS_STAGES = {64: 3, 128: 2}
-# Whether the two consumer warp groups take turns to issue their products
-# (ping-pong), per head dim (bench/NOTES.md run 19).
-WS_PINGPONG = {64: False, 128: False}
 
 # Fewest visible keys per query row (mean over the rows) for which the
 # Hopper kernel is taken. Its fixed cost per query tile (descriptors, the
@@ -91,10 +88,6 @@ BWD_DQ_BLOCK_M = 128
 BWD_DQ_BLOCK_N = {64: 128, 128: 64}
 BWD_STAGES = {64: 3, 128: 2}
 BWD_DQ_STAGES = 2
-# Ping-pong of the two consumer warp groups (as the forward's WS_PINGPONG),
-# per head dim: dK/dV kernel, dQ kernel.
-BWD_PINGPONG = {64: False, 128: False}
-BWD_DQ_PINGPONG = {64: False, 128: False}
 # Fewest visible keys per query row (mean over the rows) for which the
 # Hopper backward is taken; its own crossover with the portable backward
 # (bench/results/hopper_backward_crossover.csv, bench/NOTES.md run 19):
@@ -216,8 +209,7 @@ def kernel_args(p: AttentionProblem, q, k, v, out, lse) -> tuple[tuple, dict]:
     # Two consumer warp groups at 240 registers and the copy warp at 24 (its
     # warp group's share): 168 per thread at launch over 12 warps.
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
-                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], PINGPONG=WS_PINGPONG[p.D],
-                num_warps=4, maxnreg=168)
+                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], num_warps=4, maxnreg=168)
     return args, meta
 
 
@@ -300,12 +292,10 @@ def backward_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq,
                  num_warps=4, maxnreg=168)
     dkdv_args = (q, k, v, grad_out, dk, dv, lse, delta, *q_st, *p.k_strides[:3], *p.v_strides[:3], *do_st,
                  *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], *band)
-    dkdv_meta = dict(flags, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D],
-                     PINGPONG=BWD_PINGPONG[p.D])
+    dkdv_meta = dict(flags, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D])
     dq_args = (q, k, v, grad_out, dq, lse, delta, *p.q_strides[:3], *p.k_strides[:3], *p.v_strides[:3],
                *grad_out.stride()[:3], *dq.stride()[:3], *lse.stride()[:2], *band)
-    dq_meta = dict(flags, BLOCK_M=BWD_DQ_BLOCK_M, BLOCK_N=BWD_DQ_BLOCK_N[p.D], STAGES=BWD_DQ_STAGES,
-                   PINGPONG=BWD_DQ_PINGPONG[p.D])
+    dq_meta = dict(flags, BLOCK_M=BWD_DQ_BLOCK_M, BLOCK_N=BWD_DQ_BLOCK_N[p.D], STAGES=BWD_DQ_STAGES)
     return dkdv_args, dkdv_meta, dq_args, dq_meta
 
 

@@ -71,26 +71,10 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k
 
 
 @gluon.jit
-def _take_turn(turn, t, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """Wait for this warp group's ``t``-th turn to issue its products (the
-    groups alternate, group 0 first), so one group's softmax runs while the
-    other's products keep the tensor cores busy."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(HALF), (t & 1) ^ (1 - HALF))
-
-
-@gluon.jit
-def _pass_turn(turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - HALF))
-
-
-@gluon.jit
-def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  lse_base, N, m0, lo, n_blocks, key_end, qk_scale, diag_off, window_left, window_right,
                  HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """One warp group: 64 query rows, the whole online softmax for them."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -109,13 +93,7 @@ def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
-    if PINGPONG:
-        _take_turn(turn, 0, HALF, PINGPONG)
-        s_tok = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        _pass_turn(turn, HALF, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    else:
-        s = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
+    s = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
     mbarrier.arrive(k_empty.index(0))
     s = _mask_if_crossing(s, lo, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
                           window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
@@ -130,22 +108,11 @@ def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v
         prev = (j - 1) % STAGES
         start_n = lo + j * BLOCK_N
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        if PINGPONG:
-            # Both products issued in one turn: the data waits and the
-            # conversion of P come first, so the turn is held briefly.
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            _take_turn(turn, j, HALF, PINGPONG)
-            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            _pass_turn(turn, HALF, PINGPONG)
-        else:
-            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot))
         s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
@@ -163,13 +130,7 @@ def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v
     last = n_blocks - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    if PINGPONG:
-        _take_turn(turn, n_blocks, HALF, PINGPONG)
-        o_tok = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-        _pass_turn(turn, HALF, PINGPONG)
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-    else:
-        acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc)
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc)
     mbarrier.arrive(v_empty.index(last % STAGES))
 
     l_o = gl.convert_layout(l_i, row_o)
@@ -210,7 +171,7 @@ def _hopper_attn_fwd_ws(
     qk_scale, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -256,20 +217,16 @@ def _hopper_attn_fwd_ws(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
         mbarrier.init(v_empty.index(i), count=2)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if PINGPONG:
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
 
     lse_base = (b64 * Hq + h) * N
     gl.warp_specialize([
-        (_ws_consumer, (o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+        (_ws_consumer, (o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                         lse_base, N, m0, lo, n_blocks, key_end, qk_scale, diag_off, window_left, window_right,
-                        0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
-        (_ws_consumer, (o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                        0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_ws_consumer, (o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                         lse_base, N, m0, lo, n_blocks, key_end, qk_scale, diag_off, window_left, window_right,
-                        1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+                        1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                       v_empty, m0, lo, n_blocks, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])
@@ -312,10 +269,10 @@ def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
-                   do_ready, do_empty, turn, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
+                   do_ready, do_empty, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
                    diag_off, window_left, window_right, HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr,
                    HAS_WINDOW_RIGHT: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -346,22 +303,10 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
         lse2 = gl.load(Lse + stat, mask=qi < N, other=float("inf")) * LOG2E
         delta = gl.load(Delta + stat, mask=qi < N, other=0.0)
         mbarrier.wait(q_ready.index(slot), phase)
-        if PINGPONG:
-            # Two turns per block (Sᵀ and dPᵀ, then dV and dK): the other
-            # group's elementwise work runs under this group's products.
-            mbarrier.wait(do_ready.index(slot), phase)
-            _take_turn(turn, 2 * i, HALF, PINGPONG)
-            st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                                   is_async=True)
-            dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                                    is_async=True)
-            _pass_turn(turn, HALF, PINGPONG)
-        else:
-            st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                                   is_async=True)
-            mbarrier.wait(do_ready.index(slot), phase)
-            dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                                    is_async=True)
+        st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                                is_async=True)
         st = warpgroup_mma_wait(1, deps=(st_tok, ))
         need = False
         if HAS_WINDOW_RIGHT:
@@ -381,10 +326,8 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst_op = gl.convert_layout(dst.to(dtype), a_layout)
-        _take_turn(turn, 2 * i + 1, HALF, PINGPONG)
         dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
         dk_tok = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
-        _pass_turn(turn, HALF, PINGPONG)
         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, dst_op))
         mbarrier.arrive(q_empty.index(slot))
         mbarrier.arrive(do_empty.index(slot))
@@ -411,7 +354,7 @@ def _hopper_attn_bwd_dkdv(
     qk_scale, scale, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -461,24 +404,18 @@ def _hopper_attn_bwd_dkdv(
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
         mbarrier.init(do_empty.index(i), count=2)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if PINGPONG:
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
     h0 = hk * G
     stat_b = b64 * stride_stat_b
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
-                          do_ready, do_empty, turn, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale,
-                          scale,
+                          do_ready, do_empty, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
                           diag_off, window_left, window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M,
-                          HEAD_DIM, STAGES, PINGPONG)),
+                          HEAD_DIM, STAGES)),
         (_dkdv_consumer, (dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
-                          do_ready, do_empty, turn, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale,
-                          scale,
+                          do_ready, do_empty, stat_b, stride_stat_h, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
                           diag_off, window_left, window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M,
-                          HEAD_DIM, STAGES, PINGPONG)),
+                          HEAD_DIM, STAGES)),
         (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
                         do_ready, do_empty, h0, n0, lo_m, n_m, n_iters, HALF_N, BLOCK_M, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])
@@ -508,10 +445,9 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 
 @gluon.jit
 def _dq_consumer(dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready, v_empty,
-                 turn, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left, window_right,
+                 stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left, window_right,
                  HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -537,20 +473,9 @@ def _dq_consumer(dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, 
         phase = (j // STAGES) & 1
         start_n = lo + j * BLOCK_N
         mbarrier.wait(k_ready.index(slot), phase)
-        if PINGPONG:
-            mbarrier.wait(v_ready.index(slot), phase)
-            _take_turn(turn, 2 * j, HALF, PINGPONG)
-            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-            dp_tok = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-            _pass_turn(turn, HALF, PINGPONG)
-        else:
-            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-            mbarrier.wait(v_ready.index(slot), phase)
-            dp_tok = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
+        s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp_tok = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         s = _mask_if_crossing(s, start_n, r0, M, full_end, right_edge, left_edge, diag_off, window_left,
                               window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
@@ -558,9 +483,7 @@ def _dq_consumer(dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, 
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
         mbarrier.arrive(v_empty.index(slot))
         ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
-        _take_turn(turn, 2 * j + 1, HALF, PINGPONG)
         dq_tok = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
-        _pass_turn(turn, HALF, PINGPONG)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
         mbarrier.arrive(k_empty.index(slot))
     q_half.store((dq * scale).to(dtype))
@@ -583,7 +506,7 @@ def _hopper_attn_bwd_dq(
     qk_scale, scale, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -624,21 +547,15 @@ def _hopper_attn_bwd_dq(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if PINGPONG:
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
     stat_base = b64 * stride_stat_b + h.to(gl.int64) * stride_stat_h
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
-                        v_empty, turn, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
-                        window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
-                        PINGPONG)),
+                        v_empty, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
+                        window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
         (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
-                        v_empty, turn, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
-                        window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
-                        PINGPONG)),
+                        v_empty, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
+                        window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
                       v_ready, v_empty, m0, lo, n_blocks, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])

@@ -49,14 +49,21 @@ def _mask_if_crossing(s, start_n, m0, key_end, full_end, right_edge, left_edge, 
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-               m0, lo, n_blocks, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr):
-    """The copy-engine warp: q's two halves once, then K and V blocks into
-    their slots as the two consumers release them."""
-    mbarrier.expect(q_bar, 2 * HALF_M * HEAD_DIM * 2)
+def _ws_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+               v_empty, m0, lo, n_blocks, WITH_DO: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The copy-engine warp of the forward and the dQ kernel: q's two halves
+    (and dO's, ``WITH_DO``) once, then K and V blocks into their slots as
+    the two consumers release them."""
+    if WITH_DO:
+        mbarrier.expect(q_bar, 4 * HALF_M * HEAD_DIM * 2)
+    else:
+        mbarrier.expect(q_bar, 2 * HALF_M * HEAD_DIM * 2)
     tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [m0 + HALF_M, 0], q_bar, q_smem.index(1))
+    if WITH_DO:
+        tma.async_copy_global_to_shared(do_desc, [m0, 0], q_bar, do_smem.index(0))
+        tma.async_copy_global_to_shared(do_desc, [m0 + HALF_M, 0], q_bar, do_smem.index(1))
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
     for i in range(n_blocks):
         slot = i % STAGES
@@ -161,6 +168,43 @@ def _head_matrix(base, b64, head, stride_b, stride_h, stride_row, rows, BLOCK_RO
 
 
 @gluon.jit
+def _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
+               HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``[lo, hi)``: the keys the query rows ``m0 .. m0 + BLOCK_M - 1`` may
+    see under the band, ``lo`` rounded down to a key block (the forward and
+    the dQ kernel stream the same blocks); ``hi <= lo`` when none."""
+    last_row = gl.minimum(m0 + BLOCK_M, N) - 1
+    lo = 0
+    hi = M
+    if HAS_WINDOW_RIGHT:
+        hi = gl.minimum(hi, gl.maximum(last_row + diag_off + window_right + 1, 0))
+    if HAS_WINDOW_LEFT:
+        lo = gl.maximum(m0 + diag_off - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
+
+
+@gluon.jit
+def _stream_barriers(STAGES: gl.constexpr):
+    """The barriers of a kernel that loads a query tile once and streams
+    K/V blocks (the forward, the dQ kernel): the tile's, then ready/empty
+    per K and V slot; an empty barrier counts both consumers' releases."""
+    tile_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(tile_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    return tile_bar, k_ready, k_empty, v_ready, v_empty
+
+
+@gluon.jit
 def _hopper_attn_fwd_ws(
     Q, K, V, Out, Lse,
     stride_q_b, stride_q_h, stride_q_n,
@@ -189,14 +233,8 @@ def _hopper_attn_fwd_ws(
     v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, BLOCK_N, HEAD_DIM, kv_layout)
     o_desc = _head_matrix(Out, b64, h, stride_o_b, stride_o_h, stride_o_n, N, HALF_M, HEAD_DIM, q_layout)
 
-    last_row = gl.minimum(m0 + BLOCK_M, N) - 1
-    lo = 0
-    hi = M
-    if HAS_WINDOW_RIGHT:
-        hi = gl.minimum(hi, gl.maximum(last_row + diag_off + window_right + 1, 0))
-    if HAS_WINDOW_LEFT:
-        lo = gl.maximum(m0 + diag_off - window_left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    lo, hi = _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M,
+                        BLOCK_N)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N)
     none_visible = n_blocks <= 0
     key_end = gl.where(none_visible, 0, M)
@@ -206,18 +244,7 @@ def _hopper_attn_fwd_ws(
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
+    q_bar, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES)
 
     lse_base = (b64 * Hq + h) * N
     gl.warp_specialize([
@@ -227,8 +254,8 @@ def _hopper_attn_fwd_ws(
         (_ws_consumer, (o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                         lse_base, N, m0, lo, n_blocks, key_end, qk_scale, diag_off, window_left, window_right,
                         1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                      v_empty, m0, lo, n_blocks, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_ws_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                      v_ready, v_empty, m0, lo, n_blocks, False, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])
 
 
@@ -422,28 +449,6 @@ def _hopper_attn_bwd_dkdv(
 
 
 @gluon.jit
-def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
-               v_ready, v_empty, m0, lo, n_blocks, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(qdo_bar, 4 * HALF_M * HEAD_DIM * 2)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], qdo_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [m0 + HALF_M, 0], qdo_bar, q_smem.index(1))
-    tma.async_copy_global_to_shared(do_desc, [m0, 0], qdo_bar, do_smem.index(0))
-    tma.async_copy_global_to_shared(do_desc, [m0 + HALF_M, 0], qdo_bar, do_smem.index(1))
-    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
-    for i in range(n_blocks):
-        slot = i % STAGES
-        phase = ((i // STAGES) & 1) ^ 1
-        start_n = lo + i * BLOCK_N
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), kv_bytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), kv_bytes)
-        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
-
-
-@gluon.jit
 def _dq_consumer(dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready, v_empty,
                  stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left, window_right,
                  HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
@@ -523,31 +528,14 @@ def _hopper_attn_bwd_dq(
     dq_desc = _head_matrix(DQ, b64, h, stride_dq_b, stride_dq_h, stride_dq_n, N, HALF_M, HEAD_DIM, q_layout)
     k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, BLOCK_N, HEAD_DIM, kv_layout)
     v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, BLOCK_N, HEAD_DIM, kv_layout)
-    last_row = gl.minimum(m0 + BLOCK_M, N) - 1
-    lo = 0
-    hi = M
-    if HAS_WINDOW_RIGHT:
-        hi = gl.minimum(hi, gl.maximum(last_row + diag_off + window_right + 1, 0))
-    if HAS_WINDOW_LEFT:
-        lo = gl.maximum(m0 + diag_off - window_left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    lo, hi = _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M,
+                        BLOCK_N)
     n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(qdo_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
+    qdo_bar, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES)
     stat_base = b64 * stride_stat_b + h.to(gl.int64) * stride_stat_h
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
@@ -556,6 +544,6 @@ def _hopper_attn_bwd_dq(
         (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
                         v_empty, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
                         window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
-                      v_ready, v_empty, m0, lo, n_blocks, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_ws_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
+                      v_ready, v_empty, m0, lo, n_blocks, True, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])

@@ -186,22 +186,23 @@ def _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: g
 
 @gluon.jit
 def _stream_barriers(STAGES: gl.constexpr):
-    """The barriers of a kernel that loads a query tile once and streams
-    K/V blocks (the forward, the dQ kernel): the tile's, then ready/empty
-    per K and V slot; an empty barrier counts both consumers' releases."""
+    """The barriers of every Hopper kernel: one for the tile loaded once
+    (q, or q and dO; K and V in the dK/dV kernel), then ready/empty per slot
+    of the two operands that stream (K and V; q and dO); an empty barrier
+    counts both consumers' releases."""
     tile_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(tile_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=2)
+        mbarrier.init(b_empty.index(i), count=2)
     fence_async_shared()
-    return tile_bar, k_ready, k_empty, v_ready, v_empty
+    return tile_bar, a_ready, a_empty, b_ready, b_empty
 
 
 @gluon.jit
@@ -420,18 +421,7 @@ def _hopper_attn_bwd_dkdv(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(do_empty.index(i), count=2)
-    fence_async_shared()
+    kv_bar, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
     h0 = hk * G
     stat_b = b64 * stride_stat_b
     gl.warp_specialize([

@@ -290,7 +290,7 @@ def _emit_plan(em: _Emitter, cand: Candidate, plan: Plan, replaced: dict, shared
     if kernel is not None:
         cand.facts["kernel"] = kernel
         if _needs_backward(q, k, v, mask):
-            cand.facts["backward_kernel"] = _forward_kernel(q, k, v, mask, kwargs, backward=True)
+            cand.facts["backward_kernel"] = _backward_kernel(q, k, v, mask, kwargs)
     if mask is not None:
         # The mask's tables, built once per distinct mask (block_mask node)
         # and read by every attention using it, forward and backward.
@@ -366,10 +366,18 @@ def _launch_problem(q, k, v, mask, kwargs) -> Optional[str]:
     return ops.kernel_problem(qv, kv, vv, mv, **options, backward=_needs_backward(q, k, v, mask))
 
 
-def _forward_kernel(q, k, v, mask, kwargs, backward: bool = False) -> Optional[str]:
-    """Which forward kernel (``backward``: backward kernels) the op call
-    about to be emitted takes on CUDA (``ops.forward_kernel`` /
-    ``ops.backward_kernel``, from the operands' example values), or None."""
+def _forward_kernel(q, k, v, mask, kwargs) -> Optional[str]:
+    """Which forward kernel the op call about to be emitted takes on CUDA
+    (``ops.forward_kernel``, from the operands' example values), or None."""
+    return _kernel_name("forward_kernel", q, k, v, mask, kwargs)
+
+
+def _backward_kernel(q, k, v, mask, kwargs) -> Optional[str]:
+    """The same for its backward kernels (``ops.backward_kernel``)."""
+    return _kernel_name("backward_kernel", q, k, v, mask, kwargs)
+
+
+def _kernel_name(which: str, q, k, v, mask, kwargs) -> Optional[str]:
     call = _example_call(q, k, v, mask, kwargs)
     if call is None or call[0].device.type != "cuda":
         return None
@@ -377,7 +385,7 @@ def _forward_kernel(q, k, v, mask, kwargs, backward: bool = False) -> Optional[s
 
     qv, kv, vv, mv, options = call
     try:
-        return (ops.backward_kernel if backward else ops.forward_kernel)(qv, kv, vv, mv, **options)
+        return getattr(ops, which)(qv, kv, vv, mv, **options)
     except Exception as exc:  # noqa: BLE001 - a report, never a reason to refuse the rewrite
         return f"unknown ({type(exc).__name__})"
 

@@ -35,22 +35,35 @@ def _route(q, k, v, attn_mask, kwargs) -> tuple:
     kernels; no problem built), ``"hopper"`` (the Hopper kernel, eager),
     ``"hopper-op"`` (a traced call the Hopper kernel suits, whose layout is
     checked when it runs) or ``"portable"`` (``why``: not the Hopper kernel)."""
-    hopper, decode, AttentionProblem, _ = _MODULES or _load_modules()
+    hopper, decode, _, _ = _MODULES or _load_modules()
     if decode.decode_suits(decode.DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"],
                                              kwargs["window_right"], kwargs["bottom_right"], kwargs.get("mask_fill"),
                                              kwargs.get("softcap"), kwargs.get("sinks"))):
         return "decode", None, None
-    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], scale=kwargs["scale"],
-                               window_left=kwargs["window_left"], window_right=kwargs["window_right"],
-                               bottom_right=kwargs["bottom_right"], mask_fill=kwargs.get("mask_fill"),
-                               softcap=kwargs.get("softcap"))
-    if p.interpret or p.device.type != "cuda":  # the CPU case, before any other check
+    p = _problem(q, k, v, attn_mask, kwargs, backward=False)
+    rule = dict(dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"), sinks=kwargs.get("sinks"))
+    return _hopper_or_portable(p, lambda: hopper.traced_takes(p, q, k, v, **rule),
+                               lambda: hopper.hopper_refusal(p, q, k, v, **rule))
+
+
+def _problem(q, k, v, attn_mask, kwargs, backward: bool):
+    """The call's ``AttentionProblem`` from the launchers' keyword arguments."""
+    AttentionProblem = (_MODULES or _load_modules())[2]
+    return AttentionProblem.build(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], scale=kwargs["scale"],
+                                  window_left=kwargs["window_left"], window_right=kwargs["window_right"],
+                                  bottom_right=kwargs["bottom_right"], mask_fill=kwargs.get("mask_fill"),
+                                  softcap=kwargs.get("softcap"), backward=backward)
+
+
+def _hopper_or_portable(p, traced_takes, refusal) -> tuple:
+    """The part of ``_route`` and ``_backward_route`` past the problem:
+    the CPU case before any other check, then a trace the Hopper kernels
+    suit (``traced_takes()``), then ``refusal()`` (None: the Hopper kernels)."""
+    if p.interpret or p.device.type != "cuda":
         return "portable", p, "not a CUDA tensor (Gluon kernels do not run in Triton's interpreter)"
-    if hopper.traced_takes(p, q, k, v, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
-                           sinks=kwargs.get("sinks")):
+    if traced_takes():
         return "hopper-op", p, None
-    why = hopper.hopper_refusal(p, q, k, v, dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
-                                sinks=kwargs.get("sinks"))
+    why = refusal()
     return ("hopper" if why is None else "portable"), p, why
 
 
@@ -97,20 +110,13 @@ def _backward_route(grad_out, q, k, v, attn_mask, kwargs) -> tuple:
     eager), ``"hopper-op"`` (a traced call they suit, whose layout is
     checked when it runs) or ``"portable"`` (``why``: not the Hopper
     kernels). The arguments are ``backward.attention_backward``'s."""
-    hopper, _, AttentionProblem, _ = _MODULES or _load_modules()
-    p = AttentionProblem.build(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], scale=kwargs["scale"],
-                               window_left=kwargs["window_left"], window_right=kwargs["window_right"],
-                               bottom_right=kwargs["bottom_right"], mask_fill=kwargs.get("mask_fill"),
-                               softcap=kwargs.get("softcap"), backward=True)
-    if p.interpret or p.device.type != "cuda":
-        return "portable", p, "not a CUDA tensor (Gluon kernels do not run in Triton's interpreter)"
+    hopper = (_MODULES or _load_modules())[0]
+    p = _problem(q, k, v, attn_mask, kwargs, backward=True)
     rule = dict(dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
                 mask_grad=bool(kwargs.get("mask_grad")) and attn_mask is not None,
                 tables=kwargs.get("key_table") is not None or kwargs.get("query_table") is not None)
-    if hopper.traced_backward_takes(p, grad_out, q, k, v, **rule):
-        return "hopper-op", p, None
-    why = hopper.backward_refusal(p, grad_out, q, k, v, **rule)
-    return ("hopper" if why is None else "portable"), p, why
+    return _hopper_or_portable(p, lambda: hopper.traced_backward_takes(p, grad_out, q, k, v, **rule),
+                               lambda: hopper.backward_refusal(p, grad_out, q, k, v, **rule))
 
 
 def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):

@@ -167,22 +167,35 @@ def hopper_refusal(p: AttentionProblem, q, k, v, *, dropout_p: float, softcap, s
 
     The one selection rule: the kernels' dispatch (``kernels._route``) asks
     it, and so do the benchmarks and tests that name the kernel a call takes."""
-    why = problem_refusal(p, dropout_p, softcap, sinks)
-    if why is None and _traced((q, k, v)):
-        return "traced graph (the forward records flashfuse::_hopper_forward instead: traced_takes)"
-    if why is None:
-        for t in (q, k, v):
-            if not copy_engine_layout(t):
-                return "a layout the copy engine cannot read (unit last stride, 16-byte aligned base and strides)"
-    return why
+    return _tensor_refusal(problem_refusal(p, dropout_p, softcap, sinks), (q, k, v),
+                           "the forward records flashfuse::_hopper_forward instead: traced_takes")
 
 
 def traced_takes(p: AttentionProblem, q, k, v, *, dropout_p: float, softcap, sinks) -> bool:
     """Whether a traced forward records ``flashfuse::_hopper_forward``: the
     problem suits the kernel (the layout is checked when it runs)."""
-    if p.interpret or p.device.type != "cuda" or not _traced((q, k, v)):
+    return _traced_suits(p, (q, k, v), lambda: problem_refusal(p, dropout_p, softcap, sinks))
+
+
+def _tensor_refusal(why: str | None, tensors, traced_note: str) -> str | None:
+    """``why`` (the problem's refusal), else what the tensors themselves
+    refuse: a trace (which records the opaque op instead; ``traced_note``
+    says which) or a layout the copy engine cannot read."""
+    if why is None and _traced(tensors):
+        return f"traced graph ({traced_note})"
+    if why is None:
+        for t in tensors:
+            if not copy_engine_layout(t):
+                return "a layout the copy engine cannot read (unit last stride, 16-byte aligned base and strides)"
+    return why
+
+
+def _traced_suits(p: AttentionProblem, tensors, problem_why) -> bool:
+    """A traced CUDA call whose problem the kernels suit (``problem_why()``
+    is None); the layout is checked when the recorded op runs."""
+    if p.interpret or p.device.type != "cuda" or not _traced(tensors):
         return False
-    return problem_refusal(p, dropout_p, softcap, sinks) is None
+    return problem_why() is None
 
 
 def _triton_version() -> str:
@@ -255,23 +268,16 @@ def backward_refusal(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float
     and the benchmarks ask."""
     why = backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad,
                                    tables=tables)
-    if why is None and _traced((grad_out, q, k, v)):
-        return "traced graph (the backward records flashfuse::_hopper_backward instead: traced_backward_takes)"
-    if why is None:
-        for t in (q, k, v, grad_out):
-            if not copy_engine_layout(t):
-                return "a layout the copy engine cannot read (unit last stride, 16-byte aligned base and strides)"
-    return why
+    return _tensor_refusal(why, (q, k, v, grad_out),
+                           "the backward records flashfuse::_hopper_backward instead: traced_backward_takes")
 
 
 def traced_backward_takes(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float, softcap,
                           mask_grad: bool = False, tables: bool = False) -> bool:
     """Whether a traced backward records ``flashfuse::_hopper_backward``: the
     problem suits the kernels (the layout is checked when it runs)."""
-    if p.interpret or p.device.type != "cuda" or not _traced((grad_out, q, k, v)):
-        return False
-    return backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad,
-                                    tables=tables) is None
+    return _traced_suits(p, (q, k, v, grad_out), lambda: backward_problem_refusal(
+        p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad, tables=tables))
 
 
 def _stacked_heads_stride(t: torch.Tensor) -> int:

@@ -75,7 +75,7 @@ def _signature(fn, args, kwargs, cfg_kwargs):
                 consts[name] = 1
                 continue
             sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
-            if name not in no_spec and v % 16 == 0 and v != 0:
+            if name not in no_spec and v % 16 == 0:  # 0 too, as the JIT does
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[name] = "fp32"

@@ -42,6 +42,7 @@ from .common import (
     MASK_BOOL_C,
     MASK_FLOAT,
     MASK_FLOAT_C,
+    MASK_NONE,
     MASK_NONE_C,
     _block_crosses_edge,
     _dropout_keep,
@@ -147,7 +148,7 @@ def _bwd_dkdv_inner(
     HAS_DROPOUT: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FULL_KEY_BLOCKS: tl.constexpr,
 ):
     """Fold the query blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
     multiples of BLOCK_M) of one query head into dK, dV (and dmask, dQ) of
@@ -178,6 +179,11 @@ def _bwd_dkdv_inner(
         shift = _lse_shift(tl.load(lse_ptr + offs_m.to(tl.int64) * stride_lse_q, mask=m_ok, other=float("inf")),
                            mask_fill, MASK_KIND, FILL)
         delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
+        # Without per-key bounds the mask's loads vectorise (see forward._attn_fwd_inner).
+        if FULL_KEY_BLOCKS:
+            mask_ok = m_ok[None, :]
+        else:
+            mask_ok = n_ok[:, None] & m_ok[None, :]
         if MASK_KIND == MASK_FLOAT_C or (MASK_KIND == MASK_BOOL_C and FILL == 2):
             cap = tl.load(cap_ptr + offs_m, mask=m_ok, other=1.0)
 
@@ -202,14 +208,14 @@ def _bwd_dkdv_inner(
                 keepT = tl.trans(_dropout_keep_block(seed, offs_m, n0, bh, threshold, BLOCK_N))
         if MASK_KIND == MASK_FLOAT_C:
             mT = tl.load(mask_base + sml * stride_mask_q + rn[:, None] * stride_mask_k + rm[None, :] * stride_mask_q,
-                         mask=n_ok[:, None] & m_ok[None, :], other=0.0)
+                         mask=mask_ok, other=0.0)
             sT = sT + mT.to(tl.float32)
             pT = tl.minimum(tl.exp2((sT - shift[None, :]) * 1.4426950408889634), cap[None, :])
         elif MASK_KIND == MASK_BOOL_C:
             if FILL != 0:
                 bT = tl.load(mask_base + sml * stride_mask_q + rn[:, None] * stride_mask_k
                         + rm[None, :] * stride_mask_q,
-                             mask=n_ok[:, None] & m_ok[None, :], other=0)
+                             mask=mask_ok, other=0)
                 pT = tl.exp2(tl.where(bT != 0, sT, mask_fill) - shift[None, :])
                 if FILL == 2:
                     pT = pT * cap[None, :]
@@ -217,7 +223,7 @@ def _bwd_dkdv_inner(
                 pT = tl.exp2(sT - shift[None, :])
                 bT = tl.load(mask_base + sml * stride_mask_q + rn[:, None] * stride_mask_k
                         + rm[None, :] * stride_mask_q,
-                             mask=n_ok[:, None] & m_ok[None, :], other=0)
+                             mask=mask_ok, other=0)
                 pT = tl.where(bT != 0, pT, 0.0)
         else:
             pT = tl.exp2(sT - shift[None, :])
@@ -289,7 +295,7 @@ def _bwd_dkdv(
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
     MASK_GRAD: tl.constexpr, DMASK_ROWSUM: tl.constexpr, DMASK_COLSUM: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, FULL_KEY_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK, dV (and dmask) for one key block of one (batch, kv head).
@@ -405,7 +411,7 @@ def _bwd_dkdv(
             mask_fill,
             softcap_scale, softcap,
             HAS_WL, HAS_WR, MASK_KIND, FILL, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
-            PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
+            PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP, FULL_KEY_BLOCKS)
         if SKIP_HIDDEN:
             dk, dv, col_acc = _bwd_dkdv_inner(
                 dk, dv, col_acc, k, v, q_rows, do_rows, lse_ptr, delta_ptr, cap_ptr, mask_base, g_base, dq_rows,
@@ -416,7 +422,7 @@ def _bwd_dkdv(
                 window_right, mask_fill,
                 softcap_scale, softcap,
                 HAS_WL, HAS_WR, MASK_NONE_C, 0, HAS_DROPOUT, MASK_GRAD, DMASK_ROWSUM, DMASK_COLSUM, DQ_ATOMIC,
-                PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP)
+                PREC, UPCAST, BLOCK_M, BLOCK_N, SOFTCAP, FULL_KEY_BLOCKS)
         if MASK_GRAD:
             if DMASK_ROWSUM:
                 if DMASK_COLSUM:
@@ -444,7 +450,7 @@ def _bwd_dq_inner(
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, MASK_KIND: tl.constexpr, FILL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DESC: tl.constexpr, SOFTCAP: tl.constexpr,
+    DESC: tl.constexpr, SOFTCAP: tl.constexpr, FULL_KEY_BLOCKS: tl.constexpr,
 ):
     """Fold the key blocks ``[lo, hi)`` then ``[lo2, hi2)`` (lo, lo2
     multiples of BLOCK_N) into the dQ tile of the query block ``m0``, in one
@@ -463,6 +469,14 @@ def _bwd_dq_inner(
         snl = tl.cast(start_n, tl.int64)
         offs_n = start_n + rn
         n_ok = offs_n < M
+        # start_n is a multiple of BLOCK_N; written so the compiler sees it,
+        # and without per-key bounds, the mask's loads vectorise and are
+        # pipelined (see forward._attn_fwd_inner).
+        mask_cols = tl.cast((start_n // BLOCK_N) * BLOCK_N, tl.int64) * stride_mask_k
+        if FULL_KEY_BLOCKS:
+            mask_ok = m_ok[:, None]
+        else:
+            mask_ok = m_ok[:, None] & n_ok[None, :]
         if DESC:  # keys past M and columns past the head dim arrive as zeros
             kT = tl.trans(kT_cols.load([start_n, 0]))
             vT = tl.trans(vT_cols.load([start_n, 0]))
@@ -487,21 +501,18 @@ def _bwd_dq_inner(
         if HAS_DROPOUT:  # drawn while the product is in flight (independent of it)
             keep = _dropout_keep_block(seed, offs_m, start_n, bh, threshold, BLOCK_N)
         if MASK_KIND == MASK_FLOAT_C:
-            mt = tl.load((mask_rows + snl * stride_mask_k)[:, None] + rn[None, :] * stride_mask_k,
-                         mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+            mt = tl.load((mask_rows + mask_cols)[:, None] + rn[None, :] * stride_mask_k, mask=mask_ok, other=0.0)
             s = s + mt.to(tl.float32)
             p = tl.minimum(tl.exp2((s - shift[:, None]) * 1.4426950408889634), cap[:, None])
         elif MASK_KIND == MASK_BOOL_C:
             if FILL != 0:
-                bt = tl.load((mask_rows + snl * stride_mask_k)[:, None] + rn[None, :] * stride_mask_k,
-                             mask=m_ok[:, None] & n_ok[None, :], other=0)
+                bt = tl.load((mask_rows + mask_cols)[:, None] + rn[None, :] * stride_mask_k, mask=mask_ok, other=0)
                 p = tl.exp2(tl.where(bt != 0, s, mask_fill) - shift[:, None])
                 if FILL == 2:
                     p = p * cap[:, None]
             else:
                 p = tl.exp2(s - shift[:, None])
-                bt = tl.load((mask_rows + snl * stride_mask_k)[:, None] + rn[None, :] * stride_mask_k,
-                             mask=m_ok[:, None] & n_ok[None, :], other=0)
+                bt = tl.load((mask_rows + mask_cols)[:, None] + rn[None, :] * stride_mask_k, mask=mask_ok, other=0)
                 p = tl.where(bt != 0, p, 0.0)
         else:
             p = tl.exp2(s - shift[:, None])
@@ -540,6 +551,7 @@ def _bwd_dq(
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, RANGE_GROUP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr, SOFTCAP: tl.constexpr,
+    FULL_KEY_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query block of one (batch, q head)."""
@@ -621,7 +633,7 @@ def _bwd_dq(
         scale, inv_keep, threshold, seed,
         bh, diag_off, window_left, window_right, mask_fill, softcap_scale, softcap, HAS_WL, HAS_WR, MASK_KIND,
         FILL, HAS_DROPOUT,
-        PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
+        PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP, FULL_KEY_BLOCKS)
     if SKIP_HIDDEN:
         dq = _bwd_dq_inner(
             dq, q, do, lse, cap, delta, kT_cols, vT_cols, mask_rows, free_lo, free_hi, free_hi, free_hi, m0,
@@ -629,7 +641,7 @@ def _bwd_dq(
             D_V, qk_scale, scale, inv_keep,
             threshold, seed, bh, diag_off, window_left, window_right, mask_fill, softcap_scale, softcap, HAS_WL,
             HAS_WR, MASK_NONE_C, 0,
-            HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP)
+            HAS_DROPOUT, PREC, UPCAST, BLOCK_M, BLOCK_N, DESC, SOFTCAP, FULL_KEY_BLOCKS)
 
     tl.store(DQ + b * stride_dq_b + hl * stride_dq_h + m0l * stride_dq_q + rm[:, None] * stride_dq_q + rd[None,
     :] * stride_dq_d,
@@ -666,6 +678,12 @@ _DKDV_TILES = {
     # (large fp32 tiles need more shared memory than the estimate counts).
     256: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 64, 8, 3), (16, 32, 4, 2), (16, 32, 4, 1)],
 }
+# With a mask tensor at head dims up to 64, the dK/dV kernel (one pass or
+# two) starts from 32-query blocks: the autotuner's pick on an H200 (Triton
+# 3.6) at GPT-2's and BERT's shapes, with and without dropout, in all four
+# (bench/NOTES.md run 20); the mask tile's registers favour the short block.
+_MASKED_SMALL_HEAD_DKDV_FIRST = (32, 64, 4, 3)
+
 _DQ_TILES = {
     # (64, 64, 4, 3) measured best on an H200 (Triton 3.6) for D = 64 in the
     # same three cases
@@ -696,6 +714,8 @@ def _prune(kind: str):
         q = args["Q"]
         elt = q.element_size()
         wanted = tiles[64 if max(bd, bdv) <= 64 else 128 if max(bd, bdv) <= 128 else 256]
+        if kind != "dq" and args.get("MASK_KIND", MASK_NONE) != MASK_NONE and max(bd, bdv) <= 64:
+            wanted = sorted(wanted, key=lambda t: t != _MASKED_SMALL_HEAD_DKDV_FIRST)  # stable
         if args.get("HAS_DROPOUT"):
             # Key blocks under 32 draw dropout one Philox call per element.
             wanted = [t for t in wanted if t[1] >= 32] or wanted
@@ -936,7 +956,8 @@ def attention_backward(
     interp = p.interpret
     flags = dict(HAS_WL=p.has_window_left, HAS_WR=p.has_window_right, MASK_KIND=mask_kind, FILL=fill,
                  HAS_DROPOUT=has_dropout, PREC=p.precision, SKIP_HIDDEN=skip_hidden, SOFTCAP=softcap is not None,
-                 UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
+                 UPCAST=interp and q.dtype == torch.bfloat16, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+                 FULL_KEY_BLOCKS=p.full_key_blocks)
     # dQ's K/V loads (the problem's descriptor rule for the backward; dK/dV,
     # whose best tiles need a two-stage pipeline, never takes descriptors).
     dq_desc = p.kv_descriptors

@@ -103,7 +103,7 @@ def _attn_fwd_inner(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     SCALE_NONNEG: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    KV_DESC: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_DESC: tl.constexpr, SOFTCAP: tl.constexpr, FULL_KEY_BLOCKS: tl.constexpr,
 ):
     """Fold key blocks ``[lo, hi)`` (lo a multiple of BLOCK_N) into the online softmax.
 
@@ -153,8 +153,13 @@ def _attn_fwd_inner(
             # depend on it, so integer and tensor-core work can overlap.
             dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
         if MASK_KIND != MASK_NONE_C:
-            mask_ptrs = mask_base + tl.cast(start_n, tl.int64) * stride_mask_k + mask_cols
-            if BOUNDARY:
+            # start_n is a multiple of BLOCK_N, but the compiler cannot see it
+            # from a loop bound computed at run time; written so, the mask
+            # loads vectorise and are pipelined into shared memory (else the
+            # tile stays in registers in its own layout and the softmax is
+            # computed twice, in both layouts: about 2x the registers).
+            mask_ptrs = mask_base + tl.cast((start_n // BLOCK_N) * BLOCK_N, tl.int64) * stride_mask_k + mask_cols
+            if BOUNDARY and not FULL_KEY_BLOCKS:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
             else:
                 mvals = tl.load(mask_ptrs, mask=row_ok[:, None], other=0)
@@ -238,7 +243,7 @@ def _attn_fwd(
     MASK_KIND: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
     SKIP_HIDDEN: tl.constexpr, SCALE_NONNEG: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, RANGE_GROUP: tl.constexpr,
-    KV_DESC: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    KV_DESC: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, FULL_KEY_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_M), Hq, B): one query tile of one (batch, head).
@@ -345,7 +350,7 @@ def _attn_fwd(
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP)
+            SOFTCAP, FULL_KEY_BLOCKS)
     # Phase 2: blocks fully visible to every real row; with a mask, those
     # before, in and after the part where its values are all neutral.
     acc, l_i, m_i = _attn_fwd_inner(
@@ -355,7 +360,7 @@ def _attn_fwd(
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP)
+            SOFTCAP, FULL_KEY_BLOCKS)
     if SKIP_HIDDEN:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_lo, free_hi,
@@ -364,7 +369,7 @@ def _attn_fwd(
             qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
             False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_NONE_C, 0, DROPOUT,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP)
+            SOFTCAP, FULL_KEY_BLOCKS)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, mask_base, free_hi, mid_hi,
             offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
@@ -372,7 +377,7 @@ def _attn_fwd(
             qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
             False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP)
+            SOFTCAP, FULL_KEY_BLOCKS)
     # Phase 3: blocks that straddle the band's end or the last key.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
@@ -381,7 +386,7 @@ def _attn_fwd(
         qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
         True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP)
+            SOFTCAP, FULL_KEY_BLOCKS)
 
     # Rows that saw no key (l_i == 0): output 0, lse +inf.
     empty = l_i == 0.0
@@ -439,12 +444,14 @@ _CUDA_CONFIGS = [
     (64, 64, 4, 4),
 ]
 
-# Dropout at head dims up to 64: 64-row tiles with 4 warps first, measured on
-# an H200 (Triton 3.6) 11 % faster than (128, 64, 8, 3) at GPT-2's shape
-# (bench/results/kernel_times.csv). Without dropout the 128-row tiles stay
+# Dropout or a mask tensor at head dims up to 64: 64-row tiles with 4 warps
+# first. With dropout measured on an H200 (Triton 3.6) 11 % faster than
+# (128, 64, 8, 3) at GPT-2's shape (bench/results/kernel_times.csv); with a
+# mask the autotuner's pick at GPT-2's and BERT's shapes, with and without
+# dropout, in 3 of 4 (bench/NOTES.md run 20). Otherwise the 128-row tiles stay
 # first: the 64-row ones measured 5-9 % slower on the D = 64 rows of the
 # attention sweep (bench/NOTES.md run 6), though 7 % faster at GPT-2's shape.
-_SMALL_HEAD_DROPOUT_FIRST = (64, 64, 4, 3)
+_SMALL_HEAD_FIRST = (64, 64, 4, 3)
 
 
 # With tensor-descriptor loads (head dims 65-128): 64-row tiles, one warp
@@ -474,8 +481,8 @@ def _prune_configs(configs, named_args, **kwargs):
             kept.append(cfg)
     if not kept:  # always leave something to run: the smallest tiles
         kept = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
-    if args["DROPOUT"] and max(bd, bdv) <= 64:
-        kept.sort(key=lambda c: config_tuple(c) != _SMALL_HEAD_DROPOUT_FIRST)  # stable: the rest keep their order
+    if (args["DROPOUT"] or args["MASK_KIND"] != MASK_NONE) and max(bd, bdv) <= 64:
+        kept.sort(key=lambda c: config_tuple(c) != _SMALL_HEAD_FIRST)  # stable: the rest keep their order
     if args.get("KV_DESC"):
         kept.sort(key=lambda c: config_tuple(c) != _DESCRIPTOR_FIRST)
     if elt == 4:
@@ -598,6 +605,7 @@ def attention_forward(
         SKIP_HIDDEN=skip_hidden,
         SCALE_NONNEG=scale >= 0 or softcap is not None, RANGE_GROUP=_RANGE_GROUP, KV_DESC=p.kv_descriptors,
         SOFTCAP=softcap is not None, SINKS=sinks is not None,
+        FULL_KEY_BLOCKS=p.full_key_blocks,
     )
     if p.interpret:
         grid = (cdiv(N, _INTERPRET_BLOCK_M), Hq, B)

@@ -40,6 +40,11 @@ def fill_kind(bool_mask: bool, mask_fill: float | None) -> tuple[int, float]:
     return (2 if fill <= _reference.FILL_MARKS_AT else 1), base2
 
 
+# No kernel config of the forward or backward has a wider key block
+# (tests/kernels/test_problem.py holds the configs to it).
+LARGEST_BLOCK_N = 128
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionProblem:
     """What the kernels need to know about one attention call.
@@ -106,6 +111,15 @@ class AttentionProblem:
     @property
     def block_dv(self) -> int:
         return max(16, next_pow2(self.Dv))
+
+    @property
+    def full_key_blocks(self) -> bool:
+        """Whether every key block ends at or before M whatever the tile (M a
+        multiple of ``LARGEST_BLOCK_N``, known when the call is built; a
+        symbolic M says no). The kernels then read the mask without per-key
+        bounds, which would stop its loads from vectorising; rows past N stay
+        bounded."""
+        return isinstance(self.M, int) and self.M % LARGEST_BLOCK_N == 0
 
     def band(self) -> dict:
         """The band as the table builders (``mask_ranges``) take it."""

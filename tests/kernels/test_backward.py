@@ -264,6 +264,17 @@ def test_masks(shape, kind, dtype):
     run_case(B=2, Hq=1, N=17, M=33, D=16, dtype=dtype, mask_shape=shape, mask_kind=kind)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("N, M, band", [(45, 128, {}), (19, 256, dict(window_left=40, window_right=3))], ids=str)
+@pytest.mark.usefixtures("bwd_mode")
+def test_masks_with_whole_key_blocks(N, M, band, kind):
+    # Key counts that are a multiple of every BLOCK_N: the kernels then read
+    # the mask without per-key bounds (FULL_KEY_BLOCKS); query rows past N
+    # and the band's edges are still masked. Odd N leaves a partial tile.
+    run_case(B=2, Hq=2, N=N, M=M, D=16, dtype=torch.float32, mask_shape=(2, 1, N, M), mask_kind=kind,
+             kv_in_nan_padding=True, **band)
+
+
 def _hiding_mask(hidden, kind, values="bias"):
     return hiding_mask(hidden, kind, torch.Generator().manual_seed(1), values)
 
@@ -665,19 +676,26 @@ def test_gpu_fp32_ieee(monkeypatch):
 @pytest.mark.parametrize("kind", ["dkdv", "dkdv_dq", "dq"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("dropout", [False, True])
-def test_candidates_follow_the_head_dim_class_order(kind, head_dim, dropout, monkeypatch):
+@pytest.mark.parametrize("mask_kind", [0, 2])
+def test_candidates_follow_the_head_dim_class_order(kind, head_dim, dropout, mask_kind, monkeypatch):
     """The pruned candidates keep the best-first order of their head-dim
     class's list, whatever order the shared config list has (a tile that
-    leads one class must not lead another by accident)."""
+    leads one class must not lead another by accident); with a mask tensor
+    at head dims up to 64 the dK/dV kernel starts from its masked tile."""
     monkeypatch.setattr(backward, "_max_shared_mem", lambda device: 227 * 1024)
     tiles = backward._DQ_TILES if kind == "dq" else backward._DKDV_TILES
     cls = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     block = max(16, 1 << (head_dim - 1).bit_length())
     q = torch.empty(1, dtype=torch.bfloat16)
     kept = backward._prune(kind)(list(reversed(backward._CONFIGS[kind])),
-                                 {"Q": q, "BLOCK_D": block, "BLOCK_DV": block, "HAS_DROPOUT": dropout})
+                                 {"Q": q, "BLOCK_D": block, "BLOCK_DV": block, "HAS_DROPOUT": dropout,
+                                  "MASK_KIND": mask_kind})
     got = [config_tuple(c) for c in kept]
-    want = [t for t in tiles[cls] if not (dropout and t[1] < 32)]
+    order = tiles[cls]
+    if mask_kind and kind != "dq" and cls == 64:
+        order = sorted(order, key=lambda t: t != backward._MASKED_SMALL_HEAD_DKDV_FIRST)
+        assert got[0] == backward._MASKED_SMALL_HEAD_DKDV_FIRST
+    want = [t for t in order if not (dropout and t[1] < 32)]
     assert got and got == [t for t in want if t in got], (got, want)
     assert got[0] == want[0] or cls == 256, "the class's first tile fits on a Hopper-sized GPU"
 

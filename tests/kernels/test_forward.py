@@ -249,6 +249,17 @@ def test_mask_with_causal(kind):
     _check(q, k, v, _random_mask((2, 1, 1, 47), kind), window_right=0, bottom_right=True)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("N, M, band", [(45, 128, {}), (19, 256, dict(window_left=40, window_right=3)),
+                                        (70, 128, dict(window_right=0, bottom_right=True))], ids=str)
+def test_masks_with_whole_key_blocks(N, M, band, kind):
+    # Key counts that are a multiple of every BLOCK_N: the kernel reads the
+    # mask without per-key bounds (FULL_KEY_BLOCKS); rows past N and the
+    # band's edges stay masked. Odd N leaves a partial query tile.
+    q, k, v = _inputs(2, 2, 1, N, M, 16, 16, torch.float32)
+    _check(q, k, v, _random_mask((2, 1, N, M), kind), **band)
+
+
 def test_fully_masked_rows_and_inf():
     # Float mask with -inf entries and whole rows of -inf; bool mask with whole
     # rows False. Masked rows: out 0 and lse +inf; the others: no NaN.
@@ -592,16 +603,17 @@ def test_gpu_long_sequence_int64_offsets():
 
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_forward_candidates_order(dropout, head_dim):
-    """Dropout at head dims up to 64 starts from the 64-row tiles, everything
-    else from the shared list's first tile that fits."""
+@pytest.mark.parametrize("mask_kind", [0, 1, 2])
+def test_forward_candidates_order(dropout, head_dim, mask_kind):
+    """Dropout or a mask tensor at head dims up to 64 starts from the 64-row
+    tiles, everything else from the shared list's first tile that fits."""
     q = torch.empty(1, dtype=torch.bfloat16)
     block = max(16, 1 << (head_dim - 1).bit_length())
-    meta = dict(BLOCK_D=block, BLOCK_DV=block, MASK_KIND=0, DROPOUT=dropout)
+    meta = dict(BLOCK_D=block, BLOCK_DV=block, MASK_KIND=mask_kind, DROPOUT=dropout)
     kept = fwd._prune_configs(fwd._FWD_CONFIGS, {"Q": q, "Mask": q}, **meta)
     first = config_tuple(kept[0])
-    if dropout and head_dim <= 64:
-        assert first == fwd._SMALL_HEAD_DROPOUT_FIRST
+    if (dropout or mask_kind) and head_dim <= 64:
+        assert first == fwd._SMALL_HEAD_FIRST
     else:
         assert first == fwd._CUDA_CONFIGS[0]
     assert sorted(map(config_tuple, kept)) == sorted(set(map(config_tuple, kept))), "no duplicates"

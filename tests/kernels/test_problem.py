@@ -69,3 +69,22 @@ def test_tables_do_not_depend_on_the_clamp_limit():
         got = mask_tables(mask, N, M, band, fills=False)
         want = mask_tables(mask, N, M, old, fills=False)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (wl, wr)
+
+
+@pytest.mark.parametrize("M, full", [(7, False), (128, True), (130, False), (384, True), (448, False)])
+def test_full_key_blocks_only_when_every_tile_divides_the_keys(M, full):
+    # With full key blocks the kernels read the mask without per-key bounds:
+    # a wrong yes reads past the mask's rows.
+    q, k, v = _qkv(N=5, M=M)
+    assert AttentionProblem.build(q, k, v, None, dropout_p=0.0, scale=0.25, window_left=None, window_right=None,
+                                  bottom_right=False).full_key_blocks is full
+
+
+def test_no_kernel_config_has_a_key_block_wider_than_the_rule_assumes():
+    from flashfuse.kernels import backward, forward
+    from flashfuse.kernels.problem import LARGEST_BLOCK_N
+
+    widths = [c.kwargs["BLOCK_N"] for c in forward._FWD_CONFIGS + forward._FP32_LAST_RESORT]
+    widths += [t[1] for tiles in (backward._DKDV_TILES, backward._DQ_TILES) for ts in tiles.values() for t in ts]
+    widths += [forward._INTERPRET_BLOCK_N, backward._INTERPRET_META["BLOCK_N"]]
+    assert max(widths) <= LARGEST_BLOCK_N

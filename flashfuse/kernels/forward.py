@@ -342,51 +342,33 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Phase 1: blocks that straddle the band's start.
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, lo_blk, mid_lo,
-        offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-        stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
-        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP, FULL_KEY_BLOCKS)
-    # Phase 2: blocks fully visible to every real row; with a mask, those
-    # before, in and after the part where its values are all neutral.
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, mid_lo, free_lo,
-        offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-        stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
-        False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP, FULL_KEY_BLOCKS)
-    if SKIP_HIDDEN:
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, mask_base, free_lo, free_hi,
-            offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-            stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
-            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
-            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_NONE_C, 0, DROPOUT,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP, FULL_KEY_BLOCKS)
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, mask_base, free_hi, mid_hi,
-            offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-            stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
-            qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
-            False, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP, FULL_KEY_BLOCKS)
-    # Phase 3: blocks that straddle the band's end or the last key.
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, mid_hi, hi_blk,
-        offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
-        stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
-        qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill, softcap_scale,
-        True, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, MASK_KIND, FILL, DROPOUT,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST, KV_DESC,
-            SOFTCAP, FULL_KEY_BLOCKS)
+    # Five loops in key order: blocks that straddle the band's start (bounds
+    # and band checked per element); blocks every real row sees, which with
+    # a mask split at the part where its values are all neutral (run as if
+    # there were no mask), before it, in it and after it; blocks that
+    # straddle the band's end or the last key (phases 0 and 4 check each
+    # element). Without tables the middle is one loop.
+    for phase in tl.static_range(5):
+        if phase == 0:
+            phase_lo, phase_hi = lo_blk, mid_lo
+        elif phase == 1:
+            phase_lo, phase_hi = mid_lo, free_lo
+        elif phase == 2:
+            phase_lo, phase_hi = free_lo, free_hi
+        elif phase == 3:
+            phase_lo, phase_hi = free_hi, mid_hi
+        else:
+            phase_lo, phase_hi = mid_hi, hi_blk
+        if SKIP_HIDDEN or (phase != 2 and phase != 3):
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q, k_base, v_base, mask_base, phase_lo, phase_hi,
+                offs_m, offs_n_base, offs_d, offs_dv, row_ok, N, M,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_mask_q, stride_mask_k,
+                qk_scale, diag_off, window_left, window_right, seed, bh, dropout_threshold, mask_fill,
+                softcap_scale, phase == 0 or phase == 4, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                MASK_NONE_C if phase == 2 else MASK_KIND, 0 if phase == 2 else FILL, DROPOUT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, SCALE_NONNEG, INPUT_PRECISION, DOT_UPCAST,
+                KV_DESC, SOFTCAP, FULL_KEY_BLOCKS)
 
     # Rows that saw no key (l_i == 0): output 0, lse +inf.
     empty = l_i == 0.0

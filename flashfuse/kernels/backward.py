@@ -50,7 +50,9 @@ from .common import (
     _lse_base2,
     _lse_cap,
     _lse_shift,
+    _mask_block_start,
     _mask_key_span,
+    _mask_tile_bounds,
     _narrow_span,
     _tanh_parts,
     _visible,
@@ -179,11 +181,7 @@ def _bwd_dkdv_inner(
         shift = _lse_shift(tl.load(lse_ptr + offs_m.to(tl.int64) * stride_lse_q, mask=m_ok, other=float("inf")),
                            mask_fill, MASK_KIND, FILL)
         delta = tl.load(delta_ptr + offs_m, mask=m_ok, other=0.0)
-        # Without per-key bounds the mask's loads vectorise (see forward._attn_fwd_inner).
-        if FULL_KEY_BLOCKS:
-            mask_ok = m_ok[None, :]
-        else:
-            mask_ok = n_ok[:, None] & m_ok[None, :]
+        mask_ok = _mask_tile_bounds(m_ok[None, :], n_ok[:, None], not FULL_KEY_BLOCKS)
         if MASK_KIND == MASK_FLOAT_C or (MASK_KIND == MASK_BOOL_C and FILL == 2):
             cap = tl.load(cap_ptr + offs_m, mask=m_ok, other=1.0)
 
@@ -469,14 +467,8 @@ def _bwd_dq_inner(
         snl = tl.cast(start_n, tl.int64)
         offs_n = start_n + rn
         n_ok = offs_n < M
-        # start_n is a multiple of BLOCK_N; written so the compiler sees it,
-        # and without per-key bounds, the mask's loads vectorise and are
-        # pipelined (see forward._attn_fwd_inner).
-        mask_cols = tl.cast((start_n // BLOCK_N) * BLOCK_N, tl.int64) * stride_mask_k
-        if FULL_KEY_BLOCKS:
-            mask_ok = m_ok[:, None]
-        else:
-            mask_ok = m_ok[:, None] & n_ok[None, :]
+        mask_cols = tl.cast(_mask_block_start(start_n, BLOCK_N), tl.int64) * stride_mask_k
+        mask_ok = _mask_tile_bounds(m_ok[:, None], n_ok[None, :], not FULL_KEY_BLOCKS)
         if DESC:  # keys past M and columns past the head dim arrive as zeros
             kT = tl.trans(kT_cols.load([start_n, 0]))
             vT = tl.trans(vT_cols.load([start_n, 0]))

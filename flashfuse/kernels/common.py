@@ -57,6 +57,30 @@ def _visible(
 
 
 @triton.jit
+def _mask_block_start(start, BLOCK: tl.constexpr):
+    """``start``, a multiple of BLOCK, written so that the compiler sees it.
+    A loop bound computed at run time hides it, and then a mask tile's
+    address has no known alignment: its load cannot vectorise, the software
+    pipeliner leaves it in registers in its own layout, and the softmax is
+    computed twice, once in that layout and once in the product's (about
+    twice the registers; bench/NOTES.md run 20)."""
+    return (start // BLOCK) * BLOCK
+
+
+@triton.jit
+def _mask_tile_bounds(query_ok, key_ok, KEY_BOUNDS: tl.constexpr):
+    """The bounds of a mask tile's load, from its rows' and keys' tests
+    (already shaped for the tile): the query rows always, the keys only
+    where a block can pass M (KEY_BOUNDS). A per-key bound stops the load
+    from vectorising, as an unknown alignment does (``_mask_block_start``)."""
+    if KEY_BOUNDS:
+        ok = query_ok & key_ok
+    else:
+        ok = query_ok
+    return ok
+
+
+@triton.jit
 def _block_crosses_edge(
     m0,
     n0,

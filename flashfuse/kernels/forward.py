@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import AVERAGE_AT_BASE2, _dropout_keep_block, _lse_marked, _mask_key_span, _tanh, _visible
+from .common import AVERAGE_AT_BASE2, _dropout_keep_block, _lse_marked, _mask_block_start, _mask_key_span
+from .common import _mask_tile_bounds, _tanh, _visible
 from .common import MASK_BOOL_C, MASK_FLOAT_C, MASK_NONE, MASK_NONE_C
 from .common import dropout_threshold as _keep_threshold
 from .launch import (
@@ -153,16 +154,10 @@ def _attn_fwd_inner(
             # depend on it, so integer and tensor-core work can overlap.
             dkeep = _dropout_keep_block(seed, offs_m, start_n, bh, dropout_threshold, BLOCK_N)
         if MASK_KIND != MASK_NONE_C:
-            # start_n is a multiple of BLOCK_N, but the compiler cannot see it
-            # from a loop bound computed at run time; written so, the mask
-            # loads vectorise and are pipelined into shared memory (else the
-            # tile stays in registers in its own layout and the softmax is
-            # computed twice, in both layouts: about 2x the registers).
-            mask_ptrs = mask_base + tl.cast((start_n // BLOCK_N) * BLOCK_N, tl.int64) * stride_mask_k + mask_cols
-            if BOUNDARY and not FULL_KEY_BLOCKS:
-                mvals = tl.load(mask_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
-            else:
-                mvals = tl.load(mask_ptrs, mask=row_ok[:, None], other=0)
+            mask_ptrs = (mask_base + tl.cast(_mask_block_start(start_n, BLOCK_N), tl.int64) * stride_mask_k
+                         + mask_cols)
+            mvals = tl.load(mask_ptrs, mask=_mask_tile_bounds(row_ok[:, None], col_ok[None, :],
+                                                              BOUNDARY and not FULL_KEY_BLOCKS), other=0)
         if MASK_KIND == MASK_FLOAT_C:
             mvals = mvals.to(tl.float32)
             # Natural -> base-2 units. Values below -1e38 (finfo(fp32).min,

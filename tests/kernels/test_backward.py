@@ -269,8 +269,9 @@ def test_masks(shape, kind, dtype):
 @pytest.mark.usefixtures("bwd_mode")
 def test_masks_with_whole_key_blocks(N, M, band, kind):
     # Key counts that are a multiple of every BLOCK_N: the kernels then read
-    # the mask without per-key bounds (FULL_KEY_BLOCKS); query rows past N
-    # and the band's edges are still masked. Odd N leaves a partial tile.
+    # the mask without per-key bounds (FULL_KEY_BLOCKS), and the gradients
+    # must still be exact at the band's edges and in a partial query tile
+    # (odd N). Whether the rule may say yes: test_problem.py.
     run_case(B=2, Hq=2, N=N, M=M, D=16, dtype=torch.float32, mask_shape=(2, 1, N, M), mask_kind=kind,
              kv_in_nan_padding=True, **band)
 

@@ -254,8 +254,9 @@ def test_mask_with_causal(kind):
                                         (70, 128, dict(window_right=0, bottom_right=True))], ids=str)
 def test_masks_with_whole_key_blocks(N, M, band, kind):
     # Key counts that are a multiple of every BLOCK_N: the kernel reads the
-    # mask without per-key bounds (FULL_KEY_BLOCKS); rows past N and the
-    # band's edges stay masked. Odd N leaves a partial query tile.
+    # mask without per-key bounds (FULL_KEY_BLOCKS), and the result must
+    # still be exact at the band's edges and in a partial query tile (odd
+    # N). Whether the rule may say yes: test_problem.py.
     q, k, v = _inputs(2, 2, 1, N, M, 16, 16, torch.float32)
     _check(q, k, v, _random_mask((2, 1, N, M), kind), **band)
 

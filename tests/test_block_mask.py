@@ -14,8 +14,8 @@ import torch
 import flashfuse
 from flashfuse.block_mask import BlockMask
 
-from kernels.masks import hiding_mask
-from kernels.test_mask_ranges import _expected
+from tests.kernels.masks import hiding_mask
+from tests.kernels.test_mask_ranges import _expected
 
 BANDS = {
     "none": {},

@@ -24,8 +24,8 @@ from flashfuse.kernels import backward, problem
 from flashfuse.kernels.backward import attention_backward
 from flashfuse.kernels.launch import config_tuple
 
-from .masks import hiding_mask
-from .padding import in_nan_padding, poison_empty
+from tests.kernels.masks import hiding_mask
+from tests.kernels.padding import in_nan_padding, poison_empty
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,7 +15,7 @@ from flashfuse import reference as ref
 from flashfuse.kernels import decode
 from flashfuse.kernels.decode import DecodeCall, choose_splits, decode_forward, decode_refusal, decode_suits
 
-from .padding import in_nan_padding, poison_empty
+from tests.kernels.padding import in_nan_padding, poison_empty
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -20,8 +20,8 @@ from flashfuse.kernels.launch import config_tuple
 from flashfuse.kernels.forward import attention_forward, dropout_keep_mask_triton
 from flashfuse.reference import dropout_keep_mask, reference_attention, reference_lse
 
-from .masks import HIDDEN, hiding_mask
-from .padding import in_nan_padding
+from tests.kernels.masks import HIDDEN, hiding_mask
+from tests.kernels.padding import in_nan_padding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

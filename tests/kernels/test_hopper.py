@@ -24,7 +24,7 @@ from flashfuse import reference as ref
 from flashfuse.kernels import hopper
 from flashfuse.kernels.problem import AttentionProblem
 
-from .padding import in_nan_padding, poison_empty
+from tests.kernels.padding import in_nan_padding, poison_empty
 
 BANDS = {
     "none": {},

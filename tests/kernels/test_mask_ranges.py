@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from flashfuse import reference as ref
 from flashfuse.kernels.mask_ranges import COL_GROUP, ROW_GROUP, mask_hidden_at, mask_key_table, mask_query_table
 
-from .masks import hiding_mask
+from tests.kernels.masks import hiding_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import flashfuse
 from flashfuse import reference as ref
 
-from .masks import hiding_mask
+from tests.kernels.masks import hiding_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

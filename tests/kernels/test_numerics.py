@@ -26,7 +26,7 @@ import torch
 import flashfuse
 from flashfuse.reference import reference_attention
 
-from .padding import poison_empty
+from tests.kernels.padding import poison_empty
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Tolerances against the float64 reference: (forward, gradients).

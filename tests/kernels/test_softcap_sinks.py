@@ -23,7 +23,7 @@ from flashfuse import ops
 from flashfuse import reference as ref
 from flashfuse.kernels.common import _tanh_parts
 
-from .padding import in_nan_padding, poison_empty
+from tests.kernels.padding import in_nan_padding, poison_empty
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2, torch.float64: 1e-6}

@@ -16,7 +16,8 @@ a long cache: what ``generate()`` calls once per layer per token), through
 ``flashfuse.attention`` (no grad, bottom-right causal, grouped heads),
 the op through the dispatcher (``torch.ops.flashfuse.attention``, as a
 graph calls it; no eager fast path, see ``flashfuse.fastpath``), the Hugging
-Face hook as a LLaMA layer calls it while decoding,
+Face hook as a LLaMA layer calls it while decoding (on a fixed cache, and on
+a dynamic one that grows by a key per call),
 ``flashfuse.attention_with_kvcache`` (per-row lengths, the value check off:
 on a GPU it synchronises), and ``decode_forward`` itself, and count
 the Python function calls one such call makes (``calls/op``: independent of
@@ -145,10 +146,27 @@ def decode_rows(loops: int, calls: int, smoke: bool) -> None:
     hook = _hf_hook(q, k, v, scale)
     if hook is not None:
         rows.append(("hf hook", hook))
+        rows.append(("hf hook, growing cache", _growing(hook, k, loops * calls + 40)))
     rows += [("attention_with_kvcache", kvcache), ("decode_forward", kernel)]
     for name, fn in rows:
         print(f"decode host path, B={B} Hq={Hq} Hkv={Hkv} N=1 M={M} D={D} bf16, {name:>22}: "
               f"{best_us(fn, loops, calls):6.1f} us, {python_calls(fn):4d} calls/op", flush=True)
+
+
+def _growing(hook, k, calls: int):
+    """``hook`` on a dynamic cache: one key more at every call, each length
+    a fresh contiguous (B, Hkv, M, D) tensor as ``torch.cat`` leaves it (all
+    views of one buffer, so that no allocation is timed)."""
+    B, Hkv, M, D = k.shape
+    buf = torch.randn(B * Hkv * (M + calls + 40) * D, dtype=k.dtype)
+    state = {"M": M}
+
+    def call():
+        m = state["M"] = state["M"] + 1
+        kk = torch.as_strided(buf, (B, Hkv, m, D), (Hkv * m * D, m * D, D, 1))
+        hook(kk, kk)
+
+    return call
 
 
 def _hf_hook(q, k, v, scale):
@@ -161,9 +179,10 @@ def _hf_hook(q, k, v, scale):
         return None
     layer = types.SimpleNamespace(training=False, is_causal=True, config=None, layer_idx=0)
 
-    def hook():
+    def hook(key=k, value=v):
         with torch.no_grad():
-            hf.flashfuse_attention_forward(layer, q, k, v, None, dropout=0.0, scaling=scale, sliding_window=None)
+            hf.flashfuse_attention_forward(layer, q, key, value, None, dropout=0.0, scaling=scale,
+                                           sliding_window=None)
 
     return hook
 

@@ -36,14 +36,30 @@ call without block-mask tables: the checks only compare it (key against
 value, mask against keys), so the signature holds those comparisons, and a
 dynamic cache, one key longer at every token, keeps one signature for all
 its tokens.
+
+Decoding goes one step further (``_DecodeLane``). A passing signature whose
+call the split-KV decode kernels take on their arguments alone (no
+gradients, no dropout, soft-capping, sinks, fill or block-mask tables, a
+bool mask or none, a bottom-right band or none:
+``decode.argument_refusal``) keeps its normalised arguments (scale, band),
+and each later call of it asks only what can move between calls (the
+``FLASHFUSE_DECODE`` setting, the key count against ``decode.size_refusal``,
+whether the kernels run on the tensors' device) before calling
+``decode_forward`` itself: the same function with the same arguments that
+the op's forward reaches through ``run_checked``, ``_attention_forward`` and
+the kernels' route, so the result is bitwise the op's. Anything else takes
+``run_checked``.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from . import ops
+from . import config, ops
 
 __all__ = ["attention_op", "may_skip_dispatch", "forget_signatures"]
 
@@ -51,13 +67,31 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 # Signatures that passed the op's checks (``_signature``); cleared when full.
 _PASSED: set = set()
 _MAX_SIGNATURES = 1024
-# Calls that took the fast path (tests count them).
+# Passing signatures -> their ``_DecodeLane``, or None (not a decode call).
+_LANES: dict = {}
+# Calls that took the fast path (tests count them), and of those the decode lane.
 HITS = [0]
+LANE_HITS = [0]
+_decode = None  # flashfuse.kernels.decode, imported with the first lane
+
+
+class _DecodeLane(NamedTuple):
+    """A passing signature's call as ``decode_forward`` takes it (see the
+    module docstring): the normalised scale and band, whether its sizes
+    other than the key count suit the kernels, and its device type."""
+
+    scale: float
+    window_left: int | None
+    window_right: int | None
+    bottom_right: bool
+    sizes_ok: bool  # the queries and grouped heads within the kernels' sizes
+    on_cuda: bool
 
 
 def forget_signatures() -> None:
     """Forget every signature (the next call of each takes the op)."""
     _PASSED.clear()
+    _LANES.clear()
 
 
 def may_skip_dispatch(*tensors: Tensor | None) -> bool:
@@ -132,6 +166,11 @@ def attention_op(
                          window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
         if sig in _PASSED:
             HITS[0] += 1
+            lane = _LANES.get(sig)
+            if lane is not None:
+                out = _run_lane(lane, query, key, value, attn_mask)
+                if out is not None:
+                    return out
             return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                    window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
                                    sinks, plain=True)
@@ -143,5 +182,50 @@ def attention_op(
         # Reached only when the op's checks passed (a bad input raised above).
         if len(_PASSED) >= _MAX_SIGNATURES:
             _PASSED.clear()
+            _LANES.clear()
         _PASSED.add(sig)
+        _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
+                                   window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
     return out
+
+
+def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right, alignment,
+                 mask_fill, mask_key_table, mask_query_table, softcap, sinks) -> _DecodeLane | None:
+    """The lane of a signature that just passed the op, or None when its
+    calls must take ``run_checked`` (see the module docstring)."""
+    global _decode
+    if (dropout_p != 0.0 or mask_fill is not None or softcap is not None or sinks is not None
+            or mask_key_table is not None or mask_query_table is not None
+            or query.requires_grad or key.requires_grad or value.requires_grad
+            or (attn_mask is not None and attn_mask.requires_grad)
+            or query.shape[2] == 0 or ops._kernels is None):
+        return None
+    if _decode is None:
+        from .kernels import decode as _decode_module
+
+        _decode = _decode_module
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    window_right = ops.causal_window_right(is_causal, window_right)
+    bottom_right = alignment == "bottom_right"
+    call = _decode.DecodeCall(query, key, attn_mask, 0.0, window_left, window_right, bottom_right)
+    if _decode.argument_refusal(call) is not None:
+        return None
+    N, G = query.shape[2], query.shape[1] // key.shape[1]
+    sizes_ok = _decode.size_refusal(N, G, _decode.MIN_KEYS) is None
+    return _DecodeLane(scale, window_left, window_right, bottom_right, sizes_ok, query.device.type == "cuda")
+
+
+def _run_lane(lane: _DecodeLane, query, key, value, attn_mask) -> Tensor | None:
+    """``decode_forward``'s output for a call of ``lane``'s signature, or
+    None when this call does not take the decode kernels (the caller then
+    takes ``run_checked``). What it asks is what ``run_checked`` would."""
+    M = key.shape[2]
+    mode = config.decode()
+    if mode == "0" or M == 0 or (mode != "1" and not (lane.sizes_ok and M >= _decode.MIN_KEYS)):
+        return None
+    if not lane.on_cuda and not ops._use_triton(query):
+        return None
+    LANE_HITS[0] += 1
+    return _decode.decode_forward(query, key, value, scale=lane.scale, window_left=lane.window_left,
+                                  window_right=lane.window_right, bottom_right=lane.bottom_right,
+                                  attn_mask=attn_mask)[0]

@@ -184,6 +184,22 @@ def flashfuse_mask(
 # The attention function
 # --------------------------------------------------------------------------
 
+def _config_attr(config, name: str):
+    """``getattr(config, name, None)`` at about half the cost for a
+    transformers config, whose ``__getattribute__`` is Python that only maps
+    the class's ``attribute_map`` aliases: the alias is applied here, then
+    the ordinary lookup runs (this is read per layer per token)."""
+    if config is None:
+        return None
+    aliases = getattr(type(config), "attribute_map", None)
+    if aliases:
+        name = aliases.get(name, name)
+    try:
+        return object.__getattribute__(config, name)
+    except AttributeError:
+        return None
+
+
 def _sliding_window(module, kwargs: dict) -> int | None:
     """The sliding window of this layer, or None for full attention.
 
@@ -195,21 +211,21 @@ def _sliding_window(module, kwargs: dict) -> int | None:
     if "sliding_window" in kwargs:
         return kwargs["sliding_window"]
     config = getattr(module, "config", None)
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = _config_attr(config, "layer_types")
     layer_idx = getattr(module, "layer_idx", None)
     if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
         if layer_types[layer_idx] != "sliding_attention":
             return None
-        return getattr(config, "sliding_window", None)
+        return _config_attr(config, "sliding_window")
     if getattr(module, "sliding_window", None) is not None:
         return module.sliding_window
-    return getattr(config, "sliding_window", None) if config is not None else None
+    return _config_attr(config, "sliding_window")
 
 
 def _check_supported(module, query: Tensor, key: Tensor, value: Tensor, kwargs: dict) -> None:
     """Raise for features a fused kernel cannot serve, naming the way out."""
     config = getattr(module, "config", None)
-    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+    if kwargs.get("output_attentions") or _config_attr(config, "output_attentions"):
         raise ValueError(
             "flashfuse: output_attentions=True cannot be served by a fused attention kernel, "
             "which never materialises the attention probabilities. Load the model with "

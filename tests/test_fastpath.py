@@ -249,3 +249,63 @@ def test_config_reads_follow_the_environment(monkeypatch):
     assert config.decode_splits() is None
     monkeypatch.setenv("FLASHFUSE_DECODE", "0")
     assert config.decode() == "0"
+
+
+def _lane_hits():
+    return fastpath.LANE_HITS[0]
+
+
+def test_decode_lane_is_bitwise_the_op_as_the_cache_grows_past_the_kernels_threshold(monkeypatch):
+    # The lane asks the key count per call: below MIN_KEYS the op's route
+    # takes the forward kernel, and so does the lane's fallback.
+    monkeypatch.setattr(decode, "MIN_KEYS", 34)
+    q, k, v = _qkv(M=40)
+    mask = torch.rand(1, 1, 1, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    for m in (None, mask):
+        fastpath.forget_signatures()
+        extra = () if m is None else (m[..., :30],)
+        flashfuse.attention(q, k[:, :, :30], v[:, :, :30], *extra, **DECODE)
+        for M, lane in ((31, False), (34, True), (40, True), (33, False)):
+            before = _lane_hits()
+            extra = () if m is None else (m[..., :M],)
+            got = flashfuse.attention(q, k[:, :, :M], v[:, :, :M], *extra, **DECODE)
+            assert torch.equal(got, OP(q, k[:, :, :M], v[:, :, :M], *extra, **DECODE))
+            assert _lane_hits() == before + lane, (M, m is not None)
+
+
+@pytest.mark.parametrize("setting", ["FLASHFUSE_DECODE=0", "TRITON_INTERPRET=0"])
+def test_decode_lane_follows_settings_changed_between_calls(monkeypatch, setting):
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    q, k, v = _qkv()
+    flashfuse.attention(q, k, v, **DECODE)
+    before = _lane_hits()
+    flashfuse.attention(q, k, v, **DECODE)
+    assert _lane_hits() == before + 1
+    name, value = setting.split("=")
+    monkeypatch.setenv(name, value)  # the decode kernels off / the blockwise CPU path
+    got = flashfuse.attention(q, k, v, **DECODE)
+    assert _lane_hits() == before + 1
+    assert torch.equal(got, OP(q, k, v, **DECODE))
+
+
+@pytest.mark.parametrize("case", ["gradients", "dropout", "softcap", "top-left window", "float mask", "mask_fill"])
+def test_calls_the_decode_kernels_cannot_serve_never_take_the_lane(monkeypatch, case):
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    q, k, v = _qkv(grad=case == "gradients")
+    kw = dict(DECODE)
+    args = (q, k, v)
+    if case == "dropout":
+        kw["dropout_p"] = 0.25
+    elif case == "softcap":
+        kw["softcap"] = 5.0
+    elif case == "top-left window":
+        kw.update(alignment="top_left", window_left=3)
+    elif case == "float mask":
+        args = (q, k, v, torch.zeros(1, 1, 1, 37))
+    elif case == "mask_fill":
+        args = (q, k, v, torch.ones(1, 1, 1, 37, dtype=torch.bool))
+        kw["mask_fill"] = -5.0
+    before, hits = _lane_hits(), _hits()
+    for _ in range(3):
+        flashfuse.attention(*args, **kw)
+    assert _hits() == hits + 2 and _lane_hits() == before

@@ -449,6 +449,16 @@ def decode_refusal(call: DecodeCall) -> str | None:
     mode = config.decode()
     if mode == "0":
         return "FLASHFUSE_DECODE=0"
+    why = argument_refusal(call)
+    if why is not None or mode == "1":
+        return why
+    N, M = call.q.shape[2], call.k.shape[2]
+    return size_refusal(N, call.q.shape[1] // call.k.shape[1], M)
+
+
+def argument_refusal(call: DecodeCall) -> str | None:
+    """The part of ``decode_refusal`` that no size and no setting decides:
+    why the decode kernels cannot compute ``call`` at all."""
     if call.softcap is not None or call.sinks is not None:
         return "soft-capping and sinks: the decode kernels have neither"
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
@@ -459,10 +469,13 @@ def decode_refusal(call: DecodeCall) -> str | None:
         return "a mask_fill: the pairs a bool mask hides take part"
     if (call.window_left is not None or call.window_right is not None) and not call.bottom_right:
         return "a band aligned top-left"
-    if mode == "1":
-        return None
-    N, M = call.q.shape[2], call.k.shape[2]
-    G = call.q.shape[1] // call.k.shape[1]
+    return None
+
+
+def size_refusal(N: int, G: int, M: int) -> str | None:
+    """The part of ``decode_refusal`` that the sizes decide (unless
+    ``FLASHFUSE_DECODE=1``): N queries per head, G query heads per key/value
+    head, M keys."""
     if N > MAX_QUERIES:
         return f"{N} queries per head, more than {MAX_QUERIES}"
     if G * N > MAX_ROWS:
@@ -534,10 +547,11 @@ def _mask_strides(mask: torch.Tensor) -> tuple:
 
 
 def _plan_key(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, layout,
-              num_splits, heads, page_size, m_cap, k_ints):
+              num_splits, heads, page_size, m_cap, k_ints, knobs):
     """The signature of a decode call (see "Launch plans"). ``k_ints``: the
     strides of k, v, the table and the mask, which may move with the cache
-    length: only their specialisation enters."""
+    length: only their specialisation enters. ``knobs``: the settings (split
+    count, autotuning, interpreter) as ``decode_forward`` read them."""
     return (
         q.shape, q.stride(), q.dtype, k.dtype, v.dtype, q.device, layout, block_table is None, heads, page_size,
         k.shape[-1], v.shape[-1], _fingerprint(k_ints), q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
@@ -545,8 +559,7 @@ def _plan_key(q, k, v, cache_seqlens, block_table, attn_mask, window_left, windo
         None if block_table is None else (block_table.dtype, block_table.data_ptr() & 15),
         None if attn_mask is None else (attn_mask.shape[:-1], attn_mask.shape[-1] == m_cap,
                                         attn_mask.shape[-1] == 1, attn_mask.data_ptr() & 15),
-        window_left is None, window_right is None, bool(bottom_right), num_splits,
-        config.decode_splits(), config.autotune(), config.interpreter_on(), _dot_precision(q),
+        window_left is None, window_right is None, bool(bottom_right), num_splits, knobs, _dot_precision(q),
     )
 
 
@@ -718,6 +731,8 @@ def decode_forward(
              and (block_table is None or type(block_table) in _PLAIN)
              and (attn_mask is None or type(attn_mask) in _PLAIN) and not _DRY_RUN.get())
     if cache:
+        # The settings the plans depend on (see "Launch plans"), read once.
+        knobs = (config.decode_splits(), config.autotune(), config.interpreter_on())
         key = (
             q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype, q.device,
             layout, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
@@ -726,13 +741,12 @@ def decode_forward(
             None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
                                               block_table.data_ptr() & 15),
             None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
-            window_left, window_right, bottom_right, num_splits,
-            config.decode_splits(), config.autotune(), config.interpreter_on(), _dot_precision(q),
+            window_left, window_right, bottom_right, num_splits, knobs, _dot_precision(q),
         )
         call = _CALLS.get(key)
         if call is None:
             call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right,
-                              bottom_right, layout, num_splits, True)
+                              bottom_right, layout, num_splits, True, knobs)
             if len(_CALLS) >= _MAX_PLANS:
                 _CALLS.clear()
             _CALLS[key] = call
@@ -750,7 +764,7 @@ class _Call:
 
 
 def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, layout,
-               num_splits, cache: bool) -> _Call:
+               num_splits, cache: bool, knobs: tuple = ()) -> _Call:
     # The strides that may move with the cache length, in the kernel's
     # (page or batch row, slot, head, dim) order, and the capacity.
     ks, vs = k.stride(), v.stride()
@@ -772,7 +786,7 @@ def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wind
     plan = None
     if cache:
         key = _plan_key(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right,
-                        layout, num_splits, Hkv, page_size, m_cap, (*kst, *vst, *tst, *mst))
+                        layout, num_splits, Hkv, page_size, m_cap, (*kst, *vst, *tst, *mst), knobs)
         plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, Hkv,

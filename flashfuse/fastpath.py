@@ -53,6 +53,7 @@ the kernels' route, so the result is bitwise the op's. Anything else takes
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -61,7 +62,7 @@ from torch import Tensor
 
 from . import config, ops
 
-__all__ = ["attention_op", "may_skip_dispatch", "forget_signatures"]
+__all__ = ["attention_op", "may_skip_dispatch", "forget_signatures", "decode_lane_off"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 # Signatures that passed the op's checks (``_signature``); cleared when full.
@@ -92,6 +93,24 @@ def forget_signatures() -> None:
     """Forget every signature (the next call of each takes the op)."""
     _PASSED.clear()
     _LANES.clear()
+
+
+_LANE_ON = [True]
+
+
+@contextlib.contextmanager
+def decode_lane_off():
+    """Within the block no signature gets a decode lane (its calls take
+    ``run_checked``), and every signature is forgotten on entry and exit:
+    for benchmarks that time the lane against the path without it
+    (``bench/decode_host.py``)."""
+    forget_signatures()
+    _LANE_ON[0] = False
+    try:
+        yield
+    finally:
+        _LANE_ON[0] = True
+        forget_signatures()
 
 
 def may_skip_dispatch(*tensors: Tensor | None) -> bool:
@@ -194,7 +213,7 @@ def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, wind
     """The lane of a signature that just passed the op, or None when its
     calls must take ``run_checked`` (see the module docstring)."""
     global _decode
-    if (dropout_p != 0.0 or mask_fill is not None or softcap is not None or sinks is not None
+    if (not _LANE_ON[0] or dropout_p != 0.0 or mask_fill is not None or softcap is not None or sinks is not None
             or mask_key_table is not None or mask_query_table is not None
             or query.requires_grad or key.requires_grad or value.requires_grad
             or (attn_mask is not None and attn_mask.requires_grad)

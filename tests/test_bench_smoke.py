@@ -260,3 +260,12 @@ def test_bench_generate_smoke(tmp_path):
     rows = read_csv(tmp_path / "generate.csv")
     assert {r["impl"] for r in rows if r["status"] == "ok"} == {"sdpa", "ffuse"}
     assert all(r["tokens_match"] == "True" for r in rows)
+
+
+def test_decode_host_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_script("decode_host.py", tmp_path)
+    rows = read_csv(tmp_path / "decode_host.csv")
+    assert {(r["what"], r["variant"]) for r in rows} == {
+        (w, v) for w in ("decode call", "generate dynamic") for v in ("lane", "no lane", "sdpa")}
+    assert "us per call" in out and "tok/s" in out

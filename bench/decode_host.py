@@ -1,0 +1,153 @@
+"""Host time of eager decoding: the Hugging Face hook's call per layer per
+token, with and without the eager fast path's decode lane
+(``flashfuse.fastpath``), against SDPA; and ``generate()`` with a dynamic
+cache (eager, host-bound) for the same three.
+
+Decode calls: one query, Hq = 32, Hkv = 8, D = 128, bf16, 4k cached keys,
+called as a LLaMA layer calls the hook (``flashfuse_attention_forward``, no
+mask) and, for SDPA, as transformers' SDPA integration does
+(``enable_gqa``, then the output transposed to (B, N, H, D)). Two caches: a
+fixed one, and a dynamic one one key longer at every call (each length a
+fresh contiguous tensor, all views of one buffer). Each variant runs a loop
+of calls with one synchronisation at the end (microseconds per call: the
+throughput of a host-bound caller); the variants alternate over several
+rounds in one process and the median is reported, because the host's speed
+drifts between processes more than the differences measured here.
+
+``generate()``: ``bench_generate.py``'s model (LLaMA-shaped, head dim 128,
+16 query and 4 key/value heads, 4 layers), prompt 512, batch 1 and 8,
+greedy, the three variants alternating.
+
+    python bench/decode_host.py
+    python bench/decode_host.py --smoke --out /tmp/x      # tiny, on the CPU
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import types
+
+import common
+import torch
+import torch.nn.functional as F
+
+VARIANTS = ("lane", "no lane", "sdpa")
+
+
+def parse_args():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds per measurement")
+    p.add_argument("--calls", type=int, default=1500, help="calls per loop")
+    p.add_argument("--new", type=int, default=128, help="new tokens per generate() call")
+    return p.parse_args()
+
+
+@contextlib.contextmanager
+def _variant(name: str):
+    """The fast path as ``name`` has it, every signature forgotten first."""
+    from flashfuse import fastpath
+
+    if name == "no lane":
+        with fastpath.decode_lane_off():
+            yield
+    else:
+        fastpath.forget_signatures()
+        yield
+
+
+def decode_calls(device, rounds: int, calls: int, smoke: bool) -> list:
+    import flashfuse.hf as hf
+
+    B, Hq, Hkv, M, D = (1, 4, 2, 64, 16) if smoke else (1, 32, 8, 4096, 128)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q = torch.randn(B, Hq, 1, D, device=device, dtype=dtype)
+    buf = torch.randn(B * Hkv * (M + calls + 64) * D, device=device, dtype=dtype)
+    layer = types.SimpleNamespace(training=False, is_causal=True, config=None, layer_idx=0)
+
+    def kv(m):
+        return torch.as_strided(buf, (B, Hkv, m, D), (Hkv * m * D, m * D, D, 1))
+
+    def ffuse(k):
+        return hf.flashfuse_attention_forward(layer, q, k, k, None, dropout=0.0, scaling=D ** -0.5)[0]
+
+    def sdpa(k):
+        return F.scaled_dot_product_attention(q, k, k, enable_gqa=True).transpose(1, 2).contiguous()
+
+    def loop(fn, ks) -> float:
+        for k in ks[:20]:
+            fn(k)
+        common.sync(device)
+        t0 = time.perf_counter()
+        for k in ks:
+            fn(k)
+        common.sync(device)
+        return (time.perf_counter() - t0) / len(ks) * 1e6
+
+    caches = {"fixed": [kv(M)] * calls, "growing": [kv(M + i) for i in range(calls)]}
+    times = {}
+    with torch.no_grad():
+        for r in range(rounds):
+            for name in (VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))):
+                for cache, ks in caches.items():
+                    with _variant(name):
+                        times.setdefault((name, cache), []).append(loop(sdpa if name == "sdpa" else ffuse, ks))
+    rows = []
+    for cache in caches:
+        for name in VARIANTS:
+            t = times[(name, cache)]
+            rows.append(dict(what="decode call", cache=cache, variant=name, B=B, Hq=Hq, Hkv=Hkv, M=M, D=D,
+                             us_per_call=statistics.median(t), rounds=" ".join(f"{x:.1f}" for x in t)))
+    return rows
+
+
+def generate_rows(device, rounds: int, new: int, smoke: bool) -> list:
+    import bench_generate as bg
+
+    prompt = 16 if smoke else 512
+    cfg = bg.config(smoke, prompt + new + 64)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = bg.build(cfg, dtype, device)
+    rows = []
+    for B in ((1,) if smoke else (1, 8)):
+        ids = torch.randint(1, cfg.vocab_size, (B, prompt), device=device)
+        tps = {}
+        for r in range(-1, rounds):
+            for name in (VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))):
+                with _variant(name):
+                    common.sync(device)
+                    t0 = time.perf_counter()
+                    bg.generate(model, "sdpa" if name == "sdpa" else "ffuse", ids, new, "dynamic")
+                    common.sync(device)
+                    if r >= 0:
+                        tps.setdefault(name, []).append(B * new / (time.perf_counter() - t0))
+        for name in VARIANTS:
+            rows.append(dict(what="generate dynamic", cache="dynamic", variant=name, B=B, prompt=prompt, new=new,
+                             tokens_per_s=statistics.median(tps[name]),
+                             rounds=" ".join(f"{x:.0f}" for x in tps[name])))
+    return rows
+
+
+def main():
+    args = parse_args()
+    device, _ = common.start(args)
+    rounds, calls, new = (2, 30, 4) if args.smoke else (args.rounds, args.calls, args.new)
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("decode_host.py times the CUDA launch path: run it on a GPU (or --smoke)")
+    results = common.Results(args.out, "decode_host.csv", common.env_info(device))
+    for row in decode_calls(device, rounds, calls, args.smoke) + generate_rows(device, max(2, rounds // 2), new,
+                                                                                args.smoke):
+        results.add(**row)
+    common.tables_header()
+    calls_rows = [[r["cache"], r["variant"], common.fmt(r["us_per_call"], 1)] for r in results.rows
+                  if r["what"] == "decode call"]
+    common.print_table(calls_rows, ["cache", "variant", "us per call"],
+                       title="eager decode call as the HF hook makes it (median of alternating rounds)")
+    gen_rows = [[r["B"], r["variant"], common.fmt(r["tokens_per_s"], 0)] for r in results.rows
+                if r["what"] == "generate dynamic"]
+    common.print_table(gen_rows, ["batch", "variant", "tok/s"], title="generate(), dynamic cache, prompt 512")
+
+
+if __name__ == "__main__":
+    main()

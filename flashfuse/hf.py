@@ -191,6 +191,10 @@ def _config_attr(config, name: str):
     the ordinary lookup runs (this is read per layer per token)."""
     if config is None:
         return None
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace object.__getattribute__ (a graph break per
+        # layer); there the read is free anyway, done once at trace time.
+        return getattr(config, name, None)
     aliases = getattr(type(config), "attribute_map", None)
     if aliases:
         name = aliases.get(name, name)

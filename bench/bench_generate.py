@@ -123,7 +123,7 @@ def run_row(model, ids, base: dict, reps: int, budget, results, device) -> None:
             print_row(results.rows[-1])
         return
     for rep in range(-1, reps):
-        order = IMPLS if rep < 0 or rep % 2 == 0 else tuple(reversed(IMPLS))
+        order = common.alternating(IMPLS, rep)
         for impl in order:
             if impl in failed:
                 continue

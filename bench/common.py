@@ -216,6 +216,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def alternating(variants: tuple, round_index: int) -> tuple:
+    """``variants`` in the order of round ``round_index``: as given in even
+    rounds (and the warm-up round -1), reversed in odd ones, so that a
+    drift of the machine over a run weighs on every variant alike."""
+    return variants if round_index < 0 or round_index % 2 == 0 else tuple(reversed(variants))
+
+
+def cache_view(buf: torch.Tensor, B: int, H: int, M: int, D: int) -> torch.Tensor:
+    """A contiguous (B, H, M, D) tensor over ``buf``'s memory, as
+    ``torch.cat`` leaves a dynamic key/value cache of M keys; views of one
+    buffer, so a loop over growing lengths times no allocation."""
+    return torch.as_strided(buf, (B, H, M, D), (H * M * D, M * D, D, 1))
+
+
 def _clear_grads(tensors) -> None:
     for t in tensors or ():
         t.grad = None

@@ -57,17 +57,18 @@ def _variant(name: str):
         yield
 
 
+def _dtype(device) -> torch.dtype:
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 def decode_calls(device, rounds: int, calls: int, smoke: bool) -> list:
     import flashfuse.hf as hf
 
     B, Hq, Hkv, M, D = (1, 4, 2, 64, 16) if smoke else (1, 32, 8, 4096, 128)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = _dtype(device)
     q = torch.randn(B, Hq, 1, D, device=device, dtype=dtype)
     buf = torch.randn(B * Hkv * (M + calls + 64) * D, device=device, dtype=dtype)
     layer = types.SimpleNamespace(training=False, is_causal=True, config=None, layer_idx=0)
-
-    def kv(m):
-        return torch.as_strided(buf, (B, Hkv, m, D), (Hkv * m * D, m * D, D, 1))
 
     def ffuse(k):
         return hf.flashfuse_attention_forward(layer, q, k, k, None, dropout=0.0, scaling=D ** -0.5)[0]
@@ -85,11 +86,12 @@ def decode_calls(device, rounds: int, calls: int, smoke: bool) -> list:
         common.sync(device)
         return (time.perf_counter() - t0) / len(ks) * 1e6
 
-    caches = {"fixed": [kv(M)] * calls, "growing": [kv(M + i) for i in range(calls)]}
+    caches = {"fixed": [common.cache_view(buf, B, Hkv, M, D)] * calls,
+              "growing": [common.cache_view(buf, B, Hkv, M + i, D) for i in range(calls)]}
     times = {}
     with torch.no_grad():
         for r in range(rounds):
-            for name in (VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))):
+            for name in common.alternating(VARIANTS, r):
                 for cache, ks in caches.items():
                     with _variant(name):
                         times.setdefault((name, cache), []).append(loop(sdpa if name == "sdpa" else ffuse, ks))
@@ -107,14 +109,14 @@ def generate_rows(device, rounds: int, new: int, smoke: bool) -> list:
 
     prompt = 16 if smoke else 512
     cfg = bg.config(smoke, prompt + new + 64)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = _dtype(device)
     model = bg.build(cfg, dtype, device)
     rows = []
     for B in ((1,) if smoke else (1, 8)):
         ids = torch.randint(1, cfg.vocab_size, (B, prompt), device=device)
         tps = {}
         for r in range(-1, rounds):
-            for name in (VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))):
+            for name in common.alternating(VARIANTS, r):
                 with _variant(name):
                     common.sync(device)
                     t0 = time.perf_counter()

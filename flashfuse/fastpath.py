@@ -54,7 +54,6 @@ the kernels' route, so the result is bitwise the op's. Anything else takes
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import NamedTuple
 
 import torch
@@ -78,14 +77,15 @@ _decode = None  # flashfuse.kernels.decode, imported with the first lane
 
 class _DecodeLane(NamedTuple):
     """A passing signature's call as ``decode_forward`` takes it (see the
-    module docstring): the normalised scale and band, whether its sizes
-    other than the key count suit the kernels, and its device type."""
+    module docstring): the normalised scale and band, the sizes that
+    ``decode.size_refusal`` reads besides the key count, and the device type."""
 
     scale: float
     window_left: int | None
     window_right: int | None
     bottom_right: bool
-    sizes_ok: bool  # the queries and grouped heads within the kernels' sizes
+    N: int  # queries per head
+    G: int  # query heads per key/value head
     on_cuda: bool
 
 
@@ -213,8 +213,9 @@ def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, wind
     """The lane of a signature that just passed the op, or None when its
     calls must take ``run_checked`` (see the module docstring)."""
     global _decode
-    if (not _LANE_ON[0] or dropout_p != 0.0 or mask_fill is not None or softcap is not None or sinks is not None
-            or mask_key_table is not None or mask_query_table is not None
+    # dropout_p >= 1 leaves no seed and reaches the kernels as 0, but
+    # run_checked zeroes its output: only dropout-free calls take the lane.
+    if (not _LANE_ON[0] or dropout_p != 0.0 or mask_key_table is not None or mask_query_table is not None
             or query.requires_grad or key.requires_grad or value.requires_grad
             or (attn_mask is not None and attn_mask.requires_grad)
             or query.shape[2] == 0 or ops._kernels is None):
@@ -223,15 +224,15 @@ def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, wind
         from .kernels import decode as _decode_module
 
         _decode = _decode_module
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    window_right = ops.causal_window_right(is_causal, window_right)
-    bottom_right = alignment == "bottom_right"
-    call = _decode.DecodeCall(query, key, attn_mask, 0.0, window_left, window_right, bottom_right)
+    # The arguments exactly as run_checked hands them to the kernels' route.
+    a = ops._forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
+                          alignment, mask_fill, new_seed=lambda: None, softcap=softcap, sinks=sinks)
+    call = _decode.DecodeCall(a.q, a.k, a.attn_mask, a.dropout_p, a.window_left, a.window_right, a.bottom_right,
+                              a.mask_fill, a.softcap, a.sinks)
     if _decode.argument_refusal(call) is not None:
         return None
-    N, G = query.shape[2], query.shape[1] // key.shape[1]
-    sizes_ok = _decode.size_refusal(N, G, _decode.MIN_KEYS) is None
-    return _DecodeLane(scale, window_left, window_right, bottom_right, sizes_ok, query.device.type == "cuda")
+    return _DecodeLane(a.scale, a.window_left, a.window_right, a.bottom_right, query.shape[2],
+                       query.shape[1] // key.shape[1], query.device.type == "cuda")
 
 
 def _run_lane(lane: _DecodeLane, query, key, value, attn_mask) -> Tensor | None:
@@ -240,7 +241,7 @@ def _run_lane(lane: _DecodeLane, query, key, value, attn_mask) -> Tensor | None:
     takes ``run_checked``). What it asks is what ``run_checked`` would."""
     M = key.shape[2]
     mode = config.decode()
-    if mode == "0" or M == 0 or (mode != "1" and not (lane.sizes_ok and M >= _decode.MIN_KEYS)):
+    if mode == "0" or M == 0 or (mode != "1" and _decode.size_refusal(lane.N, lane.G, M) is not None):
         return None
     if not lane.on_cuda and not ops._use_triton(query):
         return None

@@ -1,7 +1,10 @@
 """Host time of eager decoding: the Hugging Face hook's call per layer per
-token, with and without the eager fast path's decode lane
-(``flashfuse.fastpath``), against SDPA; and ``generate()`` with a dynamic
-cache (eager, host-bound) for the same three.
+token against SDPA, and ``generate()`` with a dynamic cache (eager,
+host-bound). flashfuse runs in three variants: as it is ("flashfuse": the
+eager fast path's decode lane, ``flashfuse.fastpath``, and the split kernel
+merging its own partials), with the combine kernel after the split kernel
+("combine kernel", ``decode.FUSE_COMBINE = False``), and without the lane
+("no lane").
 
 Decode calls: one query, Hq = 32, Hkv = 8, D = 128, bf16, 4k cached keys,
 called as a LLaMA layer calls the hook (``flashfuse_attention_forward``, no
@@ -14,9 +17,14 @@ throughput of a host-bound caller); the variants alternate over several
 rounds in one process and the median is reported, because the host's speed
 drifts between processes more than the differences measured here.
 
+Device time of one call (``queued_device_us``: the L2 cache flushed, then
+the call queued behind a GPU sleep, so that its host time never counts):
+flashfuse with and without the combine kernel, and SDPA, at 4k and 32k keys,
+alternating.
+
 ``generate()``: ``bench_generate.py``'s model (LLaMA-shaped, head dim 128,
 16 query and 4 key/value heads, 4 layers), prompt 512, batch 1 and 8,
-greedy, the three variants alternating.
+greedy, the four variants alternating.
 
     python bench/decode_host.py
     python bench/decode_host.py --smoke --out /tmp/x      # tiny, on the CPU
@@ -33,7 +41,7 @@ import common
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("lane", "no lane", "sdpa")
+VARIANTS = ("flashfuse", "combine kernel", "no lane", "sdpa")
 
 
 def parse_args():
@@ -46,15 +54,20 @@ def parse_args():
 
 @contextlib.contextmanager
 def _variant(name: str):
-    """The fast path as ``name`` has it, every signature forgotten first."""
+    """flashfuse as ``name`` has it, every fast-path signature forgotten first."""
     from flashfuse import fastpath
+    from flashfuse.kernels import decode
 
     if name == "no lane":
         with fastpath.decode_lane_off():
             yield
-    else:
-        fastpath.forget_signatures()
+        return
+    fastpath.forget_signatures()
+    decode.FUSE_COMBINE = name != "combine kernel"
+    try:
         yield
+    finally:
+        decode.FUSE_COMBINE = True
 
 
 def _dtype(device) -> torch.dtype:
@@ -101,6 +114,69 @@ def decode_calls(device, rounds: int, calls: int, smoke: bool) -> list:
             t = times[(name, cache)]
             rows.append(dict(what="decode call", cache=cache, variant=name, B=B, Hq=Hq, Hkv=Hkv, M=M, D=D,
                              us_per_call=statistics.median(t), rounds=" ".join(f"{x:.1f}" for x in t)))
+            print(f"decode call {cache} {name}: {rows[-1]['us_per_call']:.1f} us", flush=True)
+    return rows
+
+
+def queued_device_us(fn, device, reps: int = 25) -> float:
+    """Median device microseconds of ``fn()``'s launches, from CUDA events
+    around them, with the launches queued behind a 1-2 ms GPU sleep that
+    the host outruns (a slower host than the kernels would otherwise be
+    timed), after a 256 MB write that empties the L2 cache. CPU: wall time."""
+    if device.type != "cuda":
+        return 1e3 * common.bench_ms(fn, device, 5, 20)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda._sleep(2_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def capture_check_us(device, calls: int = 20000) -> float:
+    """Host microseconds of ``torch.cuda.is_current_stream_capturing()``,
+    which every eager decode call asks (the fused combine is not taken
+    under capture)."""
+    if device.type != "cuda":
+        return float("nan")
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        torch.cuda.is_current_stream_capturing()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def device_rows(device, rounds: int, smoke: bool) -> list:
+    import flashfuse.hf as hf
+
+    names = ("flashfuse", "combine kernel", "sdpa")
+    B, Hq, Hkv, D = (1, 4, 2, 16) if smoke else (1, 32, 8, 128)
+    dtype = _dtype(device)
+    layer = types.SimpleNamespace(training=False, is_causal=True, config=None, layer_idx=0)
+    rows = []
+    for M in ((64,) if smoke else (4096, 32768)):
+        q = torch.randn(B, Hq, 1, D, device=device, dtype=dtype)
+        k, v = (torch.randn(B, Hkv, M, D, device=device, dtype=dtype) for _ in range(2))
+        fns = {"flashfuse": lambda: hf.flashfuse_attention_forward(layer, q, k, v, None, scaling=D ** -0.5),
+               "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).contiguous()}
+        fns["combine kernel"] = fns["flashfuse"]
+        times = {}
+        with torch.no_grad():
+            for r in range(rounds):
+                for name in common.alternating(names, r):
+                    with _variant(name):
+                        times.setdefault(name, []).append(queued_device_us(fns[name], device))
+        for name in names:
+            t = times[name]
+            rows.append(dict(what="device time", cache="fixed", variant=name, B=B, Hq=Hq, Hkv=Hkv, M=M, D=D,
+                             us_per_call=statistics.median(t), rounds=" ".join(f"{x:.1f}" for x in t)))
+            print(f"device time M={M} {name}: {rows[-1]['us_per_call']:.1f} us", flush=True)
     return rows
 
 
@@ -128,6 +204,7 @@ def generate_rows(device, rounds: int, new: int, smoke: bool) -> list:
             rows.append(dict(what="generate dynamic", cache="dynamic", variant=name, B=B, prompt=prompt, new=new,
                              tokens_per_s=statistics.median(tps[name]),
                              rounds=" ".join(f"{x:.0f}" for x in tps[name])))
+            print(f"generate B={B} {name}: {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
     return rows
 
 
@@ -138,14 +215,27 @@ def main():
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("decode_host.py times the CUDA launch path: run it on a GPU (or --smoke)")
     results = common.Results(args.out, "decode_host.csv", common.env_info(device))
-    for row in decode_calls(device, rounds, calls, args.smoke) + generate_rows(device, max(2, rounds // 2), new,
-                                                                                args.smoke):
+    t0 = time.perf_counter()
+    measured = decode_calls(device, rounds, calls, args.smoke)
+    print(f"decode calls done in {time.perf_counter() - t0:.0f} s", flush=True)
+    measured += device_rows(device, rounds, args.smoke)
+    print(f"device times done in {time.perf_counter() - t0:.0f} s", flush=True)
+    measured.append(dict(what="capture check", variant="is_current_stream_capturing",
+                         us_per_call=capture_check_us(device)))
+    measured += generate_rows(device, max(2, rounds // 2), new, args.smoke)
+    print(f"generate done in {time.perf_counter() - t0:.0f} s", flush=True)
+    for row in measured:
         results.add(**row)
     common.tables_header()
     calls_rows = [[r["cache"], r["variant"], common.fmt(r["us_per_call"], 1)] for r in results.rows
                   if r["what"] == "decode call"]
     common.print_table(calls_rows, ["cache", "variant", "us per call"],
                        title="eager decode call as the HF hook makes it (median of alternating rounds)")
+    dev_rows = [[r["M"], r["variant"], common.fmt(r["us_per_call"], 1)] for r in results.rows
+                if r["what"] == "device time"]
+    common.print_table(dev_rows, ["keys", "variant", "us per call"], title="device time of one call (queued)")
+    print("".join(f"\nhost time of torch.cuda.is_current_stream_capturing(): {common.fmt(r['us_per_call'], 2)} us"
+                  for r in results.rows if r["what"] == "capture check"))
     gen_rows = [[r["B"], r["variant"], common.fmt(r["tokens_per_s"], 0)] for r in results.rows
                 if r["what"] == "generate dynamic"]
     common.print_table(gen_rows, ["batch", "variant", "tok/s"], title="generate(), dynamic cache, prompt 512")

@@ -79,6 +79,7 @@ def force_cuda_path_on_cpu():
     torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(multi_processor_count=132)
     backward._max_shared_mem = lambda device: 227 * 1024
     torch.cuda.device = lambda device: contextlib.nullcontext()
+    torch.cuda.is_current_stream_capturing = lambda: False
     launch._capability = lambda index: (9, 0)  # a Hopper GPU
 
 

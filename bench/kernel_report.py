@@ -13,6 +13,7 @@ machine's, so counts can differ there.
 
     python bench/kernel_report.py --d 64 --n 1024 --causal --dropout 0.1
     python bench/kernel_report.py --d 128 --n 4096 --all-configs --dump kernels_dump
+    python bench/kernel_report.py --d 128 --h 32 --kv-heads 8 --decode-keys 4096 --n 1
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ def main():
                    help="an attention mask tensor: causal as a (N, N) float mask of 0 and the dtype's lowest "
                         "value (as Hugging Face builds it) or bool, or bool key padding (B, 1, 1, N)")
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (grouped heads; default --h)")
+    p.add_argument("--decode-keys", type=int,
+                   help="--n new queries against this many cached keys, bottom-right causal, inference "
+                        "(the split-KV decode kernels)")
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -204,6 +209,11 @@ def main():
         return None
 
     def run():
+        if a.decode_keys:
+            q = torch.randn(a.b, a.h, a.n, a.d, dtype=dtype)
+            k, v = (torch.randn(a.b, a.kv_heads or a.h, a.decode_keys, a.d, dtype=dtype) for _ in range(2))
+            flashfuse.attention(q, k, v, is_causal=True, alignment="bottom_right", enable_gqa=True)
+            return
         q, k, v = (torch.randn(a.b, a.h, a.n, a.d, dtype=dtype, requires_grad=True) for _ in range(3))
         out = flashfuse.attention(q, k, v, attn_mask=make_mask(), is_causal=a.causal, dropout_p=a.dropout)
         if not a.no_backward:

@@ -17,7 +17,9 @@ query head. Here instead:
   ``lse = log2 sum_s 2**lse_s`` and ``out = sum_s 2**(lse_s - lse) out_s``.
   Splits that saw no key weigh 0; a row that saw no key at all gets output 0
   and lse ``+inf``, as the forward kernel gives it. With S = 1 the split
-  kernel writes the final output itself.
+  kernel writes the final output itself; on short caches in eager calls the
+  last split of each row tile to finish merges the tile's partials itself
+  (one launch per call, not two: see ``FUSE_COMBINE``).
 
 Keys come from three layouts, all read through strides: the op's own
 (B, Hkv, M, D) tensors, a contiguous cache (B, S_cache, Hkv, D) with a
@@ -111,7 +113,7 @@ def _parts(Part, rows, S, BLOCK_DV: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N", "G", "M_CAP", "NUM_PAGES", "S", "window_left", "window_right"])
 def _decode_split(
-    Q, K, V, SeqLens, Table, Mask, Bounds, Part, Out, Lse,
+    Q, K, V, SeqLens, Table, Mask, Bounds, Part, Out, Lse, Count,
     stride_q_b, stride_q_h, stride_q_q, stride_q_d,
     stride_k_b, stride_k_k, stride_k_h, stride_k_d,
     stride_v_b, stride_v_k, stride_v_h, stride_v_d,
@@ -124,8 +126,8 @@ def _decode_split(
     HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, CHUNKS: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-    DIRECT: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, FUSED: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Grid (S, Hkv * row tiles, B): split ``pid0`` of one row tile.
 
@@ -141,6 +143,11 @@ def _decode_split(
     stride_mask_q + j * stride_mask_k`` also decides visibility, and the keys are
     first narrowed to the row's ``Bounds`` (``_mask_bounds``, CHUNKS
     entries), so that the splits share only the keys the mask shows.
+    FUSED (S > 1): the last split of a row tile to finish merges the tile's
+    partials itself, row by row as ``_decode_combine`` does (``_merge_row``,
+    BLOCK_S >= S), counted in ``Count`` (one int32 per row tile, zero before
+    the launch and set back to zero by that last split), so no combine
+    kernel follows.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)
     s = tl.program_id(0)
@@ -265,6 +272,50 @@ def _decode_split(
         OPart, LPart = _parts(Part, tl.num_programs(2) * Hq * N, S, BLOCK_DV)
         tl.store(OPart + part[:, None] * BLOCK_DV + offs_dv[None, :], out, mask=row_ok[:, None])
         tl.store(LPart + part, tl.where(empty, float("-inf"), lse2), mask=row_ok)
+        if FUSED:
+            # Every thread's partial stores come before the arrival (the
+            # barrier), and the arrival releases them to the split that
+            # counts last, which acquires them all before it reads them.
+            tl.debug_barrier()
+            counter = Count + b64 * tl.num_programs(1) + pid1
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == S - 1:
+                tl.store(counter, 0)  # zero again for the next launch
+                offs_s = tl.arange(0, BLOCK_S)
+                # One row at a time: all of a row's partials in one load,
+                # as the combine kernel's programs read them in parallel.
+                for r in range(r0, tl.minimum(r0 + BLOCK_R, rows_total)):
+                    h_r = kvh * G + r % G
+                    i_r = r // G
+                    row = (b64 * Hq + h_r) * N + i_r
+                    o, lse = _merge_row(OPart, LPart, row, S, offs_s, offs_dv, BLOCK_DV)
+                    o_ptrs = (Out + b64 * stride_o_b + h_r.to(tl.int64) * stride_o_h + i_r.to(tl.int64) * stride_o_q
+                              + offs_dv * stride_o_d)
+                    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+                    tl.store(Lse + row, lse)
+
+
+@triton.jit
+def _merge_row(OPart, LPart, row, S, offs_s, offs_dv, BLOCK_DV: tl.constexpr):
+    """The exact merge of row ``row``'s S partials (Part as ``_decode_split``
+    writes it, ``offs_s`` covering S): ``lse = log2 sum_s 2**lse_s``, ``out =
+    sum_s 2**(lse_s - lse) out_s``; splits that saw no key weigh 0, a row
+    that saw none gets 0 and lse +inf. Returns the output (BLOCK_DV,) and
+    the natural-log lse. The loads bypass L1 (``.cg``): in the fused
+    combine, other programs wrote the partials during the same launch."""
+    s_ok = offs_s < S
+    lse_s = tl.load(LPart + row * S + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse_s, 0)
+    none = m == float("-inf")
+    w = tl.exp2(lse_s - tl.where(none, 0.0, m))  # 0 for splits that saw no key
+    o_s = tl.load(OPart + (row * S + offs_s)[:, None] * BLOCK_DV + offs_dv[None, :], mask=s_ok[:, None], other=0.0,
+                  cache_modifier=".cg")
+    # where, not a product: an unwritten partial must not leak through a 0 weight.
+    o = tl.sum(tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0), 0)
+    wsum = tl.sum(w, 0)
+    o = o / tl.where(none, 1.0, wsum)
+    lse = tl.where(none, float("inf"), (m + tl.log2(tl.where(none, 1.0, wsum))) * 0.6931471805599453)
+    return o, lse
 
 
 @triton.jit(do_not_specialize=["N", "S"])
@@ -278,19 +329,8 @@ def _decode_combine(
     (b, h, i)) exactly; Part as ``_decode_split`` writes it."""
     row = tl.program_id(0).to(tl.int64)
     OPart, LPart = _parts(Part, tl.num_programs(0), S, BLOCK_DV)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < S
-    lse_s = tl.load(LPart + row * S + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    none = m == float("-inf")
-    w = tl.exp2(lse_s - tl.where(none, 0.0, m))  # 0 for splits that saw no key
-    o_s = tl.load(OPart + (row * S + offs_s)[:, None] * BLOCK_DV + offs_dv[None, :], mask=s_ok[:, None], other=0.0)
-    # where, not a product: an unwritten partial must not leak through a 0 weight.
-    o = tl.sum(tl.where(w[:, None] > 0.0, o_s * w[:, None], 0.0), 0)
-    wsum = tl.sum(w, 0)
-    o = o / tl.where(none, 1.0, wsum)
-    lse = tl.where(none, float("inf"), (m + tl.log2(tl.where(none, 1.0, wsum))) * 0.6931471805599453)
+    o, lse = _merge_row(OPart, LPart, row, S, tl.arange(0, BLOCK_S), offs_dv, BLOCK_DV)
     per_batch = Hq * N
     bb = row // per_batch
     hh = (row % per_batch) // N
@@ -528,15 +568,16 @@ class _Plan:
     meta-parameters; ``launches`` per (splits, bucket)."""
 
     __slots__ = ("B", "Hq", "N", "Hkv", "G", "Dv", "block_r", "tiles", "want", "forced", "interp", "tune",
-                 "meta", "chunks", "bounds_meta", "m_rows", "m_queries", "block_dv", "launches", "device_index")
+                 "meta", "chunks", "bounds_meta", "m_rows", "m_queries", "block_dv", "launches", "device_index",
+                 "cache_bytes_per_key")
 
 
 class _Launches:
     """The launches of one plan at one split count: grids, meta, launcher
     keys and, once known, the binaries (``ConfigLauncher.binary``)."""
 
-    __slots__ = ("S", "direct", "grid", "comb_grid", "part_numel", "meta", "launch_meta", "comb_meta", "key", "comb_key",
-                 "bounds_key", "binaries")
+    __slots__ = ("S", "direct", "fusable", "grid", "comb_grid", "part_numel", "counters", "meta", "launch_meta", "fused_meta",
+                 "comb_meta", "key", "comb_key", "bounds_key", "binaries")
 
 
 def _mask_strides(mask: torch.Tensor) -> tuple:
@@ -580,6 +621,7 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
     page_size = static_int(page_size)
     G = Hq // Hkv
     p.B, p.Hq, p.N, p.Hkv, p.G, p.Dv = B, Hq, N, Hkv, G, Dv
+    p.cache_bytes_per_key = hint(B) * hint(Hkv) * (D + Dv) * q.element_size()
     # Sizes may be symbolic (a traced graph): the tile and the split count
     # are choices, made from example values; the grid stays symbolic.
     p.block_r = row_tile(hint(G), hint(N))
@@ -614,20 +656,26 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
 def _make_launches(p: _Plan, S: int, bucket: int, q) -> _Launches:
     L = _Launches()
     L.S, L.direct = S, S == 1
+    L.fusable = 1 < S <= FUSED_MAX_SPLITS
     B, Hq, N = p.B, p.Hq, p.N
     L.grid = (S, p.Hkv * p.tiles, B)
     L.comb_grid = (B * Hq * N, 1, 1)
     L.part_numel = 0 if L.direct else B * Hq * N * S * (p.block_dv + 1)
-    L.meta = dict(p.meta, DIRECT=L.direct)
+    L.counters = B * p.Hkv * p.tiles  # one per row tile (the fused combine's)
+    L.meta = dict(p.meta, DIRECT=L.direct, FUSED=False)
     # What the split kernel is launched with: under the interpreter its block
     # too; on CUDA the configs give it.
     L.launch_meta = (dict(L.meta, DOT_UPCAST=q.dtype == torch.bfloat16, BLOCK_N=_INTERPRET_BLOCK_N) if p.interp
                      else dict(L.meta, DOT_UPCAST=False))
-    L.comb_meta = dict(HEAD_DIM_V=p.Dv, BLOCK_DV=p.block_dv, BLOCK_S=max(2, next_pow2(S)))
+    # The same split kernel merging the partials itself (``_run`` says when).
+    block_s = max(2, next_pow2(S))
+    L.fused_meta = dict(L.launch_meta, FUSED=not L.direct, BLOCK_S=block_s)
+    L.launch_meta["BLOCK_S"] = 1  # unused without FUSED: one binary for every S
+    L.comb_meta = dict(HEAD_DIM_V=p.Dv, BLOCK_DV=p.block_dv, BLOCK_S=block_s)
     L.key = (q.dtype, q.device, bucket, tuple(L.meta.items()))
     L.comb_key = (q.device, tuple(L.comb_meta.items()))
     L.bounds_key = (q.device, tuple(p.bounds_meta.items())) if p.meta["HAS_MASK"] else None
-    L.binaries = [None, None, None]  # split, combine, bounds
+    L.binaries = [None, None, None, None]  # split, combine, bounds, fused split
     return L
 
 
@@ -671,7 +719,7 @@ def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream,
     if binary is not None:
         run_binary(binary[0], binary[1], grid, args, stream)
         return
-    cands = (lambda: _split_configs(meta["HAS_MASK"])) if i == 0 else _one_config
+    cands = (lambda: _split_configs(meta["HAS_MASK"])) if i in (0, 3) else _one_config
     launcher(key, cands, lambda m: grid, *args, tune=tune, **meta)
     if cache:
         L.binaries[i] = launcher.binary(key, args, meta, tune)
@@ -760,7 +808,7 @@ class _Call:
     """One exact call signature: its plan, its launches and every integer
     argument (strides, sizes, split count, clamped window)."""
 
-    __slots__ = ("plan", "L", "ints", "windows", "bounds_ints")
+    __slots__ = ("plan", "L", "ints", "windows", "bounds_ints", "fuse")
 
 
 def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, layout,
@@ -817,7 +865,45 @@ def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wind
     limit = N + m_cap
     c.windows = (clamp_window(window_left, limit), clamp_window(window_right, limit))
     c.bounds_ints = (*mst, m_cap, plan.m_rows, plan.m_queries) if attn_mask is not None else None
+    c.fuse = L.fusable and plan.cache_bytes_per_key * hint(m_cap) <= FUSED_MAX_BYTES
     return c
+
+
+# The split kernel merges a call's partials itself (``_decode_split``'s
+# FUSED: one launch per call instead of two) where that pays: eager calls on
+# real tensors outside CUDA graph capture (in traced graphs and under capture
+# a combine kernel follows, since a counter buffer made there would belong to
+# the graph's memory), on caches of at most FUSED_MAX_BYTES of keys and
+# values, with at most FUSED_MAX_SPLITS splits. The fused merge saves the
+# host a launch (13-17 us per call on the H200's host) but costs device time:
+# one program merges its tile's rows one after the other, where the combine
+# kernel has a program per row (4k keys 18.6 against 14.9 us, 32k keys 57.5
+# against 49.3: bench/NOTES.md run 22). Below FUSED_MAX_BYTES (a read of
+# about 16 us at the H200's copy bandwidth) an eager call's device time stays
+# under its host time (SDPA's own host time is about 25 us there), so the
+# extra device time is hidden and the saved launch is not. Tests and
+# benchmarks set FUSE_COMBINE False to compare.
+FUSE_COMBINE = True
+FUSED_MAX_BYTES = 64 << 20
+# With 128 splits (BLOCK_S = 128) the fused split kernel needs 199 registers
+# a thread (Triton 3.6, sm_90a), too many for three programs an SM; with 64, 154.
+FUSED_MAX_SPLITS = 64
+
+# The fused combine's arrival counters, per (device, stream): launches on
+# one stream never overlap, on two they may. Zero between launches, since
+# each row tile's last split sets its counter back (``_decode_split``).
+_COUNTERS: dict = {}
+
+
+def _counters(dev: torch.device, stream, n: int) -> torch.Tensor:
+    """At least ``n`` int32 zeros on ``dev`` for launches on ``stream``."""
+    buf = _COUNTERS.get((dev, stream))
+    if buf is None or buf.numel() < n:
+        # A buffer dropped here may still be in use by a launch queued on
+        # the stream; the allocator reuses its memory only after that launch.
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=dev)
+        _COUNTERS[(dev, stream)] = buf
+    return buf
 
 
 def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool):
@@ -840,13 +926,16 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
         bounds_args = (mask, bounds, *c.bounds_ints)
     else:
         mask, bounds = q, lse  # never read
-    args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, *c.ints, float(scale) * _LOG2E, *c.windows)
+    fused = c.fuse and cache and FUSE_COMBINE and (plan.interp or not torch.cuda.is_current_stream_capturing())
     comb_args = (part, out, lse, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, L.S)
     if plan.interp:
+        count = _counters(dev, None, L.counters) if fused else lse  # lse: never read unfused
+        args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E,
+                *c.windows)
         if attn_mask is not None:
             _mask_bounds[(plan.chunks, B)](*bounds_args, **plan.bounds_meta)
-        _decode_split[L.grid](*args, **L.launch_meta)
-        if not L.direct:
+        _decode_split[L.grid](*args, **(L.fused_meta if fused else L.launch_meta))
+        if not L.direct and not fused:
             _decode_combine[L.comb_grid](*comb_args, **L.comb_meta)
         return out, lse
     index = plan.device_index
@@ -854,10 +943,17 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
     guard = index is not None and index != torch.cuda.current_device()
     with torch.cuda.device(dev) if guard else contextlib.nullcontext():
         stream = _current_stream()
+        count = _counters(dev, stream, L.counters) if fused else lse
+        args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E,
+                *c.windows)
         if attn_mask is not None:
             _launch(2, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
                     False, stream, cache)
-        _launch(0, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
-        if not L.direct:
-            _launch(1, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream, cache)
+        if fused:
+            _launch(3, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
+        else:
+            _launch(0, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
+            if not L.direct:
+                _launch(1, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
+                        cache)
     return out, lse

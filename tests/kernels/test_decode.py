@@ -25,6 +25,14 @@ def poisoned(monkeypatch):
     poison_empty(monkeypatch)
 
 
+@pytest.fixture(params=["fused", "kernel"])
+def combine(request, monkeypatch):
+    """The partials merged by the split kernel's last split, or by the
+    combine kernel (as in traced graphs and under CUDA graph capture)."""
+    monkeypatch.setattr(decode, "FUSE_COMBINE", request.param == "fused")
+    return request.param
+
+
 def _check(q, k, v, out, lse, tol=2e-6, **band):
     want = ref.reference_attention(q, k, v, scale=0.5, **band)
     want_lse = ref.reference_lse(q, k, scale=0.5, **band)
@@ -37,7 +45,7 @@ def _check(q, k, v, out, lse, tol=2e-6, **band):
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("group,n", [(1, 1), (4, 3), (8, 1)])
-def test_split_counts_and_groups(splits, group, n):
+def test_split_counts_and_groups(splits, group, n, combine):
     torch.manual_seed(splits * 10 + group)
     Hkv, M = 2, 45  # 3 key blocks of 16 under the interpreter: 5 splits leave 2 empty
     q = torch.randn(2, Hkv * group, n, 32, device=DEVICE)
@@ -50,7 +58,7 @@ def test_split_counts_and_groups(splits, group, n):
 
 @pytest.mark.parametrize("band", [dict(), dict(window_left=5, window_right=0, bottom_right=True),
                                   dict(window_right=2, bottom_right=True)])
-def test_bands_and_rows_that_see_nothing(band):
+def test_bands_and_rows_that_see_nothing(band, combine):
     torch.manual_seed(1)
     # N > M: under bottom-right causal alignment the first rows see no key.
     q = torch.randn(1, 4, 7, 16, device=DEVICE)
@@ -58,6 +66,65 @@ def test_bands_and_rows_that_see_nothing(band):
     v = torch.randn(1, 2, 5, 16, device=DEVICE)
     out, lse = decode_forward(q, k, v, scale=0.5, num_splits=2, **band)
     _check(q, k, v, out, lse, **band)
+
+
+class _CountLaunches:
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("group,n,tiles", [(4, 3, 1), (8, 16, 1), (16, 16, 2)])
+def test_fused_combine_launches_one_kernel_and_leaves_its_counters_at_zero(monkeypatch, group, n, tiles):
+    """The split kernel merges the partials itself: no combine launch (up to
+    FUSED_MAX_SPLITS splits and FUSED_MAX_BYTES of cache), the same numbers
+    as the combine kernel's, each row tile's arrival counter back at zero,
+    so that the next call (of another shape too) counts from zero; several
+    row tiles per key/value head."""
+    torch.manual_seed(group + n)
+    Hkv, M = 2, 70
+    q = torch.randn(2, Hkv * group, n, 32, device=DEVICE)
+    k = torch.randn(2, Hkv, M, 32, device=DEVICE)
+    v = torch.randn(2, Hkv, M, 16, device=DEVICE)
+    band = dict(window_left=40, window_right=0, bottom_right=True)
+    assert decode.row_tile(group, n) * tiles == max(16, group * n)
+    monkeypatch.setattr(decode, "FUSE_COMBINE", False)
+    want, want_lse = decode_forward(q, k, v, scale=0.5, num_splits=3, **band)
+    monkeypatch.setattr(decode, "FUSE_COMBINE", True)
+    monkeypatch.setattr(decode, "FUSED_MAX_SPLITS", 4)
+    combine = _CountLaunches(decode._decode_combine)
+    monkeypatch.setattr(decode, "_decode_combine", combine)
+    for splits in (3, 5, 2):  # with 3 queries, 5 splits leave the last without a key (the window)
+        before = combine.launches
+        out, lse = decode_forward(q, k, v, scale=0.5, num_splits=splits, **band)
+        _check(q, k, v, out, lse, **band)
+        assert all(not c.any() for c in decode._COUNTERS.values())
+        # More splits than FUSED_MAX_SPLITS: the combine kernel merges them.
+        assert combine.launches - before == (1 if splits > 4 else 0)
+        if splits == 3:
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)  # the same merge, per row
+    # A cache past FUSED_MAX_BYTES: the combine kernel, the same numbers.
+    monkeypatch.setattr(decode, "FUSED_MAX_BYTES", 2 * Hkv * (32 + 16) * 4 * M - 1)  # B * Hkv * (D + Dv) * 4 B * M
+    decode._CALLS.clear()
+    before = combine.launches
+    out, lse = decode_forward(q, k, v, scale=0.5, num_splits=3, **band)
+    assert combine.launches - before == 1
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_counter_buffers_per_stream_and_grown(monkeypatch):
+    """Counters are kept per (device, stream) and replaced by a larger
+    zeroed buffer when a call has more row tiles than the buffer holds."""
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+    a = decode._counters(torch.device("cpu"), 1, 10)
+    assert a.numel() >= 10 and not a.any() and a.dtype == torch.int32
+    assert decode._counters(torch.device("cpu"), 1, 10) is a
+    assert decode._counters(torch.device("cpu"), 2, 10) is not a
+    big = decode._counters(torch.device("cpu"), 1, a.numel() + 1)
+    assert big.numel() > a.numel() and not big.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -198,6 +265,36 @@ def test_op_takes_decode_path_and_its_gradients(monkeypatch):
     torch.testing.assert_close(out.double(), want_out, atol=2e-6, rtol=2e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_combine_against_the_combine_kernel(monkeypatch):
+    """Many back-to-back calls (no synchronisation between them), split
+    counts 2-128, one to several row tiles: the last split of each tile
+    merges partials that other programs wrote during the same launch. A
+    missed ordering (a partial read before it was written, a counter not
+    set back) would show as a large error or NaN (poisoned outputs)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cases = [(1, 32, 8, 1, 4096), (2, 32, 8, 3, 9000), (4, 8, 8, 1, 2048), (1, 64, 4, 16, 20000)]
+    runs = []
+    for B, Hq, Hkv, N, M in cases:
+        q = torch.randn(B, Hq, N, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(B, Hkv, M, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(B, Hkv, M, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for splits in (2, 7, 33, 64, 128):  # 128: more than FUSED_MAX_SPLITS, the combine kernel
+            runs.append((q, k, v, splits))
+    monkeypatch.setattr(decode, "FUSE_COMBINE", False)
+    want = [decode_forward(q, k, v, scale=0.1, num_splits=s, window_right=0, bottom_right=True) for q, k, v, s in runs]
+    monkeypatch.setattr(decode, "FUSE_COMBINE", True)
+    monkeypatch.setattr(decode, "FUSED_MAX_BYTES", 1 << 40)  # every case fused, however long its cache
+    decode._CALLS.clear()
+    for _ in range(25):
+        got = [decode_forward(q, k, v, scale=0.1, num_splits=s, window_right=0, bottom_right=True)
+               for q, k, v, s in runs]
+        for (o, lse), (wo, wlse) in zip(got, want):
+            torch.testing.assert_close(o, wo, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(lse, wlse, atol=1e-5, rtol=1e-5)
+    assert all(not c.any() for c in decode._COUNTERS.values())
 
 
 @pytest.mark.gpu

@@ -1,10 +1,11 @@
 """Host time of eager decoding: the Hugging Face hook's call per layer per
 token against SDPA, and ``generate()`` with a dynamic cache (eager,
-host-bound). flashfuse runs in three variants: as it is ("flashfuse": the
-eager fast path's decode lane, ``flashfuse.fastpath``, and the split kernel
-merging its own partials), with the combine kernel after the split kernel
-("combine kernel", ``decode.FUSE_COMBINE = False``), and without the lane
-("no lane").
+host-bound). flashfuse runs in four variants: as it is ("flashfuse": the
+eager fast path's decode lane, ``flashfuse.fastpath``, the split kernel
+merging its own partials, scratch buffers kept per stream), allocating its
+scratch at every call ("no workspaces", ``decode.WORKSPACES = False``),
+with the combine kernel after the split kernel ("combine kernel",
+``decode.FUSE_COMBINE = False``), and without the lane ("no lane").
 
 Decode calls: one query, Hq = 32, Hkv = 8, D = 128, bf16, 4k cached keys,
 called as a LLaMA layer calls the hook (``flashfuse_attention_forward``, no
@@ -24,7 +25,7 @@ alternating.
 
 ``generate()``: ``bench_generate.py``'s model (LLaMA-shaped, head dim 128,
 16 query and 4 key/value heads, 4 layers), prompt 512, batch 1 and 8,
-greedy, the four variants alternating.
+greedy, the five variants alternating (``--no-generate`` skips it).
 
     python bench/decode_host.py
     python bench/decode_host.py --smoke --out /tmp/x      # tiny, on the CPU
@@ -41,7 +42,7 @@ import common
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("flashfuse", "combine kernel", "no lane", "sdpa")
+VARIANTS = ("flashfuse", "no workspaces", "combine kernel", "no lane", "sdpa")
 
 
 def parse_args():
@@ -49,6 +50,7 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds per measurement")
     p.add_argument("--calls", type=int, default=1500, help="calls per loop")
     p.add_argument("--new", type=int, default=128, help="new tokens per generate() call")
+    p.add_argument("--no-generate", action="store_true", help="skip the generate() rows")
     return p.parse_args()
 
 
@@ -64,10 +66,11 @@ def _variant(name: str):
         return
     fastpath.forget_signatures()
     decode.FUSE_COMBINE = name != "combine kernel"
+    decode.WORKSPACES = name != "no workspaces"
     try:
         yield
     finally:
-        decode.FUSE_COMBINE = True
+        decode.FUSE_COMBINE = decode.WORKSPACES = True
 
 
 def _dtype(device) -> torch.dtype:
@@ -222,8 +225,9 @@ def main():
     print(f"device times done in {time.perf_counter() - t0:.0f} s", flush=True)
     measured.append(dict(what="capture check", variant="is_current_stream_capturing",
                          us_per_call=capture_check_us(device)))
-    measured += generate_rows(device, max(2, rounds // 2), new, args.smoke)
-    print(f"generate done in {time.perf_counter() - t0:.0f} s", flush=True)
+    if not args.no_generate:
+        measured += generate_rows(device, max(2, rounds // 2), new, args.smoke)
+        print(f"generate done in {time.perf_counter() - t0:.0f} s", flush=True)
     for row in measured:
         results.add(**row)
     common.tables_header()
@@ -238,7 +242,8 @@ def main():
                   for r in results.rows if r["what"] == "capture check"))
     gen_rows = [[r["B"], r["variant"], common.fmt(r["tokens_per_s"], 0)] for r in results.rows
                 if r["what"] == "generate dynamic"]
-    common.print_table(gen_rows, ["batch", "variant", "tok/s"], title="generate(), dynamic cache, prompt 512")
+    if gen_rows:
+        common.print_table(gen_rows, ["batch", "variant", "tok/s"], title="generate(), dynamic cache, prompt 512")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ and each later call of it asks only what can move between calls (the
 whether the kernels run on the tensors' device) before calling
 ``decode_forward`` itself: the same function with the same arguments that
 the op's forward reaches through ``run_checked``, ``_attention_forward`` and
-the kernels' route, so the result is bitwise the op's. Anything else takes
+the kernels' route (and ``need_lse=False``: the lse is dropped), so the
+result is bitwise the op's. Anything else takes
 ``run_checked``.
 """
 
@@ -248,4 +249,4 @@ def _run_lane(lane: _DecodeLane, query, key, value, attn_mask) -> Tensor | None:
     LANE_HITS[0] += 1
     return _decode.decode_forward(query, key, value, scale=lane.scale, window_left=lane.window_left,
                                   window_right=lane.window_right, bottom_right=lane.bottom_right,
-                                  attn_mask=attn_mask)[0]
+                                  attn_mask=attn_mask, need_lse=False)[0]

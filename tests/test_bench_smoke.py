@@ -268,7 +268,7 @@ def test_decode_host_smoke(tmp_path):
     rows = read_csv(tmp_path / "decode_host.csv")
     assert {(r["what"], r["variant"]) for r in rows} == {
         (w, v) for w in ("decode call", "generate dynamic")
-        for v in ("flashfuse", "combine kernel", "no lane", "sdpa")} | {
+        for v in ("flashfuse", "no workspaces", "combine kernel", "no lane", "sdpa")} | {
         ("device time", v) for v in ("flashfuse", "combine kernel", "sdpa")} | {
         ("capture check", "is_current_stream_capturing")}
     assert "us per call" in out and "tok/s" in out

@@ -739,7 +739,8 @@ def decode_forward(
     layout: str = "bhsd",
     num_splits: int | None = None,
     attn_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV attention of few queries over a key/value cache.
 
     Args:
@@ -762,11 +763,14 @@ def decode_forward(
             band); a row that sees no key gets 0 and lse +inf. The splits
             share only the keys between the first and last that some row of
             the batch row sees (found on the device, ``_mask_bounds``).
+        need_lse: False when the caller drops the lse (an eager call then
+            writes it into a kept workspace instead of a new tensor).
 
     Returns:
         ``(out, lse)`` as the forward kernel returns them: out (B, Hq, N, Dv)
         in q's dtype laid out as ``empty(B, N, Hq, Dv).transpose(1, 2)``,
-        lse float32 (B, Hq, N) natural log, +inf for rows that see no key.
+        lse float32 (B, Hq, N) natural log, +inf for rows that see no key
+        (None with ``need_lse=False``).
 
     A repeated signature takes its launch plan (see "Launch plans" above).
     """
@@ -801,7 +805,7 @@ def decode_forward(
     else:
         call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right,
                           layout, num_splits, False)
-    return _run(call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache)
+    return _run(call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse)
 
 
 class _Call:
@@ -906,38 +910,102 @@ def _counters(dev: torch.device, stream, n: int) -> torch.Tensor:
     return buf
 
 
-def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool):
+# Eager calls take the buffers that live only within a call (the partials,
+# the mask bounds, and the lse when the caller drops it) from a workspace
+# per (device, stream, what) instead of allocating them at every call: a
+# call's kernels are done with them before the next call's on the same
+# stream start, and calls on two streams get two workspaces. Partials larger
+# than SCRATCH_MAX_FLOATS (64 MiB) are allocated per call, so that no
+# workspace keeps that much memory. Benchmarks set WORKSPACES False to compare.
+_SCRATCH: dict = {}
+SCRATCH_MAX_FLOATS = 1 << 24
+WORKSPACES = True
+
+
+def _scratch(dev: torch.device, stream, what: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A kept buffer of at least ``n`` elements for launches on ``stream``
+    (contents undefined; see above)."""
+    key = (dev, stream, what)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(max(n, 4096), dtype=dtype, device=dev)  # one dropped here: as in _counters
+        _SCRATCH[key] = buf
+    return buf
+
+
+def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool, need_lse: bool = True):
     """Allocate the outputs of call ``c`` and launch its kernels."""
+    plan = c.plan
+    # An eager call on real tensors outside graph capture may merge its
+    # partials in the split kernel and take its scratch from its stream's
+    # workspace (see FUSE_COMBINE and _scratch).
+    eager = cache and (plan.interp or not torch.cuda.is_current_stream_capturing())
+    if plan.interp:
+        return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
+                                    eager, None)
+    index = plan.device_index
+    # A device without an index is the current one.
+    guard = index is not None and index != torch.cuda.current_device()
+    with torch.cuda.device(q.device) if guard else contextlib.nullcontext():
+        return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
+                                    eager, _current_stream())
+
+
+def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool,
+                         need_lse: bool, eager: bool, stream):
+    """``_run`` on the current device; ``stream`` None under the interpreter."""
     plan, L = c.plan, c.L
     B, Hq, N, Dv = plan.B, plan.Hq, plan.N, plan.Dv
     dev = q.device
+    kept = eager and WORKSPACES
     # Fresh allocations are 16-byte aligned (PyTorch's allocators align far
-    # more), as the binaries kept for these arguments assume.
+    # more), as the binaries kept for these arguments assume; so are the
+    # workspaces, fresh allocations that are kept.
     out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=dev)
-    lse = torch.empty((B, Hq, N), dtype=torch.float32, device=dev)
+    if need_lse or not kept:
+        lse = torch.empty((B, Hq, N), dtype=torch.float32, device=dev)
+    else:  # written, never read
+        lse = _scratch(dev, stream, "lse", B * Hq * N, torch.float32)
     # Partial outputs and lse in one buffer (``_parts``); none when direct.
-    part = lse if L.direct else torch.empty((L.part_numel,), dtype=torch.float32, device=dev)
+    if L.direct:
+        part = lse
+    elif kept and L.part_numel <= SCRATCH_MAX_FLOATS:
+        part = _scratch(dev, stream, "part", L.part_numel, torch.float32)
+    else:
+        part = torch.empty((L.part_numel,), dtype=torch.float32, device=dev)
     seqlens = cache_seqlens if cache_seqlens is not None else q  # never read without HAS_SEQLENS
     table = block_table if block_table is not None else q  # never read without PAGED
     if attn_mask is not None:
         # The kernels read the mask through broadcast strides, unexpanded.
         mask = bool_mask_as_bytes(attn_mask)
-        bounds = torch.empty((B, plan.chunks, 2), dtype=torch.int32, device=dev)
+        n_bounds = B * plan.chunks * 2
+        bounds = (_scratch(dev, stream, "bounds", n_bounds, torch.int32) if kept
+                  else torch.empty((n_bounds,), dtype=torch.int32, device=dev))
         bounds_args = (mask, bounds, *c.bounds_ints)
     else:
         mask, bounds = q, lse  # never read
-    fused = c.fuse and cache and FUSE_COMBINE and (plan.interp or not torch.cuda.is_current_stream_capturing())
+    fused = c.fuse and eager and FUSE_COMBINE
+    count = _counters(dev, stream, L.counters) if fused else lse  # lse: never read unfused
+    args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E, *c.windows)
     comb_args = (part, out, lse, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, L.S)
     if plan.interp:
-        count = _counters(dev, None, L.counters) if fused else lse  # lse: never read unfused
-        args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E,
-                *c.windows)
         if attn_mask is not None:
             _mask_bounds[(plan.chunks, B)](*bounds_args, **plan.bounds_meta)
         _decode_split[L.grid](*args, **(L.fused_meta if fused else L.launch_meta))
         if not L.direct and not fused:
             _decode_combine[L.comb_grid](*comb_args, **L.comb_meta)
-        return out, lse
+    else:
+        if attn_mask is not None:
+            _launch(2, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
+                    False, stream, cache)
+        if fused:
+            _launch(3, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
+        else:
+            _launch(0, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
+            if not L.direct:
+                _launch(1, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
+                        cache)
+    return out, (lse if need_lse else None)
     index = plan.device_index
     # A device without an index is the current one.
     guard = index is not None and index != torch.cuda.current_device()

@@ -115,9 +115,37 @@ def test_fused_combine_launches_one_kernel_and_leaves_its_counters_at_zero(monke
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_workspaces_hold_nothing_a_call_reads(combine, masked):
+    """Partials, mask bounds and a dropped lse come from kept workspaces:
+    with every workspace filled with NaN (and the bounds with garbage)
+    before a call, the call is still exact, so it reads only what it
+    wrote; ``need_lse=False`` gives the same output and no lse."""
+    gen = torch.Generator().manual_seed(11)
+    B, Hkv, G, M = 2, 2, 4, 45
+    q = torch.randn(B, Hkv * G, 1, 32, generator=gen).to(DEVICE)
+    k = torch.randn(B, Hkv, M, 32, generator=gen).to(DEVICE)
+    v = torch.randn(B, Hkv, M, 16, generator=gen).to(DEVICE)
+    mask = _mask("prefix", B, Hkv * G, 1, M, gen) if masked else None
+    band = dict(window_right=0, bottom_right=True)
+    decode_forward(q, k, v, scale=0.5, num_splits=3, attn_mask=mask, need_lse=False, **band)
+    assert {w for _, _, w in decode._SCRATCH} >= ({"part", "lse", "bounds"} if masked else {"part", "lse"})
+    for buf in decode._SCRATCH.values():
+        buf.fill_(float("nan") if buf.is_floating_point() else -7)
+    out, none = decode_forward(q, k, v, scale=0.5, num_splits=3, attn_mask=mask, need_lse=False, **band)
+    assert none is None
+    want, want_lse = decode_forward(q, k, v, scale=0.5, num_splits=3, attn_mask=mask, **band)
+    assert torch.equal(out, want)
+    if masked:
+        _check_masked(q, k, v, mask, want, want_lse, **band)
+    else:
+        _check(q, k, v, want, want_lse, **band)
+
+
 def test_counter_buffers_per_stream_and_grown(monkeypatch):
     """Counters are kept per (device, stream) and replaced by a larger
-    zeroed buffer when a call has more row tiles than the buffer holds."""
+    zeroed buffer when a call has more row tiles than the buffer holds; the
+    workspaces likewise, per (device, stream, what)."""
     monkeypatch.setattr(decode, "_COUNTERS", {})
     a = decode._counters(torch.device("cpu"), 1, 10)
     assert a.numel() >= 10 and not a.any() and a.dtype == torch.int32
@@ -125,6 +153,12 @@ def test_counter_buffers_per_stream_and_grown(monkeypatch):
     assert decode._counters(torch.device("cpu"), 2, 10) is not a
     big = decode._counters(torch.device("cpu"), 1, a.numel() + 1)
     assert big.numel() > a.numel() and not big.any()
+    monkeypatch.setattr(decode, "_SCRATCH", {})
+    w = decode._scratch(torch.device("cpu"), 1, "part", 10, torch.float32)
+    assert decode._scratch(torch.device("cpu"), 1, "part", 10, torch.float32) is w
+    assert decode._scratch(torch.device("cpu"), 2, "part", 10, torch.float32) is not w
+    assert decode._scratch(torch.device("cpu"), 1, "lse", 10, torch.float32) is not w
+    assert decode._scratch(torch.device("cpu"), 1, "part", w.numel() + 1, torch.float32).numel() > w.numel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -65,11 +65,12 @@ from . import config, ops
 __all__ = ["attention_op", "may_skip_dispatch", "forget_signatures", "decode_lane_off"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
-# Signatures that passed the op's checks (``_signature``); cleared when full.
-_PASSED: set = set()
-_MAX_SIGNATURES = 1024
-# Passing signatures -> their ``_DecodeLane``, or None (not a decode call).
+# Signatures that passed the op's checks (``_signature``) -> their
+# ``_DecodeLane``, or None (not a decode call); cleared when full. One dict,
+# so that a call hashes its signature once.
 _LANES: dict = {}
+_MAX_SIGNATURES = 1024
+_UNSEEN = object()
 # Calls that took the fast path (tests count them), and of those the decode lane.
 HITS = [0]
 LANE_HITS = [0]
@@ -92,7 +93,6 @@ class _DecodeLane(NamedTuple):
 
 def forget_signatures() -> None:
     """Forget every signature (the next call of each takes the op)."""
-    _PASSED.clear()
     _LANES.clear()
 
 
@@ -184,9 +184,9 @@ def attention_op(
     if may_skip_dispatch(query, key, value, attn_mask, sinks, mask_key_table, mask_query_table):
         sig = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
                          window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
-        if sig in _PASSED:
+        lane = _LANES.get(sig, _UNSEEN)
+        if lane is not _UNSEEN:
             HITS[0] += 1
-            lane = _LANES.get(sig)
             if lane is not None:
                 out = _run_lane(lane, query, key, value, attn_mask)
                 if out is not None:
@@ -200,10 +200,8 @@ def attention_op(
         mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
     if sig is not None:
         # Reached only when the op's checks passed (a bad input raised above).
-        if len(_PASSED) >= _MAX_SIGNATURES:
-            _PASSED.clear()
+        if len(_LANES) >= _MAX_SIGNATURES:
             _LANES.clear()
-        _PASSED.add(sig)
         _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                    window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
     return out

@@ -1006,22 +1006,3 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
                 _launch(1, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
                         cache)
     return out, (lse if need_lse else None)
-    index = plan.device_index
-    # A device without an index is the current one.
-    guard = index is not None and index != torch.cuda.current_device()
-    with torch.cuda.device(dev) if guard else contextlib.nullcontext():
-        stream = _current_stream()
-        count = _counters(dev, stream, L.counters) if fused else lse
-        args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E,
-                *c.windows)
-        if attn_mask is not None:
-            _launch(2, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
-                    False, stream, cache)
-        if fused:
-            _launch(3, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
-        else:
-            _launch(0, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
-            if not L.direct:
-                _launch(1, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
-                        cache)
-    return out, lse

@@ -48,8 +48,7 @@ whether the kernels run on the tensors' device) before calling
 ``decode_forward`` itself: the same function with the same arguments that
 the op's forward reaches through ``run_checked``, ``_attention_forward`` and
 the kernels' route (and ``need_lse=False``: the lse is dropped), so the
-result is bitwise the op's. Anything else takes
-``run_checked``.
+result is bitwise the op's. Anything else takes ``run_checked``.
 """
 
 from __future__ import annotations

@@ -287,22 +287,20 @@ def _decode_split(
                 for r in range(r0, tl.minimum(r0 + BLOCK_R, rows_total)):
                     h_r = kvh * G + r % G
                     i_r = r // G
-                    row = (b64 * Hq + h_r) * N + i_r
-                    o, lse = _merge_row(OPart, LPart, row, S, offs_s, offs_dv, BLOCK_DV)
-                    o_ptrs = (Out + b64 * stride_o_b + h_r.to(tl.int64) * stride_o_h + i_r.to(tl.int64) * stride_o_q
-                              + offs_dv * stride_o_d)
-                    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
-                    tl.store(Lse + row, lse)
+                    _merge_row(OPart, LPart, Out, Lse, (b64 * Hq + h_r) * N + i_r, b64, h_r, i_r, S, offs_s, offs_dv,
+                               stride_o_b, stride_o_h, stride_o_q, stride_o_d, HEAD_DIM_V, BLOCK_DV)
 
 
 @triton.jit
-def _merge_row(OPart, LPart, row, S, offs_s, offs_dv, BLOCK_DV: tl.constexpr):
-    """The exact merge of row ``row``'s S partials (Part as ``_decode_split``
-    writes it, ``offs_s`` covering S): ``lse = log2 sum_s 2**lse_s``, ``out =
+def _merge_row(OPart, LPart, Out, Lse, row, b, h, i, S, offs_s, offs_dv,
+               stride_o_b, stride_o_h, stride_o_q, stride_o_d, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The exact merge of the S partials of row ``row`` (flattened (b, h, i);
+    Part as ``_decode_split`` writes it, ``offs_s`` covering S) into its
+    output and natural-log lse: ``lse = log2 sum_s 2**lse_s``, ``out =
     sum_s 2**(lse_s - lse) out_s``; splits that saw no key weigh 0, a row
-    that saw none gets 0 and lse +inf. Returns the output (BLOCK_DV,) and
-    the natural-log lse. The loads bypass L1 (``.cg``): in the fused
-    combine, other programs wrote the partials during the same launch."""
+    that saw none gets 0 and lse +inf. The loads bypass L1 (``.cg``): in
+    the fused combine, other programs wrote the partials during the same
+    launch."""
     s_ok = offs_s < S
     lse_s = tl.load(LPart + row * S + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse_s, 0)
@@ -315,7 +313,10 @@ def _merge_row(OPart, LPart, row, S, offs_s, offs_dv, BLOCK_DV: tl.constexpr):
     wsum = tl.sum(w, 0)
     o = o / tl.where(none, 1.0, wsum)
     lse = tl.where(none, float("inf"), (m + tl.log2(tl.where(none, 1.0, wsum))) * 0.6931471805599453)
-    return o, lse
+    o_ptrs = (Out + b * stride_o_b + h.to(tl.int64) * stride_o_h + i.to(tl.int64) * stride_o_q
+              + offs_dv * stride_o_d)
+    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+    tl.store(Lse + row, lse)
 
 
 @triton.jit(do_not_specialize=["N", "S"])
@@ -329,15 +330,10 @@ def _decode_combine(
     (b, h, i)) exactly; Part as ``_decode_split`` writes it."""
     row = tl.program_id(0).to(tl.int64)
     OPart, LPart = _parts(Part, tl.num_programs(0), S, BLOCK_DV)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o, lse = _merge_row(OPart, LPart, row, S, tl.arange(0, BLOCK_S), offs_dv, BLOCK_DV)
     per_batch = Hq * N
-    bb = row // per_batch
-    hh = (row % per_batch) // N
-    ii = row % N
-    o_ptrs = Out + bb * stride_o_b + hh * stride_o_h + ii * stride_o_q + offs_dv * stride_o_d
-    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
-    tl.store(Lse + row, lse)
+    _merge_row(OPart, LPart, Out, Lse, row, row // per_batch, (row % per_batch) // N, row % N, S,
+               tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_DV), stride_o_b, stride_o_h, stride_o_q, stride_o_d,
+               HEAD_DIM_V, BLOCK_DV)
 
 
 # ---------------------------------------------------------------------------
@@ -576,8 +572,8 @@ class _Launches:
     """The launches of one plan at one split count: grids, meta, launcher
     keys and, once known, the binaries (``ConfigLauncher.binary``)."""
 
-    __slots__ = ("S", "direct", "fusable", "grid", "comb_grid", "part_numel", "counters", "meta", "launch_meta", "fused_meta",
-                 "comb_meta", "key", "comb_key", "bounds_key", "binaries")
+    __slots__ = ("S", "direct", "fusable", "grid", "comb_grid", "part_numel", "counters", "meta", "launch_meta",
+                 "fused_meta", "comb_meta", "key", "comb_key", "bounds_key", "binaries")
 
 
 def _mask_strides(mask: torch.Tensor) -> tuple:
@@ -665,17 +661,17 @@ def _make_launches(p: _Plan, S: int, bucket: int, q) -> _Launches:
     L.meta = dict(p.meta, DIRECT=L.direct, FUSED=False)
     # What the split kernel is launched with: under the interpreter its block
     # too; on CUDA the configs give it.
-    L.launch_meta = (dict(L.meta, DOT_UPCAST=q.dtype == torch.bfloat16, BLOCK_N=_INTERPRET_BLOCK_N) if p.interp
-                     else dict(L.meta, DOT_UPCAST=False))
+    # BLOCK_S is unused without FUSED: one binary for every S.
+    L.launch_meta = (dict(L.meta, DOT_UPCAST=q.dtype == torch.bfloat16, BLOCK_N=_INTERPRET_BLOCK_N, BLOCK_S=1)
+                     if p.interp else dict(L.meta, DOT_UPCAST=False, BLOCK_S=1))
     # The same split kernel merging the partials itself (``_run`` says when).
     block_s = max(2, next_pow2(S))
-    L.fused_meta = dict(L.launch_meta, FUSED=not L.direct, BLOCK_S=block_s)
-    L.launch_meta["BLOCK_S"] = 1  # unused without FUSED: one binary for every S
+    L.fused_meta = dict(L.launch_meta, FUSED=True, BLOCK_S=block_s)
     L.comb_meta = dict(HEAD_DIM_V=p.Dv, BLOCK_DV=p.block_dv, BLOCK_S=block_s)
     L.key = (q.dtype, q.device, bucket, tuple(L.meta.items()))
     L.comb_key = (q.device, tuple(L.comb_meta.items()))
     L.bounds_key = (q.device, tuple(p.bounds_meta.items())) if p.meta["HAS_MASK"] else None
-    L.binaries = [None, None, None, None]  # split, combine, bounds, fused split
+    L.binaries = [None] * 4  # indexed by _SPLIT, _COMBINE, _BOUNDS, _FUSED_SPLIT
     return L
 
 
@@ -711,6 +707,10 @@ def split_candidates(configs):
         _split_launcher.forget()
 
 
+# The kernels of a call, as ``_Launches.binaries`` and ``_launch`` index them.
+_SPLIT, _COMBINE, _BOUNDS, _FUSED_SPLIT = range(4)
+
+
 def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream, cache: bool) -> None:
     """Launch kernel ``i`` of ``L``: its binary directly once known, else
     through its launcher (which chooses the config and compiles), then ask
@@ -719,7 +719,7 @@ def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream,
     if binary is not None:
         run_binary(binary[0], binary[1], grid, args, stream)
         return
-    cands = (lambda: _split_configs(meta["HAS_MASK"])) if i in (0, 3) else _one_config
+    cands = (lambda: _split_configs(meta["HAS_MASK"])) if launcher is _split_launcher else _one_config
     launcher(key, cands, lambda m: grid, *args, tune=tune, **meta)
     if cache:
         L.binaries[i] = launcher.binary(key, args, meta, tune)
@@ -879,12 +879,13 @@ def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wind
 # a combine kernel follows, since a counter buffer made there would belong to
 # the graph's memory), on caches of at most FUSED_MAX_BYTES of keys and
 # values, with at most FUSED_MAX_SPLITS splits. The fused merge saves the
-# host a launch (13-17 us per call on the H200's host) but costs device time:
+# host a launch (7.5-13 us per call on the H200's host, two runs) but costs
+# device time:
 # one program merges its tile's rows one after the other, where the combine
 # kernel has a program per row (4k keys 18.6 against 14.9 us, 32k keys 57.5
 # against 49.3: bench/NOTES.md run 22). Below FUSED_MAX_BYTES (a read of
 # about 16 us at the H200's copy bandwidth) an eager call's device time stays
-# under its host time (SDPA's own host time is about 25 us there), so the
+# under its host time (SDPA's own host time is 25-35 us there), so the
 # extra device time is hidden and the saved launch is not. Tests and
 # benchmarks set FUSE_COMBINE False to compare.
 FUSE_COMBINE = True
@@ -893,43 +894,31 @@ FUSED_MAX_BYTES = 64 << 20
 # a thread (Triton 3.6, sm_90a), too many for three programs an SM; with 64, 154.
 FUSED_MAX_SPLITS = 64
 
-# The fused combine's arrival counters, per (device, stream): launches on
-# one stream never overlap, on two they may. Zero between launches, since
-# each row tile's last split sets its counter back (``_decode_split``).
-_COUNTERS: dict = {}
-
-
-def _counters(dev: torch.device, stream, n: int) -> torch.Tensor:
-    """At least ``n`` int32 zeros on ``dev`` for launches on ``stream``."""
-    buf = _COUNTERS.get((dev, stream))
-    if buf is None or buf.numel() < n:
-        # A buffer dropped here may still be in use by a launch queued on
-        # the stream; the allocator reuses its memory only after that launch.
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=dev)
-        _COUNTERS[(dev, stream)] = buf
-    return buf
-
-
-# Eager calls take the buffers that live only within a call (the partials,
-# the mask bounds, and the lse when the caller drops it) from a workspace
-# per (device, stream, what) instead of allocating them at every call: a
-# call's kernels are done with them before the next call's on the same
-# stream start, and calls on two streams get two workspaces. Partials larger
-# than SCRATCH_MAX_FLOATS (64 MiB) are allocated per call, so that no
-# workspace keeps that much memory. Benchmarks set WORKSPACES False to compare.
-_SCRATCH: dict = {}
+# Buffers kept per (device, stream, what) (``_workspace``): launches on one
+# stream never overlap, on two they may. Two kinds:
+# * "counters", the fused combine's arrival counters: zero between
+#   launches, since each row tile's last split sets its counter back;
+# * the buffers that live only within an eager call (the partials "part",
+#   the mask "bounds", and the "lse" when the caller drops it), kept instead
+#   of allocated at every call: a call's kernels are done with them before
+#   the next call's on the same stream start. Partials larger than
+#   SCRATCH_MAX_FLOATS (64 MiB) are allocated per call, so that no workspace
+#   keeps that much memory. Benchmarks set WORKSPACES False to compare.
+_WORKSPACES: dict = {}
 SCRATCH_MAX_FLOATS = 1 << 24
 WORKSPACES = True
 
 
-def _scratch(dev: torch.device, stream, what: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """A kept buffer of at least ``n`` elements for launches on ``stream``
-    (contents undefined; see above)."""
+def _workspace(dev: torch.device, stream, what: str, n: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
+    """A kept buffer of at least ``n`` elements for launches on ``stream``:
+    zeros when first made with ``zeroed``, else contents undefined."""
     key = (dev, stream, what)
-    buf = _SCRATCH.get(key)
+    buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < n:
-        buf = torch.empty(max(n, 4096), dtype=dtype, device=dev)  # one dropped here: as in _counters
-        _SCRATCH[key] = buf
+        # A buffer dropped here may still be in use by a launch queued on
+        # the stream; the allocator reuses its memory only after that launch.
+        buf = (torch.zeros if zeroed else torch.empty)(max(n, 4096), dtype=dtype, device=dev)
+        _WORKSPACES[key] = buf
     return buf
 
 
@@ -938,7 +927,7 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
     plan = c.plan
     # An eager call on real tensors outside graph capture may merge its
     # partials in the split kernel and take its scratch from its stream's
-    # workspace (see FUSE_COMBINE and _scratch).
+    # workspace (see FUSE_COMBINE and _workspace).
     eager = cache and (plan.interp or not torch.cuda.is_current_stream_capturing())
     if plan.interp:
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
@@ -965,12 +954,12 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
     if need_lse or not kept:
         lse = torch.empty((B, Hq, N), dtype=torch.float32, device=dev)
     else:  # written, never read
-        lse = _scratch(dev, stream, "lse", B * Hq * N, torch.float32)
+        lse = _workspace(dev, stream, "lse", B * Hq * N, torch.float32)
     # Partial outputs and lse in one buffer (``_parts``); none when direct.
     if L.direct:
         part = lse
     elif kept and L.part_numel <= SCRATCH_MAX_FLOATS:
-        part = _scratch(dev, stream, "part", L.part_numel, torch.float32)
+        part = _workspace(dev, stream, "part", L.part_numel, torch.float32)
     else:
         part = torch.empty((L.part_numel,), dtype=torch.float32, device=dev)
     seqlens = cache_seqlens if cache_seqlens is not None else q  # never read without HAS_SEQLENS
@@ -979,13 +968,14 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
         # The kernels read the mask through broadcast strides, unexpanded.
         mask = bool_mask_as_bytes(attn_mask)
         n_bounds = B * plan.chunks * 2
-        bounds = (_scratch(dev, stream, "bounds", n_bounds, torch.int32) if kept
+        bounds = (_workspace(dev, stream, "bounds", n_bounds, torch.int32) if kept
                   else torch.empty((n_bounds,), dtype=torch.int32, device=dev))
         bounds_args = (mask, bounds, *c.bounds_ints)
     else:
         mask, bounds = q, lse  # never read
     fused = c.fuse and eager and FUSE_COMBINE
-    count = _counters(dev, stream, L.counters) if fused else lse  # lse: never read unfused
+    # lse stands in for the counters unfused: never read there.
+    count = _workspace(dev, stream, "counters", L.counters, torch.int32, zeroed=True) if fused else lse
     args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E, *c.windows)
     comb_args = (part, out, lse, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, L.S)
     if plan.interp:
@@ -996,13 +986,13 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
             _decode_combine[L.comb_grid](*comb_args, **L.comb_meta)
     else:
         if attn_mask is not None:
-            _launch(2, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
+            _launch(_BOUNDS, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
                     False, stream, cache)
         if fused:
-            _launch(3, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
+            _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
         else:
-            _launch(0, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
+            _launch(_SPLIT, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
             if not L.direct:
-                _launch(1, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
+                _launch(_COMBINE, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
                         cache)
     return out, (lse if need_lse else None)

@@ -68,6 +68,10 @@ def test_bands_and_rows_that_see_nothing(band, combine):
     _check(q, k, v, out, lse, **band)
 
 
+def _counter_buffers():
+    return [buf for (_, _, what), buf in decode._WORKSPACES.items() if what == "counters"]
+
+
 class _CountLaunches:
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, 0
@@ -112,7 +116,7 @@ def test_fused_combine_launches_one_kernel_and_leaves_its_counters_at_zero(monke
         before = combine.launches
         out, lse = decode_forward(q, k, v, scale=0.5, num_splits=splits, **band)
         _check(q, k, v, out, lse, **band)
-        assert all(not c.any() for c in decode._COUNTERS.values())
+        assert all(not c.any() for c in _counter_buffers())
         # More splits than FUSED_MAX_SPLITS: the combine kernel merges them.
         assert combine.launches - before == (1 if splits > 4 else 0)
         if splits == 3:
@@ -140,9 +144,10 @@ def test_workspaces_hold_nothing_a_call_reads(combine, masked):
     mask = _mask("prefix", B, Hkv * G, 1, M, gen) if masked else None
     band = dict(window_right=0, bottom_right=True)
     decode_forward(q, k, v, scale=0.5, num_splits=3, attn_mask=mask, need_lse=False, **band)
-    assert {w for _, _, w in decode._SCRATCH} >= ({"part", "lse", "bounds"} if masked else {"part", "lse"})
-    for buf in decode._SCRATCH.values():
-        buf.fill_(float("nan") if buf.is_floating_point() else -7)
+    assert {w for _, _, w in decode._WORKSPACES} >= ({"part", "lse", "bounds"} if masked else {"part", "lse"})
+    for (_, _, what), buf in decode._WORKSPACES.items():
+        if what != "counters":
+            buf.fill_(float("nan") if buf.is_floating_point() else -7)
     out, none = decode_forward(q, k, v, scale=0.5, num_splits=3, attn_mask=mask, need_lse=False, **band)
     assert none is None
     want, want_lse = decode_forward(q, k, v, scale=0.5, num_splits=3, attn_mask=mask, **band)
@@ -157,19 +162,23 @@ def test_counter_buffers_per_stream_and_grown(monkeypatch):
     """Counters are kept per (device, stream) and replaced by a larger
     zeroed buffer when a call has more row tiles than the buffer holds; the
     workspaces likewise, per (device, stream, what)."""
-    monkeypatch.setattr(decode, "_COUNTERS", {})
-    a = decode._counters(torch.device("cpu"), 1, 10)
+    monkeypatch.setattr(decode, "_WORKSPACES", {})
+    cpu = torch.device("cpu")
+
+    def counters(stream, n):
+        return decode._workspace(cpu, stream, "counters", n, torch.int32, zeroed=True)
+
+    a = counters(1, 10)
     assert a.numel() >= 10 and not a.any() and a.dtype == torch.int32
-    assert decode._counters(torch.device("cpu"), 1, 10) is a
-    assert decode._counters(torch.device("cpu"), 2, 10) is not a
-    big = decode._counters(torch.device("cpu"), 1, a.numel() + 1)
+    assert counters(1, 10) is a
+    assert counters(2, 10) is not a
+    big = counters(1, a.numel() + 1)
     assert big.numel() > a.numel() and not big.any()
-    monkeypatch.setattr(decode, "_SCRATCH", {})
-    w = decode._scratch(torch.device("cpu"), 1, "part", 10, torch.float32)
-    assert decode._scratch(torch.device("cpu"), 1, "part", 10, torch.float32) is w
-    assert decode._scratch(torch.device("cpu"), 2, "part", 10, torch.float32) is not w
-    assert decode._scratch(torch.device("cpu"), 1, "lse", 10, torch.float32) is not w
-    assert decode._scratch(torch.device("cpu"), 1, "part", w.numel() + 1, torch.float32).numel() > w.numel()
+    w = decode._workspace(cpu, 1, "part", 10, torch.float32)
+    assert decode._workspace(cpu, 1, "part", 10, torch.float32) is w
+    assert decode._workspace(cpu, 2, "part", 10, torch.float32) is not w
+    assert decode._workspace(cpu, 1, "lse", 10, torch.float32) is not w
+    assert decode._workspace(cpu, 1, "part", w.numel() + 1, torch.float32).numel() > w.numel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -339,7 +348,7 @@ def test_gpu_fused_combine_against_the_combine_kernel(monkeypatch):
         for (o, lse), (wo, wlse) in zip(got, want):
             torch.testing.assert_close(o, wo, atol=2e-3, rtol=2e-3)
             torch.testing.assert_close(lse, wlse, atol=1e-5, rtol=1e-5)
-    assert all(not c.any() for c in decode._COUNTERS.values())
+    assert all(not c.any() for c in _counter_buffers())
 
 
 @pytest.mark.gpu

@@ -15,6 +15,9 @@ FLASHFUSE_TUNING_CACHE     (Triton's file of tuned choices; a path elsewhere, 0:
 FLASHFUSE_BWD              (unset)   one_pass / two_pass: force the backward schedule
 FLASHFUSE_TMA              (unset)   0 / 1: turn off / force tensor-descriptor loads
 FLASHFUSE_HOPPER           (unset)   0: never take the Hopper (Gluon) kernels
+FLASHFUSE_HOPPER_DQ        (unset)   separate / atomic / tma: the Hopper backward's
+                                     schedule (two deterministic kernels, or dQ
+                                     added from the dK/dV kernel)
 FLASHFUSE_DECODE           (unset)   0: never take the split-KV decoding kernels;
                                      1: take them whenever the arguments allow
 FLASHFUSE_DECODE_SPLITS    (unset)   n: force the decoding kernels' split count
@@ -81,6 +84,11 @@ def hopper() -> str:
     return _get("FLASHFUSE_HOPPER")
 
 
+def hopper_dq() -> str:
+    """"", "separate", "atomic" or "tma" as written (checked by the launcher)."""
+    return _get("FLASHFUSE_HOPPER_DQ").strip().lower()
+
+
 def decode() -> str:
     """"", "0" or "1" as written."""
     return _get("FLASHFUSE_DECODE")
@@ -89,6 +97,14 @@ def decode() -> str:
 def decode_splits() -> int | None:
     forced = _get("FLASHFUSE_DECODE_SPLITS")
     return max(1, int(forced)) if forced else None
+
+
+def decode_knobs() -> tuple:
+    """``(decode_splits(), autotune(), interpreter_on())`` in one call: the
+    settings a decode launch plan depends on, read at every decode call."""
+    forced = _get("FLASHFUSE_DECODE_SPLITS")
+    return (max(1, int(forced)) if forced else None, _get("FLASHFUSE_AUTOTUNE", "1") != "0",
+            _get("TRITON_INTERPRET") == "1")
 
 
 def kvcache_checks() -> bool:

@@ -51,6 +51,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from .launch import _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator
 from .problem import AttentionProblem
@@ -58,7 +60,7 @@ from .. import config
 
 __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes", "gluon_available",
            "mean_visible_keys", "hopper_backward", "backward_refusal", "backward_problem_refusal",
-           "traced_backward_takes"]
+           "traced_backward_takes", "backward_path", "hopper_backward_separate", "hopper_backward_fused"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
 SUPPORTED_TRITON = ("3.6",)
@@ -94,6 +96,22 @@ BWD_DQ_STAGES = 2
 # D = 128 slower at 256 keys on average, faster from 512; D = 64 even at
 # 1k, faster from 2k.
 BWD_MIN_KEYS = {128: 384, 64: 1024}
+# The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
+# kernel's tiles and slots, and dQ from the same dS added into a zeroed
+# float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
+# How dQ reaches the buffer: "atomic" (relaxed float32 adds from the
+# consumers' registers) or "tma" (the copy engine's reduce-add from a
+# float32 staging tile in shared memory, one instruction per 64 x D/2
+# tile). BWD_DQ_BUFFERS staging tiles per consumer: with two, a reduce may
+# still be reading one while the next is written (shared memory at D = 128:
+# 194 KiB with one, 226 KiB with two, of the 227 KiB a block may have).
+# FLASHFUSE_HOPPER_DQ overrides the mode; "separate" takes the two
+# deterministic kernels, as torch.use_deterministic_algorithms(True) does.
+BWD_FUSED_DQ = "separate"
+BWD_DQ_CHOICES = ("separate", "atomic", "tma")
+BWD_DQ_BUFFERS = {64: 2, 128: 2}
+# Rows of dQ per program of the convert kernel.
+BWD_CONVERT_ROWS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -305,16 +323,82 @@ def backward_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq,
     return dkdv_args, dkdv_meta, dq_args, dq_meta
 
 
-def hopper_backward(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv)`` on the Hopper kernels, from the forward's ``lse``
-    and ``delta = rowsum(dO * O)`` (minus ``grad_lse`` where lse has a
-    gradient), both (B, Hq, N) float32. Deterministic: each gradient
-    element is written by one program, no atomics."""
-    from . import hopper_gluon
+def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how: str) -> tuple:
+    """``(args, meta)`` of ``_hopper_attn_bwd_fused``; ``dq_acc`` float32
+    (B, Hq, N, D), unit stride along D; ``how``: "atomic" or "tma"."""
+    q_st = (q.stride(0), _stacked_heads_stride(q), q.stride(2))
+    do_st = (grad_out.stride(0), _stacked_heads_stride(grad_out), grad_out.stride(2))
+    acc_st = (dq_acc.stride(0), _stacked_heads_stride(dq_acc), dq_acc.stride(2))
+    band = (p.Hq, p.Hkv, p.N, p.M, p.qk_scale, p.scale, p.diag_off, p.window_left, p.window_right)
+    args = (q, k, v, grad_out, dk, dv, dq_acc, lse, delta, *q_st, *p.k_strides[:3], *p.v_strides[:3], *do_st,
+            *dk.stride()[:3], *dv.stride()[:3], *acc_st, *lse.stride()[:2], *band)
+    meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right, HEAD_DIM=p.D,
+                BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D], DQ_TMA=how == "tma",
+                DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1, num_warps=4, maxnreg=168)
+    return args, meta
 
+
+@triton.jit(do_not_specialize=["N"])
+def _dq_convert(Acc, DQ, stride_a_b, stride_a_h, stride_a_n, stride_q_b, stride_q_h, stride_q_n, N, scale,
+                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """dq = scale * acc in dq's dtype, both with unit stride along D. Plain
+    Triton: an elementwise pass needs nothing of Gluon."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = (rows < N)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    acc = tl.load(Acc + b * stride_a_b + h * stride_a_h + r64 * stride_a_n + cols[None, :], mask=ok, other=0.0)
+    out = (acc * scale).to(DQ.dtype.element_ty)
+    tl.store(DQ + b * stride_q_b + h * stride_q_h + r64 * stride_q_n + cols[None, :], out, mask=ok)
+
+
+def convert_dq(p: AttentionProblem, dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
+    """``dq[...] = p.scale * dq_acc`` rounded to dq's dtype (both (B, Hq, N,
+    D), unit stride along D)."""
+    _dq_convert[(cdiv(p.N, BWD_CONVERT_ROWS), p.Hq, p.B)](
+        dq_acc, dq, *dq_acc.stride()[:3], *dq.stride()[:3], p.N, p.scale, HEAD_DIM=p.D, BLOCK=BWD_CONVERT_ROWS)
+
+
+def backward_path() -> str:
+    """Which Hopper backward runs: "separate" (the two deterministic
+    kernels) under ``torch.use_deterministic_algorithms(True)``, else
+    FLASHFUSE_HOPPER_DQ if set, else ``BWD_FUSED_DQ``."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "separate"
+    forced = config.hopper_dq()
+    if forced:
+        if forced not in BWD_DQ_CHOICES:
+            raise ValueError(f"FLASHFUSE_HOPPER_DQ={forced!r}: expected one of {', '.join(BWD_DQ_CHOICES)}")
+        return forced
+    return BWD_FUSED_DQ
+
+
+def _backward_inputs(lse, delta):
     if lse.stride() != delta.stride():
         lse = lse.contiguous()
         delta = delta.contiguous()
+    return lse, delta
+
+
+def hopper_backward(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` on the Hopper kernels, from the forward's ``lse``
+    and ``delta = rowsum(dO * O)`` (minus ``grad_lse`` where lse has a
+    gradient), both (B, Hq, N) float32: the schedule ``backward_path``
+    names."""
+    how = backward_path()
+    if how == "separate":
+        return hopper_backward_separate(p, grad_out, q, k, v, lse, delta)
+    return hopper_backward_fused(p, grad_out, q, k, v, lse, delta, how=how)
+
+
+def hopper_backward_separate(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple[torch.Tensor, ...]:
+    """The two kernels, dK/dV then dQ. Deterministic: each gradient element
+    is written by one program, no atomics."""
+    from . import hopper_gluon
+
+    lse, delta = _backward_inputs(lse, delta)
     # empty_like, as the portable backward and the traced op's fake give:
     # strides of a dense input (multiples of its 128- or 256-byte rows) or
     # contiguous ones, which the copy engine writes either way.
@@ -324,4 +408,23 @@ def hopper_backward(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple
     with torch.cuda.device(q.device):
         hopper_gluon._hopper_attn_bwd_dkdv[(cdiv(p.M, BWD_BLOCK_N), p.Hkv, p.B)](*dkdv_args, **dkdv_meta)
         hopper_gluon._hopper_attn_bwd_dq[(cdiv(p.N, BWD_DQ_BLOCK_M), p.Hq, p.B)](*dq_args, **dq_meta)
+    return dq, dk, dv
+
+
+def hopper_backward_fused(p: AttentionProblem, grad_out, q, k, v, lse, delta, *,
+                          how: str = "tma") -> tuple[torch.Tensor, ...]:
+    """The fused kernel (dK, dV and the float32 sum of dS·K; ``how``:
+    "atomic" or "tma"), then the convert kernel (dq = scale * sum), with the
+    gradients laid out as ``hopper_backward_separate`` lays them out. dQ's
+    last bits depend on the order the adds land in."""
+    from . import hopper_gluon
+
+    lse, delta = _backward_inputs(lse, delta)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros((p.B, p.Hq, p.N, p.D), dtype=torch.float32, device=q.device)
+    args, meta = fused_kernel_args(p, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how)
+    ensure_scratch_allocator()
+    with torch.cuda.device(q.device):
+        hopper_gluon._hopper_attn_bwd_fused[(cdiv(p.M, BWD_BLOCK_N), p.Hkv, p.B)](*args, **meta)
+        convert_dq(p, dq_acc, dq)
     return dq, dk, dv

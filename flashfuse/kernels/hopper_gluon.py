@@ -7,6 +7,8 @@ Written for Gluon as shipped with Triton 3.6.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _gluon_builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -536,4 +538,274 @@ def _hopper_attn_bwd_dq(
                         window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
         (_ws_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
                       v_ready, v_empty, m0, lo, n_blocks, True, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+# The fused backward (taken unless deterministic algorithms are asked for):
+# the dK/dV kernel's schedule, plus dQ from the same dS, added into a
+# zeroed float32 (B, Hq, N, D) buffer that a convert kernel (hopper.py)
+# then scales and rounds into dq. 5 products per (query block, key block)
+# instead of 7. How the two consumers share the dQ product: each stores its
+# dSᵀ half (64 keys x 64 queries, in dtype) to shared memory, and after an
+# mbarrier handshake each computes dQ for half of the head dim over all 128
+# keys, dQ[:, cols] = dS · K[:, cols], as two products of 64 keys, reading
+# both dSᵀ halves transposed. Against each consumer forming dQ over its own
+# 64 keys for the full head dim: the same products, but every dQ element is
+# added to global memory once instead of twice (the adds are the cost that
+# made the portable one-pass schedule lose, backward.py), the accumulator
+# is [64, D/2] (32 registers a thread at D = 128 instead of 64, on top of
+# dK and dV), and nothing is combined through shared memory in float32.
+# Storing dSᵀ also lets dK read it from shared memory, so the register
+# copy of dSᵀ as an operand goes.
+
+
+@_gluon_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[coord:] += src`` by the copy engine (``cp.reduce.async.bulk``),
+    out-of-bounds rows dropped; completes like a TMA store (``store_wait``).
+    Gluon 3.6 has the op in its builder but no wrapper for it."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _prefetch_stats(Lse, Delta, stat_smem, t, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
+                    BLOCK_M: gl.constexpr):
+    """lse and delta of iteration ``t``'s query rows into ``stat_smem``
+    ([2 * BLOCK_M]: lse, then delta), one element per thread by ``cp.async``;
+    rows past N and iterations past the last are left as zeros."""
+    cp_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    idx = gl.arange(0, 2 * BLOCK_M, layout=cp_layout)
+    is_delta = idx >= BLOCK_M
+    rows = lo_m + (t % n_m) * BLOCK_M + gl.where(is_delta, idx - BLOCK_M, idx)
+    off = stat_b + (h0 + t // n_m).to(gl.int64) * stride_stat_h + rows
+    ptrs = gl.where(is_delta, Delta + off, Lse + off)
+    async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(rows < N) & (t < n_iters))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                    stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b, stride_stat_h, dqa_b,
+                    stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale, diag_off, window_left,
+                    window_right, HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+                    HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                    DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row: gl.constexpr = gl.SliceLayout(1, st_layout)
+    j0 = n0 + HALF * HALF_N
+    k_half = k_smem.index(HALF)
+    v_half = v_smem.index(HALF)
+    # This consumer's columns of K, both key halves: dQ's B operands.
+    k_cols0 = k_smem.index(0).slice(HALF * HALF_D, HALF_D, dim=1)
+    k_cols1 = k_smem.index(1).slice(HALF * HALF_D, HALF_D, dim=1)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    zero_st = gl.zeros([HALF_N, BLOCK_M], gl.float32, st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+    kj = gl.expand_dims(j0 + gl.arange(0, HALF_N, layout=row), 1)
+    right_from = j0 + HALF_N - 1 - diag_off - window_right
+    left_to = j0 - diag_off + window_left - BLOCK_M + 1
+    dq_rows_l: gl.constexpr = gl.SliceLayout(1, dq_layout)
+    dq_cols_l: gl.constexpr = gl.SliceLayout(0, dq_layout)
+    dq_r = gl.arange(0, BLOCK_M, layout=dq_rows_l)
+    dq_c = HALF * HALF_D + gl.arange(0, HALF_D, layout=dq_cols_l)
+    # lse and delta go through shared memory, copied one iteration ahead:
+    # held in registers from their load to their use they would live across
+    # the wait for Sᵀ and dPᵀ, where dK, dV, Sᵀ and dPᵀ already fill the 240
+    # registers at D = 128 (ptxas spilled them). Two buffers per consumer:
+    # buffer (i + 1) % 2, written at iteration i, was last read at i - 1
+    # before that iteration's thread barrier.
+    _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF), 0, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
+                    BLOCK_M)
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_iters):
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        head = h0 + i // n_m
+        m0 = lo_m + (i % n_m) * BLOCK_M
+        qi = m0 + gl.arange(0, BLOCK_M, layout=col)
+        _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF + (i + 1) % 2), i + 1, stat_b, stride_stat_h, N, h0,
+                        lo_m, n_m, n_iters, BLOCK_M)
+        mbarrier.wait(q_ready.index(slot), phase)
+        st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                                is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st_tok, ))
+        async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
+        gl.thread_barrier()  # every thread's element, not only its own
+        stats = stat_smem.index(2 * HALF + i % 2)
+        lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
+        delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
+        need = False
+        if HAS_WINDOW_RIGHT:
+            need = need | (m0 < right_from)
+        if HAS_WINDOW_LEFT:
+            need = need | (m0 > left_to)
+        if need:
+            i2 = gl.expand_dims(qi, 0)
+            vis = (kj >= 0) & (i2 >= 0)
+            if HAS_WINDOW_RIGHT:
+                vis = vis & (kj <= i2 + diag_off + window_right)
+            if HAS_WINDOW_LEFT:
+                vis = vis & (kj >= i2 + diag_off - window_left)
+            st = gl.where(vis, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        # dSᵀ to shared memory first: the other consumer waits for it.
+        # Two buffers, alternating: before this consumer overwrites buffer
+        # i % 2 at iteration i, it has waited (at i - 1) for the other's
+        # iteration i - 1 dS, which the other stores only after its
+        # iteration i - 2 dQ product (the last reader of this buffer) is done.
+        ds0 = ds_smem.index((i % 2) * 2)
+        ds1 = ds_smem.index((i % 2) * 2 + 1)
+        ds_mine = ds_smem.index((i % 2) * 2 + HALF)
+        ds_mine.store(dst.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(i % 2))
+        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+        dk_tok = warpgroup_mma(ds_mine, q_smem.index(slot), dk, is_async=True)
+        mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+        dq_tok = warpgroup_mma(ds0.permute((1, 0)), k_cols0, zero_dq, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq_tok, is_async=True)
+        dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op))
+        mbarrier.arrive(q_empty.index(slot))
+        mbarrier.arrive(do_empty.index(slot))
+        if DQ_TMA:
+            # The reduce that last read this staging buffer (DQ_BUFFERS
+            # iterations ago) must be done reading it before any thread
+            # overwrites it: the thread that issued it waits, the barrier
+            # holds the others.
+            dq_buf = dq_smem.index(HALF * DQ_BUFFERS + i % DQ_BUFFERS)
+            tma.store_wait(DQ_BUFFERS - 1)
+            gl.thread_barrier()
+            dq_buf.store(dq)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_reduce_add(dqa_desc, [head, m0, HALF * HALF_D], dq_buf.reshape([1, BLOCK_M, HALF_D]))
+        else:
+            rows = m0 + dq_r
+            ptrs = (DQacc + dqa_b + head.to(gl.int64) * stride_dqa_h
+                    + gl.expand_dims(rows.to(gl.int64) * stride_dqa_n, 1) + gl.expand_dims(dq_c, 0))
+            gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < N, 1), sem="relaxed")
+    async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
+    if DQ_TMA:
+        tma.store_wait(0)
+    k_half.store((dk * scale).to(dtype))
+    v_half.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [j0, 0], k_half)
+    tma.async_copy_shared_to_global(dv_desc, [j0, 0], v_half)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _hopper_attn_bwd_fused(
+    Q, K, V, DO, DK, DV, DQacc, Lse, Delta,
+    stride_q_b, stride_q_h, stride_q_n,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_do_b, stride_do_h, stride_do_n,
+    stride_dk_b, stride_dk_h, stride_dk_n,
+    stride_dv_b, stride_dv_h, stride_dv_n,
+    stride_dqa_b, stride_dqa_h, stride_dqa_n,
+    stride_stat_b, stride_stat_h,
+    Hq, Hkv, N, M,
+    qk_scale, scale, diag_off, window_left, window_right,
+    HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """dK, dV of one 128-key tile as ``_hopper_attn_bwd_dkdv``, and the tile's
+    unscaled dS·K added into ``DQacc`` (zeroed float32, unit stride along D):
+    by relaxed atomics, or with ``DQ_TMA`` by the copy engine's reduce."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    pid_n = gl.program_id(0)
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
+    G = Hq // Hkv
+    n0 = pid_n * BLOCK_N
+    b64 = b.to(gl.int64)
+    qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    qo3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], gl.float32)
+    dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF_D], gl.float32)
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b, shape=[Hq, N, HEAD_DIM],
+                                        strides=[stride_q_h, stride_q_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
+                                        layout=qo3_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b64 * stride_do_b, shape=[Hq, N, HEAD_DIM],
+                                         strides=[stride_do_h, stride_do_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
+                                         layout=qo3_layout)
+    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, HALF_N, HEAD_DIM, kv_layout)
+    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, HALF_N, HEAD_DIM, kv_layout)
+    dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
+    dv_desc = _head_matrix(DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, M, HALF_N, HEAD_DIM, kv_layout)
+    dqa_desc = tma.make_tensor_descriptor(DQacc + b64 * stride_dqa_b, shape=[Hq, N, HEAD_DIM],
+                                          strides=[stride_dqa_h, stride_dqa_n, 1], block_shape=[1, BLOCK_M, HALF_D],
+                                          layout=dq3_layout)
+
+    lo_m = 0
+    hi_m = N
+    if HAS_WINDOW_RIGHT:
+        lo_m = gl.maximum(n0 - diag_off - window_right, 0)
+        lo_m = (lo_m // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW_LEFT:
+        hi_m = gl.minimum(hi_m, n0 + BLOCK_N - diag_off + window_left)
+    n_m = gl.cdiv(gl.maximum(hi_m - lo_m, 0), BLOCK_M)
+    n_iters = G * n_m
+    n_m = gl.maximum(n_m, 1)  # a divisor; no iteration runs when n_iters is 0
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    # dSᵀ of both consumers, two iterations' worth (see _fused_consumer).
+    ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)  # [buffer * 2 + consumer]
+    stat_smem = gl.allocate_shared_memory(gl.float32, [4, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    if DQ_TMA:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HALF_D], dq_layout)
+    else:
+        dq_smem = ds_smem  # not read
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ halves
+    kv_bar, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
+    h0 = hk * G
+    stat_b = b64 * stride_stat_b
+    dqa_b = b64 * stride_dqa_b
+    gl.warp_specialize([
+        (_fused_consumer, (dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                           dq_smem, stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b,
+                           stride_stat_h,
+                           dqa_b, stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
+                           diag_off, window_left, window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
+                           BLOCK_M, HEAD_DIM, STAGES, DQ_TMA, DQ_BUFFERS)),
+        (_fused_consumer, (dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                           dq_smem, stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b,
+                           stride_stat_h,
+                           dqa_b, stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
+                           diag_off, window_left, window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
+                           BLOCK_M, HEAD_DIM, STAGES, DQ_TMA, DQ_BUFFERS)),
+        (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
+                        do_ready, do_empty, h0, n0, lo_m, n_m, n_iters, HALF_N, BLOCK_M, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])

@@ -395,6 +395,91 @@ def test_backward_kernel_names_nothing_off_cuda():
     assert flashfuse.ops.backward_kernel(q, q, q) is None
 
 
+@contextlib.contextmanager
+def _deterministic():
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+def test_backward_path_rule(monkeypatch):
+    """The default schedule unless deterministic algorithms are on (then
+    the two kernels); FLASHFUSE_HOPPER_DQ names one, and a bad name raises."""
+    monkeypatch.delenv("FLASHFUSE_HOPPER_DQ", raising=False)
+    assert hopper.backward_path() == hopper.BWD_FUSED_DQ in hopper.BWD_DQ_CHOICES
+    for how in hopper.BWD_DQ_CHOICES:
+        monkeypatch.setenv("FLASHFUSE_HOPPER_DQ", how)
+        assert hopper.backward_path() == how
+        with _deterministic():
+            assert hopper.backward_path() == "separate"
+    monkeypatch.setenv("FLASHFUSE_HOPPER_DQ", "fast")
+    with pytest.raises(ValueError, match="FLASHFUSE_HOPPER_DQ"):
+        hopper.backward_path()
+
+
+class _Launch:
+    """A kernel's ``kernel[grid](*args, **meta)``, recorded, not run;
+    ``effect(args)`` stands in for what the kernel writes."""
+
+    def __init__(self, calls, name, effect=None):
+        self.calls, self.name, self.effect = calls, name, effect
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.calls.append((self.name, grid, meta))
+            if self.effect is not None:
+                self.effect(args)
+        return launch
+
+
+@pytest.mark.parametrize("how", ["atomic", "tma"])
+def test_fused_backward_launches(monkeypatch, how):
+    """On CPU tensors, with the Gluon launches recorded: the fused kernel
+    (the dK/dV kernel's grid, the dQ mode and its staging tiles) then the
+    convert kernel, run in the interpreter (dq = scale * the float32 sum,
+    in q's layout); under deterministic algorithms the two kernels and no
+    float32 buffer."""
+    from flashfuse.kernels import hopper_gluon
+
+    monkeypatch.setenv("FLASHFUSE_HOPPER_DQ", how)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    calls = []
+
+    def fused_effect(args):
+        dk, dv, dq_acc = args[4], args[5], args[6]
+        assert dq_acc.dtype == torch.float32 and dq_acc.shape == (1, 4, 300, 64) and (dq_acc == 0).all()
+        dq_acc.copy_(torch.arange(dq_acc.numel(), dtype=torch.float32).reshape(dq_acc.shape) / 1024)
+        dk.zero_()
+        dv.zero_()
+
+    monkeypatch.setattr(hopper_gluon, "_hopper_attn_bwd_fused", _Launch(calls, "fused", fused_effect))
+    monkeypatch.setattr(hopper_gluon, "_hopper_attn_bwd_dkdv", _Launch(calls, "dkdv"))
+    monkeypatch.setattr(hopper_gluon, "_hopper_attn_bwd_dq", _Launch(calls, "dq"))
+    q = torch.randn(1, 300, 4, 64, dtype=torch.bfloat16).transpose(1, 2)  # (B, N, H, D) as projections leave it
+    k = torch.randn(1, 2, 500, 64, dtype=torch.bfloat16)
+    go = torch.randn(1, 4, 300, 64, dtype=torch.bfloat16)
+    lse = torch.randn(1, 4, 300)
+    p = _bwd_problem(q, k, k, window_right=0)
+    dq, dk, dv = hopper.hopper_backward(p, go, q, k, k, lse, lse)
+    assert [c[0] for c in calls] == ["fused"]
+    name, grid, meta = calls[0]
+    assert grid == (4, 2, 1) and meta["DQ_TMA"] is (how == "tma") and meta["HEAD_DIM"] == 64
+    assert meta["DQ_BUFFERS"] == (hopper.BWD_DQ_BUFFERS[64] if how == "tma" else 1)
+    assert meta["STAGES"] == hopper.BWD_STAGES[64] and meta["BLOCK_M"] == hopper.BWD_BLOCK_M
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    want = torch.arange(4 * 300 * 64, dtype=torch.float32).reshape(1, 4, 300, 64) / 1024 * p.scale
+    # one bfloat16 step: the interpreter may round differently from the GPU's nearest-even
+    torch.testing.assert_close(dq.float(), want.bfloat16().float(), atol=0, rtol=2 ** -7)
+    calls.clear()
+    with _deterministic():
+        hopper.hopper_backward(p, go, q, k, k, lse, lse)
+    assert [c[0] for c in calls] == ["dkdv", "dq"]
+    assert calls[0][1] == (4, 2, 1) and calls[1][1] == (3, 4, 1)
+
+
 def _reference_grads(q, k, v, dout, kw, lse_weight=None):
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     out = ref.reference_attention(*leaves, scale=0.125, **kw)
@@ -407,9 +492,11 @@ def _reference_grads(q, k, v, dout, kw, lse_weight=None):
     return [t.grad for t in leaves]
 
 
-def _hopper_grads(q, k, v, dout, kw, grad_lse=None):
+def _hopper_grads(q, k, v, dout, kw, grad_lse=None, path=None):
     """The forward on whichever kernel the op takes, then the Hopper
-    backward kernels called directly (short rows included)."""
+    backward kernels called directly (short rows included): ``path``
+    "separate" (the two deterministic kernels), "atomic" or "tma" (the fused
+    kernel's dQ modes), or None (``hopper_backward``'s own choice)."""
     from flashfuse.kernels import attention_forward, backward
 
     band = dict(dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
@@ -417,23 +504,30 @@ def _hopper_grads(q, k, v, dout, kw, grad_lse=None):
     out, lse = attention_forward(q, k, v, None, None, **band)
     p = _bwd_problem(q, k, v, **kw)
     delta, _ = backward.row_delta(p, out, dout, lse, grad_lse)
-    return hopper.hopper_backward(p, dout, q, k, v, lse, delta)
+    if path is None:
+        return hopper.hopper_backward(p, dout, q, k, v, lse, delta)
+    if path == "separate":
+        return hopper.hopper_backward_separate(p, dout, q, k, v, lse, delta)
+    return hopper.hopper_backward_fused(p, dout, q, k, v, lse, delta, how=path)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["separate", "atomic", "tma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("band", list(BANDS))
 @pytest.mark.parametrize("B,Hq,Hkv,N,M", [(2, 4, 4, 1000, 1000), (1, 8, 2, 129, 4097), (1, 2, 2, 1, 300),
                                           (1, 4, 1, 300, 1), (2, 2, 1, 2048, 640), (1, 3, 1, 77, 200)])
-def test_backward_against_reference(monkeypatch, dtype, D, band, B, Hq, Hkv, N, M):
+def test_backward_against_reference(monkeypatch, path, dtype, D, band, B, Hq, Hkv, N, M):
+    """Every schedule: the two deterministic kernels, and the fused kernel
+    with dQ added by atomics or by the copy engine's reduce."""
     _require_hopper()
     gen = torch.Generator(device="cuda").manual_seed(D * 999983 + N * 17 + M + 5)
     q, k, v = _inputs(B, Hq, Hkv, N, M, D, dtype, "nan_padded", gen)
     dout = in_nan_padding(torch.randn(B, Hq, N, D, generator=gen, device="cuda").to(dtype))
     kw = BANDS[band]
     poison_empty(monkeypatch)
-    dq, dk, dv = _hopper_grads(q, k, v, dout, kw)
+    dq, dk, dv = _hopper_grads(q, k, v, dout, kw, path=path)
     want = _reference_grads(q, k, v, dout, kw)
     for got, exp in zip((dq, dk, dv), want):
         assert not got.isnan().any()
@@ -451,19 +545,47 @@ def test_backward_against_reference(monkeypatch, dtype, D, band, B, Hq, Hkv, N, 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
 def test_backward_layouts_and_repeatability(monkeypatch, layout, D):
-    """The same bits on repeated runs (no atomics), in the layouts models
-    hand the op, against float64."""
+    """Under ``torch.use_deterministic_algorithms(True)`` the backward takes
+    the two kernels: the same bits on repeated runs (no atomics), in the
+    layouts models hand the op, against float64."""
     _require_hopper()
     gen = torch.Generator(device="cuda").manual_seed(13)
     q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
     dout = torch.randn(2, 3000, 8, D, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
     kw = dict(window_right=0)
     poison_empty(monkeypatch)
-    runs = [_hopper_grads(q, k, v, dout, kw) for _ in range(3)]
+    fused = []
+    monkeypatch.setattr(hopper, "hopper_backward_fused", lambda *a, **k: fused.append(1))
+    with _deterministic():
+        runs = [_hopper_grads(q, k, v, dout, kw) for _ in range(3)]
+    assert not fused
     for grads in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads, runs[0]))
     for got, exp in zip(runs[0], _reference_grads(q, k, v, dout, kw)):
         assert _rel(got.cpu(), exp) < 2 * REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["atomic", "tma"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
+def test_fused_backward_layouts(monkeypatch, layout, D, how):
+    """The fused kernel in the layouts models hand the op: gradients laid
+    out as the two kernels lay them out; dK and dV bitwise theirs (the same
+    sums in the same order), dQ equal up to the order of its float32 adds."""
+    _require_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
+    dout = torch.randn(2, 3000, 8, D, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    kw = dict(window_right=0)
+    poison_empty(monkeypatch)
+    got = _hopper_grads(q, k, v, dout, kw, path=how)
+    sep = _hopper_grads(q, k, v, dout, kw, path="separate")
+    for a, b in zip(got, sep):
+        assert a.stride() == b.stride() and not a.isnan().any()
+    assert torch.equal(got[1], sep[1]) and torch.equal(got[2], sep[2])
+    for g, exp in zip(got, _reference_grads(q, k, v, dout, kw)):
+        assert _rel(g.cpu(), exp) < 2 * REL_TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -1,0 +1,180 @@
+"""The Hopper backward's schedules, checked and timed side by side.
+
+* ``separate``: two deterministic kernels, dK/dV per key tile then dQ per
+  query tile (seven products per tile pair);
+* ``atomic``: one kernel, dQ from the dK/dV kernel's dS added into a float32
+  buffer by relaxed atomics, then a convert kernel (five products);
+* ``tma1`` / ``tma2``: the same with the copy engine's reduce-add from one or
+  two float32 staging tiles per consumer.
+
+Each schedule is first checked against float64 at odd sizes and bands
+(NaN-poisoned outputs), in worker processes so that the Gluon compiles run
+in parallel; then the whole Hopper backward of each schedule (given the
+forward's lse and the row delta) is timed at bf16, B·N = 16k, H·D = 2048,
+with SDPA's backward (its default, cuDNN on the H200) in the same process.
+CUDA with Triton 3.6.
+
+    python bench/hopper_backward_schedules.py         # CSV in bench/results/
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+
+SCHEDULES = ("separate", "atomic", "tma1", "tma2")
+# Odd sizes and bands the checks run: (B, Hq, Hkv, N, M), band.
+CHECKS = [((1, 8, 2, 129, 4097), dict(window_right=0, bottom_right=True)),
+          ((2, 2, 1, 2048, 640), dict(window_left=100, window_right=0)),
+          ((1, 3, 1, 77, 200), {}),
+          ((2, 4, 4, 1000, 1000), dict(window_right=0))]
+TIMED = [(D, N, causal) for D in (128, 64) for N in (1024, 4096, 16384) for causal in (False, True)]
+
+
+def _band(kw):
+    return dict(dropout_p=0.0, scale=kw.get("scale", 0.125), window_left=kw.get("window_left"),
+                window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
+
+
+def _setup(q, k, v, do, kw):
+    from flashfuse.kernels import attention_forward, backward
+    from flashfuse.kernels.problem import AttentionProblem
+
+    band = _band(kw)
+    out, lse = attention_forward(q, k, v, None, None, **band)
+    p = AttentionProblem.build(q, k, v, None, **band, backward=True)
+    delta, _ = backward.row_delta(p, out, do, lse)
+    return p, lse.contiguous(), delta.contiguous()
+
+
+def run_schedule(schedule, p, do, q, k, v, lse, delta):
+    """``(dq, dk, dv)`` of one schedule."""
+    from flashfuse.kernels import hopper
+
+    if schedule == "separate":
+        return hopper.hopper_backward_separate(p, do, q, k, v, lse, delta)
+    if schedule == "atomic":
+        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="atomic")
+    buffers = int(schedule[-1])
+    saved = dict(hopper.BWD_DQ_BUFFERS)
+    hopper.BWD_DQ_BUFFERS.update({64: buffers, 128: buffers})
+    try:
+        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma")
+    finally:
+        hopper.BWD_DQ_BUFFERS.update(saved)
+
+
+def _timed_inputs(D, N, causal, device):
+    B, H = 16384 // N, 2048 // D
+    g = torch.Generator(device=device).manual_seed(N + D)
+    q, k, v, do = (torch.randn(B, H, N, D, device=device, generator=g, dtype=torch.bfloat16) for _ in range(4))
+    return q, k, v, do, (dict(window_right=0) if causal else {})
+
+
+def check(job):
+    """Worker: ``_check`` of one (schedule, D); a schedule that fails to
+    compile or launch reports inf and the error."""
+    try:
+        return _check(job)
+    except Exception as e:  # noqa: BLE001 - reported per schedule
+        print(f"{job}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return job, float("inf")
+
+
+def _check(job):
+    """One (schedule, D) at the odd sizes against float64: the largest
+    relative error over dq, dk, dv (inf for NaN, or for an element the
+    kernels left unwritten: the outputs are fresh tensors, and the reference
+    has no NaN). Then one run at each timed shape, to compile those too."""
+    schedule, D = job
+    from flashfuse import reference as ref
+
+    worst = 0.0
+    for i, ((B, Hq, Hkv, N, M), kw) in enumerate(CHECKS):
+        g = torch.Generator(device="cuda").manual_seed(100 * i + D)
+        q = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        do = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(torch.bfloat16)
+        p, lse, delta = _setup(q, k, v, do, kw)
+        # Poison what the allocator hands out next, so that an element the
+        # kernels do not write shows as NaN.
+        torch.full((4 * (q.numel() + k.numel() + v.numel()),), float("nan"), device="cuda")
+        got = run_schedule(schedule, p, do, q, k, v, lse, delta)
+        torch.cuda.synchronize()
+        leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+        want = ref.reference_attention(*leaves, scale=0.125, **kw)
+        want.backward(do.cpu().double())
+        for name, t, e in zip("qkv", got, (leaf.grad for leaf in leaves)):
+            t = t.cpu().double()
+            err = float("inf") if t.isnan().any() else ((t - e).norm() / e.norm().clamp_min(1e-30)).item()
+            print(f"  {schedule:8s} D={D:3d} case {i} d{name}: {err:.2e}", flush=True)
+            worst = max(worst, err)
+    for D_, N, causal in TIMED:
+        if D_ == D:
+            q, k, v, do, kw = _timed_inputs(D, N, causal, "cuda")
+            p, lse, delta = _setup(q, k, v, do, kw)
+            run_schedule(schedule, p, do, q, k, v, lse, delta)
+    torch.cuda.synchronize()
+    return job, worst
+
+
+def _sdpa_backward(q, k, v, do, causal):
+    import torch.nn.functional as F
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=0.125)
+    return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+
+def main():
+    ap = common.base_parser(__doc__.splitlines()[0], budget_s=200)
+    ap.add_argument("--workers", type=int, default=8, help="processes that check and compile the schedules")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    args = ap.parse_args()
+    if args.smoke:
+        sys.exit("the Hopper kernels need a Hopper GPU; there is no smoke run")
+    device, budget = common.start(args)
+    schedules = args.schedules.split(",")
+    env = common.env_info(device)
+    results = common.Results(args.out, "hopper_backward_schedules.csv", env)
+    jobs = [(s, D) for s in schedules for D in (64, 128)]
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        errors = dict(pool.map(check, jobs))
+    print("checked:", {f"{s} D={D}": f"{e:.2e}" for (s, D), e in errors.items()}, flush=True)
+    for D, N, causal in TIMED:
+        if budget.exceeded():
+            print("budget exceeded: the remaining shapes were not timed", flush=True)
+            break
+        q, k, v, do, kw = _timed_inputs(D, N, causal, device)
+        p, lse, delta = _setup(q, k, v, do, kw)
+        flops = common.attention_flops(q.shape[0], q.shape[1], N, N, D, D, causal=causal, mode="bwd")
+        row = dict(D=D, N=N, causal=causal)
+        for s in schedules:
+            if errors[(s, D)] == float("inf"):
+                continue
+            ms = common.bench_ms(lambda s=s: run_schedule(s, p, do, q, k, v, lse, delta), device)
+            results.add(**row, schedule=s, ms=ms, tflops=common.tflops(flops, ms), rel_err=errors[(s, D)])
+        ms = common.bench_ms(_sdpa_backward(q, k, v, do, causal), device)
+        results.add(**row, schedule="sdpa", ms=ms, tflops=common.tflops(flops, ms), rel_err=float("nan"))
+        del q, k, v, do, lse, delta
+    table = []
+    for D, N, causal in TIMED:
+        rows = {r["schedule"]: r for r in results.rows if (r["D"], r["N"], r["causal"]) == (D, N, causal)}
+        if "sdpa" not in rows:
+            continue
+        sdpa = rows["sdpa"]["ms"]
+        table.append([D, N, causal, f"{sdpa:.3f}"] + [
+            f"{rows[s]['ms']:.3f} ({sdpa / rows[s]['ms']:.2f}x)" if s in rows else "-" for s in schedules])
+    common.print_table(table, ["D", "N", "causal", "sdpa ms"] + [f"{s} ms (vs sdpa)" for s in schedules],
+                       title=f"Hopper backward schedules, bf16, B*N = 16k, H*D = 2048 ({env['gpu']}, torch "
+                             f"{env['torch_version']}, Triton {env['triton_version']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import torch  # noqa: E402
+from hopper_backward_configs import _setup, _timed_inputs  # noqa: E402
 
 SCHEDULES = ("separate", "atomic", "tma1", "tma2")
 # Odd sizes and bands the checks run: (B, Hq, Hkv, N, M), band.
@@ -35,22 +36,6 @@ CHECKS = [((1, 8, 2, 129, 4097), dict(window_right=0, bottom_right=True)),
           ((1, 3, 1, 77, 200), {}),
           ((2, 4, 4, 1000, 1000), dict(window_right=0))]
 TIMED = [(D, N, causal) for D in (128, 64) for N in (1024, 4096, 16384) for causal in (False, True)]
-
-
-def _band(kw):
-    return dict(dropout_p=0.0, scale=kw.get("scale", 0.125), window_left=kw.get("window_left"),
-                window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
-
-
-def _setup(q, k, v, do, kw):
-    from flashfuse.kernels import attention_forward, backward
-    from flashfuse.kernels.problem import AttentionProblem
-
-    band = _band(kw)
-    out, lse = attention_forward(q, k, v, None, None, **band)
-    p = AttentionProblem.build(q, k, v, None, **band, backward=True)
-    delta, _ = backward.row_delta(p, out, do, lse)
-    return p, lse.contiguous(), delta.contiguous()
 
 
 def run_schedule(schedule, p, do, q, k, v, lse, delta):
@@ -68,13 +53,6 @@ def run_schedule(schedule, p, do, q, k, v, lse, delta):
         return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma")
     finally:
         hopper.BWD_DQ_BUFFERS.update(saved)
-
-
-def _timed_inputs(D, N, causal, device):
-    B, H = 16384 // N, 2048 // D
-    g = torch.Generator(device=device).manual_seed(N + D)
-    q, k, v, do = (torch.randn(B, H, N, D, device=device, generator=g, dtype=torch.bfloat16) for _ in range(4))
-    return q, k, v, do, (dict(window_right=0) if causal else {})
 
 
 def check(job):

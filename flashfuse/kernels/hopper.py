@@ -21,7 +21,19 @@ themselves, as FlashAttention-3 does:
   blocks over every query head of the group and every query block of the
   band) computing Sᵀ, dPᵀ, dV and dK; then dQ per 128-query tile (q and dO
   loaded once, K and V streamed) computing S, dP and dQ. Both read the
-  forward's lse and the portable preprocess kernel's delta.
+  forward's lse and the portable preprocess kernel's delta. Seven products
+  per (query block, key block).
+* Backward, fused (five products): the dK/dV kernel's schedule, and from the
+  same dS the tile's dS·K added into a zeroed float32 (B, Hq, N, D) buffer;
+  then a plain Triton kernel writes dq = scale * buffer. Each consumer
+  stores its dSᵀ half (64 keys x 64 queries) to shared memory; after an
+  mbarrier handshake each forms dQ for half the head dim over all 128 keys,
+  so every dQ element is added once per key tile. The adds: relaxed float32
+  atomics from registers, or the copy engine's reduce-add from a float32
+  staging tile in shared memory. dQ's last bits then depend on the order
+  the adds land in, so deterministic algorithms take the two kernels.
+  ``backward_path`` says which schedule runs (``BWD_FUSED_DQ``,
+  FLASHFUSE_HOPPER_DQ); bench/NOTES.md has their measured speeds.
 
 Scope (``hopper_refusal`` and ``backward_refusal`` name the first reason a
 call is not taken): fp16/bf16, head dims 64 or 128 (q, k and v alike), any

@@ -45,10 +45,13 @@ bool mask or none, a bottom-right band or none:
 and each later call of it asks only what can move between calls (the
 ``FLASHFUSE_DECODE`` setting, the key count against ``decode.size_refusal``,
 whether the kernels run on the tensors' device) before calling
-``decode_forward`` itself: the same function with the same arguments that
+``decode.lane_forward``: ``decode_forward`` with the same arguments that
 the op's forward reaches through ``run_checked``, ``_attention_forward`` and
 the kernels' route (and ``need_lse=False``: the lse is dropped), so the
-result is bitwise the op's. Anything else takes ``run_checked``.
+result is bitwise the op's. (``lane_forward`` keeps the lane's calls under
+the lane's own object and what its signature leaves free, so a repeated
+call builds a shorter key than ``decode_forward``'s; each is the call
+``decode_forward``'s key keeps.) Anything else takes ``run_checked``.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ _decode = None  # flashfuse.kernels.decode, imported with the first lane
 class _DecodeLane(NamedTuple):
     """A passing signature's call as ``decode_forward`` takes it (see the
     module docstring): the normalised scale and band, the sizes that
-    ``decode.size_refusal`` reads besides the key count, and the device type."""
+    ``decode.size_refusal`` reads besides the key count, the device type, and
+    an object of this signature's own, under which ``decode.lane_forward``
+    keeps its calls."""
 
     scale: float
     window_left: int | None
@@ -88,6 +93,7 @@ class _DecodeLane(NamedTuple):
     N: int  # queries per head
     G: int  # query heads per key/value head
     on_cuda: bool
+    token: object
 
 
 def forget_signatures() -> None:
@@ -187,9 +193,16 @@ def attention_op(
         if lane is not _UNSEEN:
             HITS[0] += 1
             if lane is not None:
-                out = _run_lane(lane, query, key, value, attn_mask)
-                if out is not None:
-                    return out
+                # ``decode_forward``'s output when this call takes the decode
+                # kernels; what is asked is what ``run_checked`` would ask.
+                # (Inline, not a helper: this runs per layer per token.)
+                M = key.shape[2]
+                mode = config.decode()
+                if (mode != "0" and M != 0 and (mode == "1" or _decode.size_refusal(lane.N, lane.G, M) is None)
+                        and (lane.on_cuda or ops._use_triton(query))):
+                    LANE_HITS[0] += 1
+                    return _decode.lane_forward(lane.token, query, key, value, attn_mask, lane.scale,
+                                                lane.window_left, lane.window_right, lane.bottom_right)
             return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                    window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
                                    sinks, plain=True)
@@ -230,20 +243,5 @@ def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, wind
     if _decode.argument_refusal(call) is not None:
         return None
     return _DecodeLane(a.scale, a.window_left, a.window_right, a.bottom_right, query.shape[2],
-                       query.shape[1] // key.shape[1], query.device.type == "cuda")
+                       query.shape[1] // key.shape[1], query.device.type == "cuda", object())
 
-
-def _run_lane(lane: _DecodeLane, query, key, value, attn_mask) -> Tensor | None:
-    """``decode_forward``'s output for a call of ``lane``'s signature, or
-    None when this call does not take the decode kernels (the caller then
-    takes ``run_checked``). What it asks is what ``run_checked`` would."""
-    M = key.shape[2]
-    mode = config.decode()
-    if mode == "0" or M == 0 or (mode != "1" and _decode.size_refusal(lane.N, lane.G, M) is not None):
-        return None
-    if not lane.on_cuda and not ops._use_triton(query):
-        return None
-    LANE_HITS[0] += 1
-    return _decode.decode_forward(query, key, value, scale=lane.scale, window_left=lane.window_left,
-                                  window_right=lane.window_right, bottom_right=lane.bottom_right,
-                                  attn_mask=attn_mask, need_lse=False)[0]

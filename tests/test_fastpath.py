@@ -309,3 +309,55 @@ def test_calls_the_decode_kernels_cannot_serve_never_take_the_lane(monkeypatch, 
     for _ in range(3):
         flashfuse.attention(*args, **kw)
     assert _hits() == hits + 2 and _lane_hits() == before
+
+
+def _lane_call(q, k, v):
+    """The call ``decode.lane_forward`` keeps for these tensors (the key
+    it builds, under the one lane of the test's signature)."""
+    (lane,) = [lane for lane in fastpath._LANES.values() if lane is not None]
+    key = (lane.token, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() & 15, k.data_ptr() & 15,
+           v.data_ptr() & 15, None, config.decode_knobs(), "ieee")
+    return decode._CALLS[key]
+
+
+def test_decode_lane_keeps_no_stale_call(monkeypatch):
+    """The lane keeps its calls per what its signature leaves free: a change
+    of strides, alignment, key length or split setting between two calls of
+    one signature gets the call ``decode_forward``'s own key keeps for it
+    (split count included), and the op's bits; a repeat takes the kept call."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    q, k, v = _qkv(M=40, seed=3)
+    flashfuse.attention(q, k, v, **DECODE)  # the signature passes the op
+    big = torch.randn(1, 2, 45, 17, generator=torch.Generator().manual_seed(4))
+    variants = [
+        ("splits 2", q, k, v),
+        ("splits 5", q, k, v),
+        ("strides", q.transpose(1, 2).contiguous().transpose(1, 2), big[:, :, :40, :16], big[:, :, 5:, 1:]),
+        ("misaligned", q, torch.randn(1 + k.numel())[1:].view_as(k).copy_(k), v),
+        ("longer", q, big[:, :, :44, :16], big[:, :, 1:, :16]),
+    ]
+    for name, qq, kk, vv in variants:
+        monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "5" if name == "splits 5" else "2")
+        for _ in range(2):
+            before = _lane_hits()
+            got = flashfuse.attention(qq, kk, vv, **DECODE)
+            assert _lane_hits() == before + 1, name
+            assert torch.equal(got, OP(qq, kk, vv, **DECODE)), name
+            call = _lane_call(qq, kk, vv)
+            knobs = config.decode_knobs()
+            own = decode._cached_call(qq, kk, vv, None, None, None, None, 0, True, "bhsd", None, knobs)
+            assert call is own, name
+            assert call.L.S == (5 if name == "splits 5" else 2), name
+
+
+def test_decode_lane_calls_go_with_the_plans():
+    """Dropping the plans (``forget_plans``, as a launcher's ``forget`` does)
+    drops the lane's kept calls too: they live in ``decode._CALLS``."""
+    decode.forget_plans()
+    q, k, v = _qkv(M=600)  # past MIN_KEYS
+    for _ in range(2):
+        flashfuse.attention(q, k, v, **DECODE)
+    call = _lane_call(q, k, v)
+    decode.forget_plans()
+    flashfuse.attention(q, k, v, **DECODE)
+    assert _lane_call(q, k, v) is not call

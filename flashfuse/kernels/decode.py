@@ -58,7 +58,7 @@ import triton.language as tl
 from .. import config
 from .forward import _LOG2E, _dot
 from .launch import (
-    _DRY_RUN, ConfigLauncher, _autotune_enabled, _bucket, _current_stream, _dot_precision, _fingerprint,
+    _DRY_RUN, ConfigLauncher, _autotune_enabled, _bucket, _device_stream, _dot_precision, _fingerprint,
     _interpreting, bool_mask_as_bytes, cdiv, clamp_window, device_shared_mem, hint, next_pow2, run_binary, static_int,
 )
 
@@ -542,9 +542,15 @@ def decode_suits(call: DecodeCall) -> bool:
 # itself decides the split count per call, and a plan keeps one entry per
 # (split count, tuning bucket) (``_Launches``). Knobs read through
 # ``config`` (split count, autotuning, the interpreter) are part of the key.
+# A dynamic cache misses the exact dict at every new length; without a mask
+# or a block table such a call skips the plan key too (``_GROWN``). The eager
+# fast path's decode lane keeps its calls in the same dict under a shorter
+# key (``lane_forward``), so that dropping the calls drops them too.
 
 _PLANS: dict = {}  # signature (``_plan_key``) -> _Plan
-_CALLS: dict = {}  # exact call signature (``decode_forward``) -> _Call, to skip even the plan key
+# exact call signature (``decode_forward``), or a lane's shorter key (``lane_forward``) -> _Call, to skip even
+# the plan key
+_CALLS: dict = {}
 _MAX_PLANS = 512  # signatures kept, each; past this a cache starts afresh
 PLAN_MISSES = [0]  # plans built (tests count them)
 
@@ -553,6 +559,7 @@ def forget_plans() -> None:
     """Drop every launch plan (the next call of each signature builds one)."""
     _PLANS.clear()
     _CALLS.clear()
+    _GROWN.clear()
 
 
 for _launcher in (_split_launcher, _combine_launcher, _bounds_launcher):
@@ -565,7 +572,7 @@ class _Plan:
 
     __slots__ = ("B", "Hq", "N", "Hkv", "G", "Dv", "block_r", "tiles", "want", "forced", "interp", "tune",
                  "meta", "chunks", "bounds_meta", "m_rows", "m_queries", "block_dv", "launches", "device_index",
-                 "cache_bytes_per_key")
+                 "cache_bytes_per_key", "sizes")
 
 
 class _Launches:
@@ -617,6 +624,9 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
     page_size = static_int(page_size)
     G = Hq // Hkv
     p.B, p.Hq, p.N, p.Hkv, p.G, p.Dv = B, Hq, N, Hkv, G, Dv
+    # The split kernel's integer arguments after the strides and before the
+    # length: out's strides, Hq, N, G.
+    p.sizes = (N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, G)
     p.cache_bytes_per_key = hint(B) * hint(Hkv) * (D + Dv) * q.element_size()
     # Sizes may be symbolic (a traced graph): the tile and the split count
     # are choices, made from example values; the grid stays symbolic.
@@ -783,29 +793,74 @@ def decode_forward(
              and (block_table is None or type(block_table) in _PLAIN)
              and (attn_mask is None or type(attn_mask) in _PLAIN) and not _DRY_RUN.get())
     if cache:
-        # The settings the plans depend on (see "Launch plans"), read once.
-        knobs = (config.decode_splits(), config.autotune(), config.interpreter_on())
-        key = (
-            q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype, q.device,
-            layout, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
-            None if cache_seqlens is None else (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
-                                                cache_seqlens.data_ptr() & 15),
-            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
-                                              block_table.data_ptr() & 15),
-            None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
-            window_left, window_right, bottom_right, num_splits, knobs, _dot_precision(q),
-        )
-        call = _CALLS.get(key)
-        if call is None:
-            call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right,
-                              bottom_right, layout, num_splits, True, knobs)
-            if len(_CALLS) >= _MAX_PLANS:
-                _CALLS.clear()
-            _CALLS[key] = call
+        call = _cached_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right,
+                            layout, num_splits, config.decode_knobs())
     else:
         call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right,
                           layout, num_splits, False)
     return _run(call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse)
+
+
+def _cached_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, layout,
+                 num_splits, knobs):
+    """The kept call of ``decode_forward``'s arguments on real tensors
+    (``knobs``: the settings the plans depend on, see "Launch plans"),
+    built when new."""
+    ks, vs, kst, vst = k.shape, v.shape, k.stride(), v.stride()
+    # Everything of the exact key but k's and v's shapes and strides
+    # (``_GROWN``'s key starts from it).
+    rest = (
+        q.shape, q.stride(), q.dtype, k.dtype, v.dtype, q.device,
+        layout, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+        None if cache_seqlens is None else (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+                                            cache_seqlens.data_ptr() & 15),
+        None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                          block_table.data_ptr() & 15),
+        None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
+        window_left, window_right, bottom_right, num_splits, knobs, _dot_precision(q),
+    )
+    key = (ks, kst, vs, vst, rest)
+    call = _CALLS.get(key)
+    if call is None:
+        if attn_mask is None and block_table is None:
+            call = _grown_call(q, k, v, ks, vs, kst, vst, rest, cache_seqlens, window_left, window_right,
+                               bottom_right, layout, num_splits, knobs)
+        else:
+            call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right,
+                              bottom_right, layout, num_splits, True, knobs)
+        if len(_CALLS) >= _MAX_PLANS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bottom_right) -> torch.Tensor:
+    """``decode_forward(q, k, v, scale=scale, window_left=window_left,
+    window_right=window_right, bottom_right=bottom_right,
+    attn_mask=attn_mask, need_lse=False)[0]``, for the eager fast path's
+    decode lane (``flashfuse.fastpath``): a lane stands for one signature
+    whose calls all passed the op's checks, which fixes the tensors' types
+    (real), dtypes, device, q's shape, every size of k and v but the key
+    length, and the band and scale (its arguments here). So its calls are
+    kept under ``(token, what the signature leaves free)`` in ``_CALLS``
+    (``token``: an object of the lane's own, compared by identity),
+    each the call ``decode_forward``'s own key finds (``_cached_call``):
+    a repeated call builds the shorter key and skips the call's checks."""
+    if _DRY_RUN.get():
+        return decode_forward(q, k, v, scale=scale, window_left=window_left, window_right=window_right,
+                              bottom_right=bottom_right, attn_mask=attn_mask, need_lse=False)[0]
+    knobs = config.decode_knobs()
+    key = (token, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() & 15, k.data_ptr() & 15,
+           v.data_ptr() & 15, None if attn_mask is None else (attn_mask.shape, attn_mask.stride(),
+                                                              attn_mask.data_ptr() & 15), knobs, _dot_precision(q))
+    call = _CALLS.get(key)
+    if call is None:
+        call = _cached_call(q, k, v, None, None, attn_mask, window_left, window_right, bottom_right, "bhsd", None,
+                            knobs)
+        if len(_CALLS) >= _MAX_PLANS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return _run(call, q, k, v, None, None, attn_mask, scale, True, False)[0]
 
 
 class _Call:
@@ -815,25 +870,23 @@ class _Call:
     __slots__ = ("plan", "L", "ints", "windows", "bounds_ints", "fuse")
 
 
+def _kernel_strides(k, v, block_table, layout):
+    """Hkv, the capacity, k's and v's strides in the kernel's (page or batch
+    row, slot, head, dim) order, and the table's strides."""
+    ks, vs = k.stride(), v.stride()
+    if block_table is not None:
+        return k.shape[2], block_table.shape[1] * k.shape[1], ks, vs, block_table.stride()
+    if layout == "bhsd":
+        return k.shape[1], k.shape[2], (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3]), (0, 0)
+    return k.shape[2], k.shape[1], ks, vs, (0, 0)
+
+
 def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right, bottom_right, layout,
                num_splits, cache: bool, knobs: tuple = ()) -> _Call:
     # The strides that may move with the cache length, in the kernel's
     # (page or batch row, slot, head, dim) order, and the capacity.
-    ks, vs = k.stride(), v.stride()
-    if block_table is not None:
-        num_pages, page_size, Hkv = k.shape[0], k.shape[1], k.shape[2]
-        m_cap = block_table.shape[1] * page_size
-        kst, vst = ks, vs
-        tst = block_table.stride()
-    else:
-        num_pages, page_size = 1, 1
-        tst = (0, 0)
-        if layout == "bhsd":
-            Hkv, m_cap = k.shape[1], k.shape[2]
-            kst, vst = (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3])
-        else:
-            Hkv, m_cap = k.shape[2], k.shape[1]
-            kst, vst = ks, vs
+    Hkv, m_cap, kst, vst, tst = _kernel_strides(k, v, block_table, layout)
+    num_pages, page_size = (k.shape[0], k.shape[1]) if block_table is not None else (1, 1)
     mst = _mask_strides(attn_mask) if attn_mask is not None else (0, 0, 0, 0)
     plan = None
     if cache:
@@ -850,13 +903,25 @@ def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wind
             _PLANS[key] = plan
     elif attn_mask is not None:
         _check_mask_shape(attn_mask, (plan.B, plan.Hq, plan.N, m_cap))
+    c = _finish_call(plan, q, (*q.stride(), *kst, *vst, *tst, *mst), m_cap, hint(m_cap), num_pages, window_left,
+                     window_right, num_splits, cache)
+    c.bounds_ints = (*mst, m_cap, plan.m_rows, plan.m_queries) if attn_mask is not None else None
+    return c
+
+
+def _finish_call(plan: _Plan, q, head: tuple, m_cap, m_hint: int, num_pages, window_left, window_right, num_splits,
+                 cache: bool) -> _Call:
+    """The call of ``plan`` with ``m_cap`` keys a row can hold (``m_hint``
+    its example value when symbolic): its split count, launches and integer
+    arguments (``head``: the strides of q, k, v, the table and the mask, in
+    the kernel's order); no mask bounds."""
     if num_splits is not None:
         S = max(1, int(num_splits))
     elif plan.forced is not None:
         S = plan.forced
     else:
-        S = _splits_for_keys(plan.want, hint(m_cap))
-    bucket = 0 if plan.interp else _bucket(cdiv(m_cap, S), 1 << 16)
+        S = _splits_for_keys(plan.want, m_hint)
+    bucket = 0 if plan.interp else _bucket(cdiv(m_hint, S), 1 << 16)
     L = plan.launches.get((S, bucket))
     if L is None:
         L = _make_launches(plan, S, bucket, q)
@@ -864,13 +929,54 @@ def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wind
             plan.launches[(S, bucket)] = L
     c = _Call()
     c.plan, c.L = plan, L
-    B, Hq, N, Dv = plan.B, plan.Hq, plan.N, plan.Dv
-    c.ints = (*q.stride(), *kst, *vst, *tst, *mst, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, plan.G, m_cap, num_pages, S)
-    limit = N + m_cap
-    c.windows = (clamp_window(window_left, limit), clamp_window(window_right, limit))
-    c.bounds_ints = (*mst, m_cap, plan.m_rows, plan.m_queries) if attn_mask is not None else None
-    c.fuse = L.fusable and plan.cache_bytes_per_key * hint(m_cap) <= FUSED_MAX_BYTES
+    c.ints = (*head, *plan.sizes, m_cap, num_pages, S)
+    limit = plan.N + m_cap
+    c.windows = (0 if window_left is None else clamp_window(window_left, limit),
+                 0 if window_right is None else clamp_window(window_right, limit))
+    c.bounds_ints = None
+    c.fuse = L.fusable and plan.cache_bytes_per_key * m_hint <= FUSED_MAX_BYTES
     return c
+
+
+# A dynamic cache is one key longer at every token: a new exact call
+# signature (sizes and strides) each time, whose plan only the strides'
+# specialisation and the sizes other than the length decide. For calls
+# without a mask or a block table, ``_GROWN`` maps the exact key less k's
+# and v's sizes and strides, plus those sizes but the length, to the plan
+# and the specialisation fingerprint of k's and v's strides it was built
+# for: a call with the same fingerprint takes that plan without building
+# the plan key (``_grown_call``). Everything else the plan key holds is in
+# the exact key (``decode_forward``) or fixed by the absent mask and table;
+# v's length is read by nothing.
+_GROWN: dict = {}
+
+
+def _grown_call(q, k, v, ks, vs, kst, vst, rest, cache_seqlens, window_left, window_right, bottom_right, layout,
+                num_splits, knobs) -> _Call:
+    """The call of a signature without mask or block table (``rest``: its
+    exact key less k's and v's sizes and strides, ``rest[1]`` q's strides):
+    from ``_GROWN``'s plan when one matches, else through ``_make_call``,
+    whose plan is then recorded."""
+    if len(ks) != 4 or len(vs) != 4:
+        return _make_call(q, k, v, cache_seqlens, None, None, window_left, window_right, bottom_right, layout,
+                          num_splits, True, knobs)
+    if layout == "bhsd":  # (B, Hkv, M, D), strides in the kernel's (b, slot, head, dim) order
+        m, kv = ks[2], (kst[0], kst[2], kst[1], kst[3], vst[0], vst[2], vst[1], vst[3])
+        gkey = (ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], rest)
+    else:  # (B, M, Hkv, D)
+        m, kv = ks[1], (*kst, *vst)
+        gkey = (ks[0], ks[2], ks[3], vs[0], vs[2], vs[3], rest)
+    fp = _fingerprint(kv)
+    entry = _GROWN.get(gkey)
+    if entry is not None and entry[1] == fp:
+        return _finish_call(entry[0], q, (*rest[1], *kv, 0, 0, 0, 0, 0, 0), m, m, 1, window_left, window_right,
+                            num_splits, True)
+    call = _make_call(q, k, v, cache_seqlens, None, None, window_left, window_right, bottom_right, layout,
+                      num_splits, True, knobs)
+    if len(_GROWN) >= _MAX_PLANS:
+        _GROWN.clear()
+    _GROWN[gkey] = (call.plan, fp)
+    return call
 
 
 # The split kernel merges a call's partials itself (``_decode_split``'s
@@ -925,19 +1031,24 @@ def _workspace(dev: torch.device, stream, what: str, n: int, dtype: torch.dtype,
 def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool, need_lse: bool = True):
     """Allocate the outputs of call ``c`` and launch its kernels."""
     plan = c.plan
+    if plan.interp:
+        # eager as below: no graph capture under the interpreter.
+        return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
+                                    cache, None)
     # An eager call on real tensors outside graph capture may merge its
     # partials in the split kernel and take its scratch from its stream's
     # workspace (see FUSE_COMBINE and _workspace).
-    eager = cache and (plan.interp or not torch.cuda.is_current_stream_capturing())
-    if plan.interp:
-        return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
-                                    eager, None)
+    eager = cache and not torch.cuda.is_current_stream_capturing()
     index = plan.device_index
-    # A device without an index is the current one.
-    guard = index is not None and index != torch.cuda.current_device()
-    with torch.cuda.device(q.device) if guard else contextlib.nullcontext():
+    current = torch.cuda.current_device()
+    if index is None or index == current:  # a device without an index is the current one
+        # The current device read once: the stream Triton's own launch would
+        # take (``launch._current_stream``), without reading it again.
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
-                                    eager, _current_stream())
+                                    eager, _device_stream(current))
+    with torch.cuda.device(q.device):
+        return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
+                                    eager, _device_stream(index))
 
 
 def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool,
@@ -977,7 +1088,8 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
     # lse stands in for the counters unfused: never read there.
     count = _workspace(dev, stream, "counters", L.counters, torch.int32, zeroed=True) if fused else lse
     args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E, *c.windows)
-    comb_args = (part, out, lse, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, L.S)
+    # The combine kernel's arguments, when it runs.
+    comb_args = None if L.direct or fused else (part, out, lse, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, L.S)
     if plan.interp:
         if attn_mask is not None:
             _mask_bounds[(plan.chunks, B)](*bounds_args, **plan.bounds_meta)
@@ -989,7 +1101,11 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
             _launch(_BOUNDS, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
                     False, stream, cache)
         if fused:
-            _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
+            binary = L.binaries[_FUSED_SPLIT]
+            if binary is not None:  # ``_launch``'s direct launch, without its frame: the usual eager call
+                run_binary(binary[0], binary[1], L.grid, args, stream)
+            else:
+                _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
         else:
             _launch(_SPLIT, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
             if not L.direct:

@@ -290,11 +290,10 @@ def run_binary(binary, tail, grid3, args, stream) -> None:
     ``args``; ``tail`` the parameters after them (``ConfigLauncher.binary``)."""
     # Every parameter in order, constexprs included: Triton's launcher
     # takes the bound arguments as they are and skips the constexprs.
-    full = (*args, *tail)
     enter, leave = _launch_hooks()
-    metadata = binary.launch_metadata(grid3, stream, *full) if enter is not None else None
+    metadata = binary.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
     binary.run(grid3[0], grid3[1], grid3[2], stream, binary.function, binary.packed_metadata, metadata, enter, leave,
-               *full)
+               *args, *tail)
 
 
 # Set by ``dry_run``: launchers choose their configs but launch nothing.
@@ -522,6 +521,13 @@ def _current_stream():
     """The raw CUDA stream Triton would launch on: the current device's."""
     driver = triton.runtime.driver.active
     return driver.get_current_stream(driver.get_current_device())
+
+
+def _device_stream(index: int):
+    """``_current_stream()`` for a caller that has just read the current
+    device's index (``torch.cuda.current_device()``, which Triton's driver
+    reads too when PyTorch is loaded): that device's current raw stream."""
+    return triton.runtime.driver.active.get_current_stream(index)
 
 
 def _launch_hooks():

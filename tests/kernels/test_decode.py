@@ -281,6 +281,114 @@ def test_repeated_call_takes_its_plan(monkeypatch):
     _check(q, k2, v2, out6, lse6, window_right=0, bottom_right=True)
 
 
+def _cache(buf, layout, M, Hkv, D):
+    """A cache of M keys as a dynamic cache hands it over: a fresh contiguous
+    tensor per length (views of one buffer), (B, Hkv, M, D) or (B, M, Hkv, D)."""
+    n = Hkv * M * D
+    return buf[:n].view(1, Hkv, M, D) if layout == "bhsd" else buf[:n].view(1, M, Hkv, D)
+
+
+def _assert_as_built(q, k, v, layout, **kw):
+    """The call ``decode_forward`` just kept for these arguments is the one
+    ``_make_call`` builds from the plan key: same plan, launches, integer
+    arguments, windows and fused merge."""
+    call = list(decode._CALLS.values())[-1]
+    want = _REAL_MAKE_CALL(q, k, v, kw.get("cache_seqlens"), None, None, kw.get("window_left"),
+                           kw.get("window_right"), True, layout, kw.get("num_splits"), True,
+                           flashfuse.config.decode_knobs())
+    assert call.plan is want.plan and call.L is want.L
+    assert (call.ints, call.windows, call.fuse, call.bounds_ints) == (want.ints, want.windows, want.fuse,
+                                                                      want.bounds_ints)
+    return call
+
+
+_REAL_MAKE_CALL = decode._make_call
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_growing_cache_reuses_its_plan_without_the_plan_key(monkeypatch, layout):
+    """A dynamic cache (one key more per call, a fresh contiguous tensor each
+    time, so new strides): a length whose strides specialise as a kept
+    plan's takes that plan (``_GROWN``) without ``_make_call``, and its call
+    is the one ``_make_call`` would build, split count included as it moves
+    with the length; a length whose strides specialise otherwise (head dim
+    24: ``M * 24`` is a multiple of 16 for even M only) does not take it.
+    Bitwise what a cold call (every plan dropped) gives."""
+    decode.forget_plans()
+    monkeypatch.setattr(decode, "_INTERPRET_SMS", 16)  # the split count moves with the length
+    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 8)
+    built = []
+    monkeypatch.setattr(decode, "_make_call", lambda *a: built.append(a[3]) or _REAL_MAKE_CALL(*a))
+    torch.manual_seed(8)
+    Hkv, D = 1, 24
+    q = torch.randn(1, 4, 1, D, device=DEVICE)
+    buf = torch.randn(Hkv * 64 * D, device=DEVICE)
+    band = dict(window_right=0)
+    splits, outs = set(), {}
+    for M in (30, 32, 34, 40, 48, 31, 33, 35, 36):
+        k = _cache(buf, layout, M, Hkv, D)
+        before = len(built)
+        outs[M] = decode_forward(q, k, k, scale=0.5, bottom_right=True, layout=layout, **band)
+        call = _assert_as_built(q, k, k, layout, **band)
+        splits.add(call.L.S)
+        # Built only for the first even and odd lengths, and at each change of parity.
+        assert len(built) - before == (M in (30, 31, 36)), M
+    assert len(splits) > 1
+    decode.forget_plans()
+    for M, (out, lse) in outs.items():
+        k = _cache(buf, layout, M, Hkv, D)
+        want, want_lse = decode_forward(q, k, k, scale=0.5, bottom_right=True, layout=layout, **band)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), M
+
+
+@pytest.mark.parametrize("change", ["dtype", "splits", "strides", "window", "seqlens"])
+def test_growing_cache_takes_no_stale_plan(monkeypatch, change):
+    """After a few lengths of a dynamic cache, a call that changes something
+    else between two lengths (dtype, the split setting, strides that
+    specialise otherwise, the window, per-row lengths) gets the call built
+    for it, not the kept plan's."""
+    decode.forget_plans()
+    torch.manual_seed(9)
+    Hkv, D = 2, 16
+    q = torch.randn(1, 4, 1, D, device=DEVICE)
+    buf = torch.randn(Hkv * 80 * D, device=DEVICE)
+    kw = dict(window_right=0)
+    for M in (30, 31, 32):
+        k = _cache(buf, "bhsd", M, Hkv, D)
+        decode_forward(q, k, k, scale=0.5, bottom_right=True, **kw)
+    k = _cache(buf, "bhsd", 33, Hkv, D)
+    qq = q
+    if change == "dtype":
+        qq, k = q.double(), k.double()
+    elif change == "splits":
+        monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "3")
+    elif change == "strides":
+        k = torch.randn(1, Hkv, 33, D + 1, device=DEVICE)[..., :D]  # row stride D + 1: not a multiple of 16
+    elif change == "window":
+        kw["window_left"] = 4
+    else:
+        kw["cache_seqlens"] = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    out, lse = decode_forward(qq, k, k, scale=0.5, bottom_right=True, **kw)
+    call = _assert_as_built(qq, k, k, "bhsd", **kw)
+    if change == "splits":
+        assert call.L.S == 3
+    decode.forget_plans()
+    want, want_lse = decode_forward(qq, k, k, scale=0.5, bottom_right=True, **kw)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_decode_knobs_follow_the_environment(monkeypatch):
+    """The decode plans' settings, read in one call, are the three settings
+    read apart, at every call."""
+    from flashfuse import config
+
+    for splits, tune in (("", "0"), ("4", "1"), ("7", "0")):
+        monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", splits)
+        monkeypatch.setenv("FLASHFUSE_AUTOTUNE", tune)
+        assert config.decode_knobs() == (config.decode_splits(), config.autotune(), config.interpreter_on())
+        assert config.decode_knobs()[:2] == ((int(splits) if splits else None), tune != "0")
+
+
 @pytest.mark.parametrize("forced", ["1", "2", "9"])
 def test_split_knob_forces_the_count(monkeypatch, forced):
     """FLASHFUSE_DECODE_SPLITS decides the split count the kernels run

@@ -111,17 +111,21 @@ BWD_MIN_KEYS = {128: 384, 64: 1024}
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
-# How dQ reaches the buffer: "atomic" (relaxed float32 adds from the
-# consumers' registers) or "tma" (the copy engine's reduce-add from a
+# How dQ reaches the buffer: "tma" (the copy engine's reduce-add from a
 # float32 staging tile in shared memory, one instruction per 64 x D/2
-# tile). BWD_DQ_BUFFERS staging tiles per consumer: with two, a reduce may
-# still be reading one while the next is written (shared memory at D = 128:
-# 194 KiB with one, 226 KiB with two, of the 227 KiB a block may have).
-# FLASHFUSE_HOPPER_DQ overrides the mode; "separate" takes the two
-# deterministic kernels, as torch.use_deterministic_algorithms(True) does.
-BWD_FUSED_DQ = "separate"
+# tile) or "atomic" (relaxed float32 adds from the consumers' registers).
+# Measured (bench/results/hopper_backward_schedules.csv, bench/NOTES.md run
+# 23, an H100): "tma" is the fastest schedule at every timed shape, 1.02-1.18x
+# the two kernels at D = 128 and 1.12-1.28x at D = 64; "atomic" the slowest.
+# BWD_DQ_BUFFERS staging tiles per consumer: with two, a reduce may still be
+# reading one while the next is written; that paid at D = 64 (up to 5 %)
+# and lost at D = 128, where the 32 KiB more shared memory (226 of the 227
+# KiB a block may have) came with more spills. FLASHFUSE_HOPPER_DQ overrides
+# the mode; "separate" takes the two deterministic kernels, as
+# torch.use_deterministic_algorithms(True) does.
+BWD_FUSED_DQ = "tma"
 BWD_DQ_CHOICES = ("separate", "atomic", "tma")
-BWD_DQ_BUFFERS = {64: 2, 128: 2}
+BWD_DQ_BUFFERS = {64: 2, 128: 1}
 # Rows of dQ per program of the convert kernel.
 BWD_CONVERT_ROWS = 64
 

@@ -272,6 +272,48 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
+def _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
+                 HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The query blocks a dK/dV program streams for keys ``n0 .. n0 +
+    BLOCK_N - 1``: ``(lo_m, n_m, n_iters)``, the first row (rounded down to
+    a block), the blocks per query head (at least 1: a divisor) and the
+    iterations over the G heads of the group (0 when no row sees a key)."""
+    lo_m = 0
+    hi_m = N
+    if HAS_WINDOW_RIGHT:
+        lo_m = gl.maximum(n0 - diag_off - window_right, 0)
+        lo_m = (lo_m // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW_LEFT:
+        hi_m = gl.minimum(hi_m, n0 + BLOCK_N - diag_off + window_left)
+    n_m = gl.cdiv(gl.maximum(hi_m - lo_m, 0), BLOCK_M)
+    n_iters = G * n_m
+    return lo_m, gl.maximum(n_m, 1), n_iters
+
+
+@gluon.jit
+def _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left, window_right,
+                                 HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr):
+    """Transposed scores (keys ``kj`` by queries ``qi``) set to -inf outside
+    the band, only for a query block starting at ``m0`` that crosses an edge
+    of it (``right_from`` / ``left_to``: the block starts between which every
+    row sees all of this consumer's keys)."""
+    need = False
+    if HAS_WINDOW_RIGHT:
+        need = need | (m0 < right_from)
+    if HAS_WINDOW_LEFT:
+        need = need | (m0 > left_to)
+    if need:
+        i2 = gl.expand_dims(qi, 0)
+        vis = (kj >= 0) & (i2 >= 0)
+        if HAS_WINDOW_RIGHT:
+            vis = vis & (kj <= i2 + diag_off + window_right)
+        if HAS_WINDOW_LEFT:
+            vis = vis & (kj >= i2 + diag_off - window_left)
+        st = gl.where(vis, st, float("-inf"))
+    return st
+
+
+@gluon.jit
 def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
                  do_ready, do_empty, h0, n0, lo_m, n_m, n_iters, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
@@ -338,19 +380,8 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
         dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)
         st = warpgroup_mma_wait(1, deps=(st_tok, ))
-        need = False
-        if HAS_WINDOW_RIGHT:
-            need = need | (m0 < right_from)
-        if HAS_WINDOW_LEFT:
-            need = need | (m0 > left_to)
-        if need:
-            i2 = gl.expand_dims(qi, 0)
-            vis = (kj >= 0) & (i2 >= 0)
-            if HAS_WINDOW_RIGHT:
-                vis = vis & (kj <= i2 + diag_off + window_right)
-            if HAS_WINDOW_LEFT:
-                vis = vis & (kj >= i2 + diag_off - window_left)
-            st = gl.where(vis, st, float("-inf"))
+        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left, window_right,
+                                          HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -408,16 +439,8 @@ def _hopper_attn_bwd_dkdv(
     dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
     dv_desc = _head_matrix(DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, M, HALF_N, HEAD_DIM, kv_layout)
 
-    lo_m = 0
-    hi_m = N
-    if HAS_WINDOW_RIGHT:
-        lo_m = gl.maximum(n0 - diag_off - window_right, 0)
-        lo_m = (lo_m // BLOCK_M) * BLOCK_M
-    if HAS_WINDOW_LEFT:
-        hi_m = gl.minimum(hi_m, n0 + BLOCK_N - diag_off + window_left)
-    n_m = gl.cdiv(gl.maximum(hi_m - lo_m, 0), BLOCK_M)
-    n_iters = G * n_m
-    n_m = gl.maximum(n_m, 1)  # a divisor; no iteration runs when n_iters is 0
+    lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                      HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
@@ -649,19 +672,8 @@ def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_sm
         stats = stat_smem.index(2 * HALF + i % 2)
         lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
         delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
-        need = False
-        if HAS_WINDOW_RIGHT:
-            need = need | (m0 < right_from)
-        if HAS_WINDOW_LEFT:
-            need = need | (m0 > left_to)
-        if need:
-            i2 = gl.expand_dims(qi, 0)
-            vis = (kj >= 0) & (i2 >= 0)
-            if HAS_WINDOW_RIGHT:
-                vis = vis & (kj <= i2 + diag_off + window_right)
-            if HAS_WINDOW_LEFT:
-                vis = vis & (kj >= i2 + diag_off - window_left)
-            st = gl.where(vis, st, float("-inf"))
+        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left, window_right,
+                                          HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -764,16 +776,8 @@ def _hopper_attn_bwd_fused(
                                           strides=[stride_dqa_h, stride_dqa_n, 1], block_shape=[1, BLOCK_M, HALF_D],
                                           layout=dq3_layout)
 
-    lo_m = 0
-    hi_m = N
-    if HAS_WINDOW_RIGHT:
-        lo_m = gl.maximum(n0 - diag_off - window_right, 0)
-        lo_m = (lo_m // BLOCK_M) * BLOCK_M
-    if HAS_WINDOW_LEFT:
-        hi_m = gl.minimum(hi_m, n0 + BLOCK_N - diag_off + window_left)
-    n_m = gl.cdiv(gl.maximum(hi_m - lo_m, 0), BLOCK_M)
-    n_iters = G * n_m
-    n_m = gl.maximum(n_m, 1)  # a divisor; no iteration runs when n_iters is 0
+    lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                      HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)

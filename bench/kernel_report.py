@@ -14,6 +14,13 @@ machine's, so counts can differ there.
     python bench/kernel_report.py --d 64 --n 1024 --causal --dropout 0.1
     python bench/kernel_report.py --d 128 --n 4096 --all-configs --dump kernels_dump
     python bench/kernel_report.py --d 128 --h 32 --kv-heads 8 --decode-keys 4096 --n 1
+    python bench/kernel_report.py --hopper --d 128 --causal    # the Gluon kernels (Triton 3.6)
+
+``--hopper`` compiles the Hopper (Gluon) kernels as their launchers would
+launch them for the problem (forward, the two deterministic backward
+kernels and the fused backward with each dQ mode), with their launch
+options; registers are per thread at launch (the consumer warp groups run
+at 240 after ``setmaxnreg``), spills and stack are the kernel's.
 """
 
 from __future__ import annotations
@@ -83,6 +90,64 @@ def _signature(fn, args, kwargs, cfg_kwargs):
         else:
             raise TypeError(f"{name}: cannot type {type(v).__name__}")
     return sig, consts, attrs
+
+
+class _LaunchOptions:
+    """What ``report`` reads of a Triton config, for a Gluon launch."""
+
+    def __init__(self, kwargs: dict, num_warps: int, label: str = ""):
+        self.kwargs, self.num_warps, self.num_stages, self.label = kwargs, num_warps, 1, label
+
+
+def compile_gluon_sm90(fn, args, meta):
+    """Compile one Gluon launch (positional ``args``, ``meta`` with its
+    constexprs and the launch options ``num_warps`` / ``maxnreg``) for
+    sm_90a; returns Triton's CompiledKernel and the options for ``report``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    # num_warps is also a constexpr parameter of these kernels; maxnreg only a launch option.
+    consts = {k: v for k, v in meta.items() if k != "maxnreg"}
+    sig, consts, attrs = _signature(fn, args, consts, {})
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": meta["num_warps"], "maxnreg": meta["maxnreg"]})
+    return kernel, _LaunchOptions(consts, meta["num_warps"])
+
+
+def hopper_launches(a, dtype):
+    """``(name, kernel, args, meta)`` of every Hopper kernel for the problem
+    of ``a`` (B, H, kv heads, N, D, causal), built by the launchers' own
+    argument functions on CPU tensors."""
+    from flashfuse.kernels import hopper, hopper_gluon
+    from flashfuse.kernels.problem import AttentionProblem
+
+    hkv = a.kv_heads or a.h
+    q = torch.randn(a.b, a.h, a.n, a.d, dtype=dtype)
+    k, v = (torch.randn(a.b, hkv, a.n, a.d, dtype=dtype) for _ in range(2))
+    band = dict(dropout_p=0.0, scale=a.d ** -0.5, window_left=None, window_right=0 if a.causal else None,
+                bottom_right=False)
+    p = AttentionProblem.build(q, k, v, None, **band, backward=True)
+    out, dout = torch.empty_like(q), torch.randn_like(q)
+    lse = torch.empty(a.b, a.h, a.n)
+    delta = torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launches = [("forward", hopper_gluon._hopper_attn_fwd_ws, *hopper.kernel_args(p, q, k, v, out, lse))]
+    a1, m1, a2, m2 = hopper.backward_kernel_args(p, dout, q, k, v, lse, delta, dq, dk, dv)
+    launches += [("dK/dV (deterministic)", hopper_gluon._hopper_attn_bwd_dkdv, a1, m1),
+                 ("dQ (deterministic)", hopper_gluon._hopper_attn_bwd_dq, a2, m2)]
+    acc = torch.empty(a.b, a.h, a.n, a.d)
+    for how in ("tma", "atomic"):
+        args, meta = hopper.fused_kernel_args(p, dout, q, k, v, lse, delta, acc, dk, dv, how)
+        if how == "atomic":
+            launches.append(("fused, dQ by atomics", hopper_gluon._hopper_attn_bwd_fused, args, meta))
+            continue
+        for tiles in (1, 2):  # staging tiles per consumer (hopper.BWD_DQ_BUFFERS)
+            launches.append((f"fused, dQ by the copy engine, {tiles} staging tile{'s' * (tiles > 1)}"
+                             + (" (default)" if tiles == hopper.BWD_DQ_BUFFERS[a.d] else ""),
+                             hopper_gluon._hopper_attn_bwd_fused, args, dict(meta, DQ_BUFFERS=tiles)))
+    return launches
 
 
 def compile_sm90(fn, args, kwargs, cfg):
@@ -188,6 +253,9 @@ def main():
     p.add_argument("--decode-keys", type=int,
                    help="--n new queries against this many cached keys, bottom-right causal, inference "
                         "(the split-KV decode kernels)")
+    p.add_argument("--hopper", action="store_true",
+                   help="the Hopper (Gluon) kernels instead, as their launchers launch them (needs the Triton "
+                        "version flashfuse's Gluon code is written for)")
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -220,7 +288,20 @@ def main():
             out.sum().backward()
 
     rows = []
-    for launcher, _key, candidates, _grid, args, kwargs in capture_launches(run):
+    if a.hopper:
+        from flashfuse.kernels import hopper
+
+        if not hopper.gluon_available():
+            sys.exit(f"--hopper: the Gluon kernels are written for Triton {', '.join(hopper.SUPPORTED_TRITON)}")
+        for name, fn, args, meta in hopper_launches(a, dtype):
+            kernel, opts = compile_gluon_sm90(fn, args, meta)
+            row = report(kernel, opts)
+            row["config"] = name
+            rows.append(row)
+        candidates_of = []
+    else:
+        candidates_of = capture_launches(run)
+    for launcher, _key, candidates, _grid, args, kwargs in candidates_of:
         for cfg in candidates if a.all_configs else candidates[:1]:
             try:
                 kernel = compile_sm90(launcher.kernel, args, kwargs, cfg)

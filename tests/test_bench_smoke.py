@@ -180,6 +180,31 @@ def test_kernel_report_compiles_for_hopper():
         assert rows[name]["regs"] is not None, rows[name]
 
 
+def test_kernel_report_compiles_the_hopper_kernels():
+    # --hopper compiles the Gluon kernels as their launchers launch them:
+    # each has Hopper matrix instructions and the launch's register cap.
+    # Gluon's API is version-bound, so this runs where the Triton
+    # flashfuse's Gluon code is written for is installed.
+    from flashfuse.kernels import hopper
+
+    if not hopper.gluon_available():
+        pytest.skip(f"the Gluon kernels are written for Triton {hopper.SUPPORTED_TRITON}")
+    import json
+
+    # The caller's path stays after the root: it may be where that Triton is.
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path, OMP_NUM_THREADS="1")
+    proc = script_runner.run(os.path.join(BENCH, "kernel_report.py"), "--hopper", "--d", "64", "--n", "256",
+                             "--causal", "--json", cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["config"].split(",")[0] for r in rows] == [
+        "forward", "dK/dV (deterministic)", "dQ (deterministic)", "fused", "fused", "fused"]
+    assert sum("(default)" in r["config"] for r in rows) == 1
+    for r in rows:
+        assert "error" not in r and r["HGMMA"] > 0 and r["regs"] == 168, r
+
+
 def test_dropout_adds_no_layout_conversion_to_the_forward():
     # The dropout stream is laid out as the accumulator holds the scores, so
     # drawing it must not move data between threads: as many layout

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import config, ops, reference
+from . import config, fastpath, ops, reference
 
 __all__ = ["attention_with_lse", "attention_with_kvcache"]
 
@@ -270,16 +270,37 @@ _lib.impl("_attention_with_kvcache_cpu", _kvcache_forward, "CPU")
 torch.library.register_fake("flashfuse::_attention_with_kvcache_cpu", _kvcache_fake, lib=_lib)
 
 
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, scale, is_causal, window_left, num_splits):
+    """What the op runs on real tensors once dispatched (see ``_kvcache_op``)."""
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, scale, is_causal, window_left, num_splits)
+    if q.device.type == "cuda":
+        return _kvcache_forward(*args)
+    return torch.ops.flashfuse._attention_with_kvcache_cpu(*args)
+
+
 @torch.library.triton_op("flashfuse::attention_with_kvcache", mutates_args=())
 def _kvcache_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor], block_table: Optional[Tensor],
     scale: float, is_causal: bool, window_left: Optional[int], num_splits: Optional[int],
 ) -> tuple[Tensor, Tensor]:
     """See :func:`attention_with_kvcache` (arguments checked there; scale given)."""
-    args = (q, k_cache, v_cache, cache_seqlens, block_table, scale, is_causal, window_left, num_splits)
-    if q.device.type == "cuda":
-        return _kvcache_forward(*args)
-    return torch.ops.flashfuse._attention_with_kvcache_cpu(*args)
+    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, scale, is_causal, window_left,
+                         num_splits)
+
+
+def _may_skip_dispatch(q, k_cache, v_cache, cache_seqlens, block_table) -> bool:
+    """Whether an eager call may run ``_kvcache_impl`` itself instead of the
+    op. The op's dispatch of a plain eager call (``fastpath.may_skip_dispatch``:
+    real tensors, no mode, tracer, compiler, functorch transform or profiler)
+    reaches exactly that function: its autograd kernel runs the forward
+    without recording anything when no input needs a gradient, and its
+    backend kernel calls the function. The Python of that dispatch cost
+    about half of an eager decode call's host time (bench/NOTES.md run 23).
+    A call whose inputs need a gradient takes the op, whose autograd node
+    raises the "inference only" error at the backward."""
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        return False
+    return fastpath.may_skip_dispatch(q, k_cache, v_cache, cache_seqlens, block_table)
 
 
 _kvcache_op.register_fake(_kvcache_fake)
@@ -373,6 +394,9 @@ def attention_with_kvcache(
     if (_value_checks_enabled() and ops._plain_eager_call(q, k_cache, cache_seqlens, block_table)
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         check_kvcache_values(k_cache, cache_seqlens, block_table)
-    out, lse = torch.ops.flashfuse.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-                                                          float(scale), bool(is_causal), window_left, num_splits)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, float(scale), bool(is_causal), window_left, num_splits)
+    if _may_skip_dispatch(q, k_cache, v_cache, cache_seqlens, block_table):
+        out, lse = _kvcache_impl(*args)
+    else:
+        out, lse = torch.ops.flashfuse.attention_with_kvcache(*args)
     return (out, lse) if return_lse else out

@@ -161,6 +161,59 @@ def test_kvcache_is_inference_only():
         out.sum().backward()
 
 
+def test_eager_calls_skip_the_dispatcher_only_where_it_is_the_same(path, monkeypatch):
+    """A plain eager call runs the op's implementation itself (the
+    dispatcher's Python cost half an eager decode call): bitwise the op's
+    result. Calls that need the op take it: inputs that need a gradient
+    (its autograd node raises "inference only"), a dispatch mode, a
+    torch-function mode, a profiler."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashfuse import kvcache
+
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    q = torch.randn(2, 8, 2, 16, generator=gen, device=DEVICE)
+    k, v = (torch.randn(2, 40, 2, 16, generator=gen, device=DEVICE) for _ in range(2))
+    lens = torch.tensor([0, 33], dtype=torch.int32, device=DEVICE)
+    ops_seen = []
+    real_op = torch.ops.flashfuse.attention_with_kvcache
+
+    class _Counting:  # the op packet, counting calls through the dispatcher
+        def __call__(self, *args):
+            ops_seen.append(1)
+            return real_op(*args)
+
+        def __getattr__(self, name):
+            return getattr(real_op, name)
+
+    monkeypatch.setattr(torch.ops.flashfuse, "attention_with_kvcache", _Counting())
+    out, lse = flashfuse.attention_with_kvcache(q, k, v, lens, return_lse=True, num_splits=3)
+    assert not ops_seen
+    want, want_lse = real_op(q, k, v, lens, None, 0.25, True, None, 3)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+    class _Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class _SeenFn(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for ctx in (_Seen(), _SeenFn(), torch.profiler.profile()):
+        ops_seen.clear()
+        with ctx:
+            got = flashfuse.attention_with_kvcache(q, k, v, lens, num_splits=3)
+        assert ops_seen and torch.equal(got, want), type(ctx).__name__
+    ops_seen.clear()
+    q.requires_grad_(True)
+    assert not kvcache._may_skip_dispatch(q, k, v, lens, None)
+    with torch.no_grad():
+        assert kvcache._may_skip_dispatch(q, k, v, lens, None)
+    got = flashfuse.attention_with_kvcache(q, k, v, lens, num_splits=3)
+    assert ops_seen and got.grad_fn is not None and torch.equal(got.detach(), want)
+
+
 def test_kvcache_traces_with_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

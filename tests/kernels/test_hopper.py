@@ -349,6 +349,10 @@ def test_backward_dispatch_routes_through_the_one_rule(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flashfuse import kernels
+    # Imported before TRITON_INTERPRET is unset: Triton reads it when a
+    # kernel is defined, and a kernel module first imported without it would
+    # stay built for the GPU in this process (later CPU tests then fail).
+    from flashfuse.kernels import backward
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
@@ -367,8 +371,6 @@ def test_backward_dispatch_routes_through_the_one_rule(monkeypatch):
         assert kernels.backward_kernel(go, q, k, k, None, None, go, lse, **dropout) == "portable: dropout"
     calls = []
     monkeypatch.setattr(kernels, "_backward_route", lambda *a: ("hopper", "problem", None))
-    from flashfuse.kernels import backward
-
     monkeypatch.setattr(backward, "row_delta", lambda p, out, go, lse, grad_lse: ("delta", None))
     monkeypatch.setattr(hopper, "hopper_backward",
                         lambda p, go, q, k, v, lse, delta: calls.append((p, delta)) or ("dq", "dk", "dv"))
@@ -541,6 +543,17 @@ def test_backward_against_reference(monkeypatch, path, dtype, D, band, B, Hq, Hk
             assert _rel(got.cpu(), exp) < 2 * REL_TOL[dtype]
 
 
+def _layout_case(monkeypatch, layout, D, seed):
+    """A causal grouped-heads backward in a layout models hand the op
+    (q, k, v, dout, band), allocations poisoned from here on."""
+    _require_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
+    dout = torch.randn(2, 3000, 8, D, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    poison_empty(monkeypatch)
+    return q, k, v, dout, dict(window_right=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
@@ -548,12 +561,7 @@ def test_backward_layouts_and_repeatability(monkeypatch, layout, D):
     """Under ``torch.use_deterministic_algorithms(True)`` the backward takes
     the two kernels: the same bits on repeated runs (no atomics), in the
     layouts models hand the op, against float64."""
-    _require_hopper()
-    gen = torch.Generator(device="cuda").manual_seed(13)
-    q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
-    dout = torch.randn(2, 3000, 8, D, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
-    kw = dict(window_right=0)
-    poison_empty(monkeypatch)
+    q, k, v, dout, kw = _layout_case(monkeypatch, layout, D, seed=13)
     fused = []
     monkeypatch.setattr(hopper, "hopper_backward_fused", lambda *a, **k: fused.append(1))
     with _deterministic():
@@ -573,12 +581,7 @@ def test_fused_backward_layouts(monkeypatch, layout, D, how):
     """The fused kernel in the layouts models hand the op: gradients laid
     out as the two kernels lay them out; dK and dV bitwise theirs (the same
     sums in the same order), dQ equal up to the order of its float32 adds."""
-    _require_hopper()
-    gen = torch.Generator(device="cuda").manual_seed(19)
-    q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
-    dout = torch.randn(2, 3000, 8, D, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
-    kw = dict(window_right=0)
-    poison_empty(monkeypatch)
+    q, k, v, dout, kw = _layout_case(monkeypatch, layout, D, seed=19)
     got = _hopper_grads(q, k, v, dout, kw, path=how)
     sep = _hopper_grads(q, k, v, dout, kw, path="separate")
     for a, b in zip(got, sep):

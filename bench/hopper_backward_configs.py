@@ -53,6 +53,30 @@ def _setup(q, k, v, do, kw):
     return p, lse.contiguous(), delta.contiguous()
 
 
+def odd_inputs(B, Hq, Hkv, N, M, D, seed):
+    """q, k, v and dO in bf16 on the GPU, fresh normal draws."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    do = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(torch.bfloat16)
+    return q, k, v, do
+
+
+def float64_grads(q, k, v, do, kw):
+    """dq, dk, dv of the float64 reference (scale 0.125, band ``kw``)."""
+    from flashfuse import reference as ref
+
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref.reference_attention(*leaves, scale=0.125, **kw).backward(do.cpu().double())
+    return tuple(leaf.grad for leaf in leaves)
+
+
+def rel_error(got, want) -> float:
+    """Relative Frobenius error, inf for any NaN in ``got``."""
+    got = got.cpu().double()
+    return float("inf") if got.isnan().any() else ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
 def launcher(kernel, option, p, do, q, k, v, lse, delta):
     """A callable that runs one kernel with one option, and its outputs
     (dk, dv for "dkdv"; dq for "dq"), poisoned with NaN before the first run."""
@@ -93,26 +117,16 @@ def _check(job):
     relative error over its outputs, inf for a NaN), then one run at each
     timed band to compile those too."""
     kernel, D, option = job
-    from flashfuse import reference as ref
-
     worst = 0.0
     for i, ((B, Hq, Hkv, N, M), kw) in enumerate(CHECKS):
-        g = torch.Generator(device="cuda").manual_seed(i + D)
-        q = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(torch.bfloat16)
-        k, v = (torch.randn(B, Hkv, M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
-        do = torch.randn(B, Hq, N, D, device="cuda", generator=g).to(torch.bfloat16)
+        q, k, v, do = odd_inputs(B, Hq, Hkv, N, M, D, seed=i + D)
         p, lse, delta = _setup(q, k, v, do, kw)
         run, outs = launcher(kernel, option, p, do, q, k, v, lse, delta)
         run()
         torch.cuda.synchronize()
-        leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-        want = ref.reference_attention(*leaves, scale=0.125, **kw)
-        want.backward(do.cpu().double())
-        exp = (leaves[1].grad, leaves[2].grad) if kernel == "dkdv" else (leaves[0].grad,)
-        for got, e in zip(outs, exp):
-            got = got.cpu().double()
-            err = float("inf") if got.isnan().any() else ((got - e).norm() / e.norm().clamp_min(1e-30)).item()
-            worst = max(worst, err)
+        dq, dk, dv = float64_grads(q, k, v, do, kw)
+        for got, e in zip(outs, (dk, dv) if kernel == "dkdv" else (dq,)):
+            worst = max(worst, rel_error(got, e))
     for causal in (False, True):
         q, k, v, do, kw = _timed_inputs(D, TIMED_N[0], causal, "cuda")
         p, lse, delta = _setup(q, k, v, do, kw)

@@ -102,9 +102,7 @@ def decode_splits() -> int | None:
 def decode_knobs() -> tuple:
     """``(decode_splits(), autotune(), interpreter_on())`` in one call: the
     settings a decode launch plan depends on, read at every decode call."""
-    forced = _get("FLASHFUSE_DECODE_SPLITS")
-    return (max(1, int(forced)) if forced else None, _get("FLASHFUSE_AUTOTUNE", "1") != "0",
-            _get("TRITON_INTERPRET") == "1")
+    return decode_splits(), autotune(), interpreter_on()
 
 
 def kvcache_checks() -> bool:

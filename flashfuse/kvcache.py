@@ -288,21 +288,6 @@ def _kvcache_op(
                          num_splits)
 
 
-def _may_skip_dispatch(q, k_cache, v_cache, cache_seqlens, block_table) -> bool:
-    """Whether an eager call may run ``_kvcache_impl`` itself instead of the
-    op. The op's dispatch of a plain eager call (``fastpath.may_skip_dispatch``:
-    real tensors, no mode, tracer, compiler, functorch transform or profiler)
-    reaches exactly that function: its autograd kernel runs the forward
-    without recording anything when no input needs a gradient, and its
-    backend kernel calls the function. The Python of that dispatch cost
-    about half of an eager decode call's host time (bench/NOTES.md run 23).
-    A call whose inputs need a gradient takes the op, whose autograd node
-    raises the "inference only" error at the backward."""
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
-        return False
-    return fastpath.may_skip_dispatch(q, k_cache, v_cache, cache_seqlens, block_table)
-
-
 _kvcache_op.register_fake(_kvcache_fake)
 
 
@@ -316,6 +301,21 @@ def _kvcache_setup(ctx, inputs, output):
 
 
 _kvcache_op.register_autograd(_kvcache_no_grad, setup_context=_kvcache_setup)
+
+
+def _may_skip_dispatch(q, k_cache, v_cache, cache_seqlens, block_table) -> bool:
+    """Whether an eager call may run ``_kvcache_impl`` itself instead of the
+    op. The op's dispatch of a plain eager call (``fastpath.may_skip_dispatch``:
+    real tensors, no mode, tracer, compiler, functorch transform or profiler)
+    reaches exactly that function: its autograd kernel runs the forward
+    without recording anything when no input needs a gradient, and its
+    backend kernel calls the function. The Python of that dispatch cost
+    about half of an eager decode call's host time (bench/NOTES.md run 23).
+    A call whose inputs need a gradient takes the op, whose autograd node
+    raises the "inference only" error at the backward."""
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        return False
+    return fastpath.may_skip_dispatch(q, k_cache, v_cache, cache_seqlens, block_table)
 
 
 def attention_with_kvcache(

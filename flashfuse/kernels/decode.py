@@ -931,8 +931,7 @@ def _finish_call(plan: _Plan, q, head: tuple, m_cap, m_hint: int, num_pages, win
     c.plan, c.L = plan, L
     c.ints = (*head, *plan.sizes, m_cap, num_pages, S)
     limit = plan.N + m_cap
-    c.windows = (0 if window_left is None else clamp_window(window_left, limit),
-                 0 if window_right is None else clamp_window(window_right, limit))
+    c.windows = (clamp_window(window_left, limit), clamp_window(window_right, limit))
     c.bounds_ints = None
     c.fuse = L.fusable and plan.cache_bytes_per_key * m_hint <= FUSED_MAX_BYTES
     return c
@@ -957,9 +956,6 @@ def _grown_call(q, k, v, ks, vs, kst, vst, rest, cache_seqlens, window_left, win
     exact key less k's and v's sizes and strides, ``rest[1]`` q's strides):
     from ``_GROWN``'s plan when one matches, else through ``_make_call``,
     whose plan is then recorded."""
-    if len(ks) != 4 or len(vs) != 4:
-        return _make_call(q, k, v, cache_seqlens, None, None, window_left, window_right, bottom_right, layout,
-                          num_splits, True, knobs)
     if layout == "bhsd":  # (B, Hkv, M, D), strides in the kernel's (b, slot, head, dim) order
         m, kv = ks[2], (kst[0], kst[2], kst[1], kst[3], vst[0], vst[2], vst[1], vst[3])
         gkey = (ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], rest)
@@ -1101,11 +1097,7 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
             _launch(_BOUNDS, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
                     False, stream, cache)
         if fused:
-            binary = L.binaries[_FUSED_SPLIT]
-            if binary is not None:  # ``_launch``'s direct launch, without its frame: the usual eager call
-                run_binary(binary[0], binary[1], L.grid, args, stream)
-            else:
-                _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
+            _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
         else:
             _launch(_SPLIT, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
             if not L.direct:

@@ -321,37 +321,52 @@ def _stacked_heads_stride(t: torch.Tensor) -> int:
     return t.stride(1) if t.shape[1] > 1 else max(1, t.shape[2]) * t.stride(2)
 
 
+def _stacked(t: torch.Tensor) -> tuple:
+    """Batch, head and row strides of a (B, H, L, D) tensor as a descriptor
+    over one batch's stacked heads takes them."""
+    return t.stride(0), _stacked_heads_stride(t), t.stride(2)
+
+
+def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dk, dv, dq_acc=None) -> tuple[tuple, dict]:
+    """``(args, meta)`` of a dK/dV kernel: the deterministic one, or with
+    ``dq_acc`` (float32 (B, Hq, N, D), unit stride along D) the fused one,
+    whose arguments add it and its strides; ``meta`` without the fused
+    kernel's dQ options. ``lse`` and ``delta`` share their (B, Hq, N)
+    strides, unit along N."""
+    acc, acc_st = ((), ()) if dq_acc is None else ((dq_acc,), _stacked(dq_acc))
+    args = (q, k, v, grad_out, dk, dv, *acc, lse, delta, *_stacked(q), *p.k_strides[:3], *p.v_strides[:3],
+            *_stacked(grad_out), *dk.stride()[:3], *dv.stride()[:3], *acc_st, *lse.stride()[:2], *_band(p))
+    return args, dict(_flags(p), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D])
+
+
+def _band(p: AttentionProblem) -> tuple:
+    """The sizes, scales and band every backward kernel takes last."""
+    return p.Hq, p.Hkv, p.N, p.M, p.qk_scale, p.scale, p.diag_off, p.window_left, p.window_right
+
+
+def _flags(p: AttentionProblem) -> dict:
+    """The backward kernels' band flags and head dim, and their launch
+    options (4 + 4 + 1 warps; ``maxnreg`` as the forward's)."""
+    return dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right, HEAD_DIM=p.D,
+                num_warps=4, maxnreg=168)
+
+
 def backward_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq, dk, dv) -> tuple:
-    """``(dkdv_args, dkdv_meta, dq_args, dq_meta)``: the two kernels'
-    positional arguments and launch options. ``lse`` and ``delta`` share
-    their (B, Hq, N) strides, unit along N."""
-    q_st = (q.stride(0), _stacked_heads_stride(q), q.stride(2))
-    do_st = (grad_out.stride(0), _stacked_heads_stride(grad_out), grad_out.stride(2))
-    band = (p.Hq, p.Hkv, p.N, p.M, p.qk_scale, p.scale, p.diag_off, p.window_left, p.window_right)
-    flags = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right, HEAD_DIM=p.D,
-                 num_warps=4, maxnreg=168)
-    dkdv_args = (q, k, v, grad_out, dk, dv, lse, delta, *q_st, *p.k_strides[:3], *p.v_strides[:3], *do_st,
-                 *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], *band)
-    dkdv_meta = dict(flags, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D])
+    """``(dkdv_args, dkdv_meta, dq_args, dq_meta)``: the two deterministic
+    kernels' positional arguments and launch options. ``lse`` and ``delta``
+    share their (B, Hq, N) strides, unit along N."""
+    dkdv_args, dkdv_meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv)
     dq_args = (q, k, v, grad_out, dq, lse, delta, *p.q_strides[:3], *p.k_strides[:3], *p.v_strides[:3],
-               *grad_out.stride()[:3], *dq.stride()[:3], *lse.stride()[:2], *band)
-    dq_meta = dict(flags, BLOCK_M=BWD_DQ_BLOCK_M, BLOCK_N=BWD_DQ_BLOCK_N[p.D], STAGES=BWD_DQ_STAGES)
+               *grad_out.stride()[:3], *dq.stride()[:3], *lse.stride()[:2], *_band(p))
+    dq_meta = dict(_flags(p), BLOCK_M=BWD_DQ_BLOCK_M, BLOCK_N=BWD_DQ_BLOCK_N[p.D], STAGES=BWD_DQ_STAGES)
     return dkdv_args, dkdv_meta, dq_args, dq_meta
 
 
 def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how: str) -> tuple:
     """``(args, meta)`` of ``_hopper_attn_bwd_fused``; ``dq_acc`` float32
     (B, Hq, N, D), unit stride along D; ``how``: "atomic" or "tma"."""
-    q_st = (q.stride(0), _stacked_heads_stride(q), q.stride(2))
-    do_st = (grad_out.stride(0), _stacked_heads_stride(grad_out), grad_out.stride(2))
-    acc_st = (dq_acc.stride(0), _stacked_heads_stride(dq_acc), dq_acc.stride(2))
-    band = (p.Hq, p.Hkv, p.N, p.M, p.qk_scale, p.scale, p.diag_off, p.window_left, p.window_right)
-    args = (q, k, v, grad_out, dk, dv, dq_acc, lse, delta, *q_st, *p.k_strides[:3], *p.v_strides[:3], *do_st,
-            *dk.stride()[:3], *dv.stride()[:3], *acc_st, *lse.stride()[:2], *band)
-    meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right, HEAD_DIM=p.D,
-                BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D], DQ_TMA=how == "tma",
-                DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1, num_warps=4, maxnreg=168)
-    return args, meta
+    args, meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv, dq_acc)
+    return args, dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1)
 
 
 @triton.jit(do_not_specialize=["N"])

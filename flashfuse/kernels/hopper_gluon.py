@@ -170,6 +170,18 @@ def _head_matrix(base, b64, head, stride_b, stride_h, stride_row, rows, BLOCK_RO
 
 
 @gluon.jit
+def _stacked_heads(base, b64, stride_b, stride_h, stride_row, heads, rows, BLOCK_ROWS: gl.constexpr,
+                   WIDTH: gl.constexpr, BLOCK_WIDTH: gl.constexpr, layout: gl.constexpr):
+    """A descriptor over one batch's (heads, rows, WIDTH) block, copied
+    [1, BLOCK_ROWS, BLOCK_WIDTH] at a time: the dK/dV kernels stream q, dO
+    (and add dQ) of every query head of a group through one descriptor; the
+    copy engine clips at ``rows``."""
+    return tma.make_tensor_descriptor(base + b64 * stride_b, shape=[heads, rows, WIDTH],
+                                      strides=[stride_h, stride_row, 1], block_shape=[1, BLOCK_ROWS, BLOCK_WIDTH],
+                                      layout=layout)
+
+
+@gluon.jit
 def _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
                HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """``[lo, hi)``: the keys the query rows ``m0 .. m0 + BLOCK_M - 1`` may
@@ -428,12 +440,10 @@ def _hopper_attn_bwd_dkdv(
     qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     qo3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b, shape=[Hq, N, HEAD_DIM],
-                                        strides=[stride_q_h, stride_q_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
-                                        layout=qo3_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b64 * stride_do_b, shape=[Hq, N, HEAD_DIM],
-                                         strides=[stride_do_h, stride_do_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
-                                         layout=qo3_layout)
+    q_desc = _stacked_heads(Q, b64, stride_q_b, stride_q_h, stride_q_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
+                            qo3_layout)
+    do_desc = _stacked_heads(DO, b64, stride_do_b, stride_do_h, stride_do_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
+                             qo3_layout)
     k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, HALF_N, HEAD_DIM, kv_layout)
     v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, HALF_N, HEAD_DIM, kv_layout)
     dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
@@ -762,19 +772,16 @@ def _hopper_attn_bwd_fused(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], gl.float32)
     dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF_D], gl.float32)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b, shape=[Hq, N, HEAD_DIM],
-                                        strides=[stride_q_h, stride_q_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
-                                        layout=qo3_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b64 * stride_do_b, shape=[Hq, N, HEAD_DIM],
-                                         strides=[stride_do_h, stride_do_n, 1], block_shape=[1, BLOCK_M, HEAD_DIM],
-                                         layout=qo3_layout)
+    q_desc = _stacked_heads(Q, b64, stride_q_b, stride_q_h, stride_q_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
+                            qo3_layout)
+    do_desc = _stacked_heads(DO, b64, stride_do_b, stride_do_h, stride_do_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
+                             qo3_layout)
     k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, HALF_N, HEAD_DIM, kv_layout)
     v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, HALF_N, HEAD_DIM, kv_layout)
     dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
     dv_desc = _head_matrix(DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, M, HALF_N, HEAD_DIM, kv_layout)
-    dqa_desc = tma.make_tensor_descriptor(DQacc + b64 * stride_dqa_b, shape=[Hq, N, HEAD_DIM],
-                                          strides=[stride_dqa_h, stride_dqa_n, 1], block_shape=[1, BLOCK_M, HALF_D],
-                                          layout=dq3_layout)
+    dqa_desc = _stacked_heads(DQacc, b64, stride_dqa_b, stride_dqa_h, stride_dqa_n, Hq, N, BLOCK_M, HEAD_DIM, HALF_D,
+                              dq3_layout)
 
     lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
                                       HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)

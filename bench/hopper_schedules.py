@@ -1,20 +1,23 @@
-"""The Hopper forward against the portable kernel and SDPA, forward only.
+"""The Hopper forward's two grids against the portable kernel and SDPA, forward only.
 
-For each shape of the attention sweep (bf16, B*N = 16k tokens, H*D = 2048,
-D in {64, 128}, N in {1k, 4k, 16k}, causal and not) it times, in one
+For each shape (bf16, B*N = 16k tokens, H*D = 2048, D in {64, 128}, N in
+{512, 1k, 2k, 4k, 16k}, causal and not) it times, in one
 process, ``do_bench`` medians of:
 
-* ``ws``: the Hopper kernel (``flashfuse.kernels.hopper``: a copy warp and
-  two consumer warp groups), its launcher called directly, whatever the
-  selection rule would choose for the shape;
+* the Hopper kernel (``flashfuse.kernels.hopper``: a copy warp and two
+  consumer warp groups), its launcher called directly, whatever the
+  selection rule would choose for the shape, on each grid: ``tiles`` (one
+  program per tile) and ``persistent`` (the plan's persistent grid,
+  ``hopper.forward_programs``, whether or not the rule takes it);
 * ``portable``: the portable Triton forward (FLASHFUSE_HOPPER=0);
-* ``sdpa``: PyTorch's default SDPA (cuDNN on an H200).
+* ``sdpa``: PyTorch's default SDPA (cuDNN on Hopper).
 
 Each Hopper output is checked against the portable one first (relative
-error in the table; the float64 checks are the GPU tests). The crossover
-between ``ws`` and ``portable`` is what ``hopper.MIN_KEYS`` is set from.
-Run 17's rows also hold ``pipelined``, a schedule measured here and removed
-since (bench/NOTES.md). Writes bench/results/hopper_schedules.csv.
+error in the CSV; the float64 checks are the GPU tests). The column "the
+op takes" is the grid the op's rule takes (``hopper.forward_persistent``)
+or the portable kernel below the crossover (``hopper.MIN_KEYS``, set from
+these rows); "persistent grid" is the plan's program count.
+Writes bench/results/hopper_schedules.csv.
 
     python bench/hopper_schedules.py
     python bench/hopper_schedules.py --d 128 --n 4096 --causal yes
@@ -35,11 +38,18 @@ from flashfuse.kernels import forward, hopper  # noqa: E402
 from flashfuse.kernels.problem import AttentionProblem  # noqa: E402
 
 
+PROVIDERS = ["tiles", "persistent", "portable", "sdpa"]
+
+
+def _hopper_runs(p, q, k, v):
+    return [(name, (lambda pers=pers: hopper.hopper_forward(p, q, k, v, pers)))
+            for name, pers in (("tiles", False), ("persistent", True))]
+
 
 def parse_args():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=240)
     p.add_argument("--d", default="128,64", help="comma-separated head dims")
-    p.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
+    p.add_argument("--n", default="512,1024,2048,4096,16384", help="comma-separated sequence lengths")
     p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--tokens", type=int, default=16384)
@@ -80,27 +90,31 @@ def main():
                 times["sdpa"] = common.bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                                 device)
                 errors = {}
-                try:
-                    out = hopper.hopper_forward(p, q, k, v)[0].float()
-                    errors["ws"] = ((out - want).norm() / want.norm()).item()
-                    times["ws"] = common.bench_ms(lambda: hopper.hopper_forward(p, q, k, v), device)
-                except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
-                    res.add(**case, provider="ws", status="error", error=common.short_error(exc))
+                for name, run in _hopper_runs(p, q, k, v):
+                    try:
+                        out = run()[0].float()
+                        errors[name] = ((out - want).norm() / want.norm()).item()
+                        times[name] = common.bench_ms(run, device)
+                    except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+                        res.add(**case, provider=name, status="error", error=common.short_error(exc))
+                chosen = "persistent" if hopper.forward_persistent(p) else "tiles"
+                programs = hopper.forward_programs(p, True)
                 for prov, ms in times.items():
                     res.add(**case, provider=prov, status="ok", ms=ms, tflops=common.tflops(flops, ms),
-                            rel_err_vs_portable=errors.get(prov, ""))
-                row = [D, N, causal]
-                for prov in ("ws", "portable", "sdpa"):
-                    row.append(common.fmt(common.tflops(flops, times[prov]), 0) if prov in times else "error")
+                            rel_err_vs_portable=errors.get(prov, ""), persistent_programs=programs,
+                            op_grid=chosen)
                 why = hopper.hopper_refusal(p, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
-                row += [common.fmt(times["sdpa"] / times["ws"], 2) if "ws" in times else "-",
-                        f"{errors['ws']:.1e}" if "ws" in errors else "-", "hopper" if why is None else "portable"]
+                row = [D, N, causal, programs]
+                for prov in PROVIDERS:
+                    row.append(common.fmt(common.tflops(flops, times[prov]), 0) if prov in times else "-")
+                row += [common.fmt(times["sdpa"] / times[chosen], 2) if chosen in times else "-",
+                        f"{max(errors.values()):.1e}" if errors else "-", chosen if why is None else "portable"]
                 table.append(row)
                 del q, k, v
                 common.free_memory()
     common.tables_header()
-    common.print_table(table, ["D", "N", "causal", "ws", "portable", "sdpa", "ws / sdpa",
-                               "rel err vs portable", "the op takes"], title=f"Forward TFLOP/s, {args.dtype}")
+    common.print_table(table, ["D", "N", "causal", "persistent grid", *PROVIDERS, "op's grid / sdpa",
+                               "max rel err vs portable", "the op takes"], title=f"Forward TFLOP/s, {args.dtype}")
     print(f"\nCSV: {res.path}")
 
 

@@ -133,7 +133,7 @@ def hopper_launches(a, dtype):
     lse = torch.empty(a.b, a.h, a.n)
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launches = [("forward", hopper_gluon._hopper_attn_fwd_ws, *hopper.kernel_args(p, q, k, v, out, lse))]
+    launches = [("forward", hopper_gluon._hopper_attn_fwd, *hopper.kernel_args(p, q, k, v, out, lse)[:2])]
     a1, m1, a2, m2 = hopper.backward_kernel_args(p, dout, q, k, v, lse, delta, dq, dk, dv)
     launches += [("dK/dV (deterministic)", hopper_gluon._hopper_attn_bwd_dkdv, a1, m1),
                  ("dQ (deterministic)", hopper_gluon._hopper_attn_bwd_dq, a2, m2)]
@@ -236,6 +236,17 @@ def report(kernel, cfg) -> dict:
     return row
 
 
+def _dump(kernel, folder: str, name: str) -> None:
+    """Write one compiled kernel's ttgir, ptx and sass into ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.join(folder, re.sub(r"[^A-Za-z0-9_.=-]+", "_", name))
+    for ext in ("ttgir", "ptx"):
+        with open(f"{stem}.{ext}", "w") as f:
+            f.write(kernel.asm[ext])
+    with open(f"{stem}.sass", "w") as f:
+        f.write(_sass(kernel.asm["cubin"]))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--b", type=int, default=2)
@@ -298,6 +309,8 @@ def main():
             row = report(kernel, opts)
             row["config"] = name
             rows.append(row)
+            if a.dump:
+                _dump(kernel, a.dump, f"{kernel.name}_{name}")
         candidates_of = []
     else:
         candidates_of = capture_launches(run)
@@ -312,13 +325,7 @@ def main():
             row = report(kernel, cfg)
             rows.append(row)
             if a.dump:
-                os.makedirs(a.dump, exist_ok=True)
-                stem = os.path.join(a.dump, f"{kernel.name}_{row['config'].replace(' ', '_')}")
-                for ext in ("ttgir", "ptx"):
-                    with open(f"{stem}.{ext}", "w") as f:
-                        f.write(kernel.asm[ext])
-                with open(f"{stem}.sass", "w") as f:
-                    f.write(_sass(kernel.asm["cubin"]))
+                _dump(kernel, a.dump, f"{kernel.name}_{row['config']}")
     if a.json:
         import json
 

@@ -48,7 +48,6 @@ existing backward kernels differentiate a decode forward unchanged.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import NamedTuple
 
 import torch
@@ -61,6 +60,7 @@ from .launch import (
     _DRY_RUN, ConfigLauncher, _autotune_enabled, _bucket, _device_stream, _dot_precision, _fingerprint,
     _interpreting, bool_mask_as_bytes, cdiv, clamp_window, device_shared_mem, hint, next_pow2, run_binary, static_int,
 )
+from .launch import multiprocessors as _sm_count
 
 __all__ = ["decode_forward", "decode_suits", "decode_refusal", "DecodeCall", "choose_splits"]
 
@@ -392,11 +392,6 @@ MAX_QUERIES = 16
 MAX_ROWS = 128
 # ... with at least this many keys (below, the forward kernel's grid is full enough).
 MIN_KEYS = 512
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(t: torch.Tensor) -> int:

@@ -10,12 +10,18 @@ themselves, as FlashAttention-3 does:
   mbarrier; two consumer warp groups (240 registers; the copy warp's group
   24) release a slot as soon as their product that reads it has finished.
   The groups never wait for each other.
-* Forward: q's two 64-row halves are loaded once and K/V blocks of 128 keys
-  stream. Within a consumer, iteration j issues S_j = q·K_jᵀ and
-  O += P_{j-1}·V_{j-1} as asynchronous warp-group products, waits for S_j
-  only, and computes the softmax of S_j while the tensor cores still work on
-  P_{j-1}·V_{j-1}. (The same loop in one group of 8 warps that issued its
-  own copies measured slower than the portable kernel: bench/NOTES.md run 17.)
+* Forward: per tile of 128 query rows, q's two 64-row halves are loaded
+  once and K/V blocks of 128 keys stream. Within a consumer, iteration j
+  issues S_j = q·K_jᵀ and O += P_{j-1}·V_{j-1} as asynchronous warp-group
+  products, waits for S_j only, and computes the softmax of S_j while the
+  tensor cores still work on P_{j-1}·V_{j-1}. A program takes one tile per
+  round: on a persistent grid (``forward_persistent``, ``forward_programs``:
+  at most one program per SM, rounds handed out in alternating order), the
+  copy warp loads the next tile's q as soon as each consumer has issued its
+  last product that reads the current one, and the output leaves through
+  its own staging tile, so a tile's fill and drain overlap its neighbours'
+  work (bench/NOTES.md run 24). (The same loop in one group of 8 warps that
+  issued its own copies measured slower than the portable kernel: run 17.)
 * Backward, two kernels, no atomics (deterministic): dK/dV per 128-key tile
   (each consumer 64 keys, K and V loaded once; q and dO stream in 64-row
   blocks over every query head of the group and every query block of the
@@ -66,13 +72,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator
+from .launch import _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator, multiprocessors
 from .problem import AttentionProblem
 from .. import config
 
 __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes", "gluon_available",
            "mean_visible_keys", "hopper_backward", "backward_refusal", "backward_problem_refusal",
-           "traced_backward_takes", "backward_path", "hopper_backward_separate", "hopper_backward_fused"]
+           "traced_backward_takes", "backward_path", "hopper_backward_separate", "hopper_backward_fused",
+           "forward_persistent", "forward_programs"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
 SUPPORTED_TRITON = ("3.6",)
@@ -83,14 +90,32 @@ BLOCK_N = 128
 # K/V slots per head dim (shared memory at D = 128: q 32 KiB + 2 x 2 x 32 KiB).
 WS_STAGES = {64: 3, 128: 2}
 
+# The forward's grid (``forward_schedule``, ``forward_programs``): one
+# program per tile, or a persistent grid of at most one program per SM, each
+# taking a tile per round, so that one tile's output store and the next
+# one's q load overlap the work around them. The plan compares the two with
+# a cost model in units of one key block's work: a tile costs its key blocks
+# plus a fixed part, FWD_FIXED_BLOCKS["tiles"] as its own program (the
+# pipeline's fill and drain exposed) and FWD_FIXED_BLOCKS["persistent"] in a
+# persistent program after its first tile. Under a band the tiles differ in
+# length and a static hand-out can leave some programs far more work
+# (bench/NOTES.md run 24: 1.55x the mean at causal 16k with 16 heads), so
+# the plan sums each program's blocks for each grid of SM count down to SM
+# count - FWD_GRIDS_TRIED + 1 programs and keeps the one that ends first.
+# Fitted on an H100 (run 24's schedules benchmark): causal 1k at D = 128 ran
+# 1.24x faster persistent with a round-robin hand-out 1.34x the mean.
+FWD_PERSISTENT = True
+FWD_FIXED_BLOCKS = {"tiles": 3.8, "persistent": 0.5}
+FWD_GRIDS_TRIED = 8
+
 # Fewest visible keys per query row (mean over the rows) for which the
-# Hopper kernel is taken. Its fixed cost per query tile (descriptors, the
-# pipeline's fill and drain, the output store) is about three key blocks'
-# work, so short rows run faster on the portable kernel. Measured on an
-# H200 (bench/results/hopper_schedules.csv, bench/NOTES.md run 17): D = 128
-# faster from 1k keys (causal 1k, 512 keys on average, slower); D = 64 only
-# at 16k (4k slower, causal 16k, 8k on average, faster).
-MIN_KEYS = {128: 768, 64: 6144}
+# Hopper kernel is taken. Each tile has a fixed cost (the pipeline's fill and
+# drain, the output store), which the persistent grid mostly hides: on an
+# H100 the Hopper forward was faster than the portable one at every measured
+# shape down to causal 512 (256 keys on average: 1.45x at D = 128, 1.10x at
+# D = 64; bench/results/hopper_schedules.csv, bench/NOTES.md run 24). Shorter
+# rows were not measured and keep the portable kernel.
+MIN_KEYS = {128: 256, 64: 256}
 
 # The backward's tiles: dK/dV per 128 keys (two consumers of 64 keys)
 # streaming 64-row q/dO blocks; dQ per 128 queries (two of 64) streaming K/V
@@ -238,38 +263,124 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+# SMs assumed for plans made off the GPU (offline compiles, CPU tests): an H100 SXM's.
+_OFF_GPU_SMS = 132
+
+
+def _device_sms(p: AttentionProblem) -> int:
+    if p.device.type != "cuda" or not torch.cuda.is_available():
+        return _OFF_GPU_SMS
+    return multiprocessors(p.device.index if p.device.index is not None else torch.cuda.current_device())
+
+
+def forward_persistent(p: AttentionProblem) -> bool:
+    """Whether the op's forward runs ``p`` on a persistent grid (at most one
+    program per SM, each taking a tile per round) rather than one program
+    per tile: where the plan (``forward_programs``) finds it faster."""
+    return FWD_PERSISTENT and _grid_plan(*_plan_key(p), _device_sms(p))[1]
+
+
+def forward_programs(p: AttentionProblem, persistent: bool) -> int:
+    """The program count of the forward's grid: the tile count, or the
+    persistent grid the plan chose."""
+    tiles = cdiv(p.N, BLOCK_M) * p.Hq * p.B
+    if not persistent:
+        return tiles
+    return _grid_plan(*_plan_key(p), _device_sms(p))[0]
+
+
+def _plan_key(p: AttentionProblem) -> tuple:
+    return (p.B * p.Hq, p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
+            p.has_window_right)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, window_right: int,
+               has_window_left: bool, has_window_right: bool, sms: int) -> tuple[int, bool]:
+    """``(programs, faster)``: the persistent grid that ends first under the
+    cost model (``FWD_FIXED_BLOCKS``), and whether it beats one program per
+    tile. Tile t of program p in round r is ``_fwd_tile``'s (round r hands
+    tiles r·P .. r·P + P - 1 out in program order, reversed in odd rounds)."""
+    n_m = cdiv(N, BLOCK_M)
+    rows = torch.arange(n_m, dtype=torch.int64) * BLOCK_M
+    last_row = torch.clamp(rows + BLOCK_M, max=N) - 1
+    lo = torch.zeros_like(rows)
+    hi = torch.full_like(rows, M)
+    if has_window_right:
+        hi = torch.minimum(hi, torch.clamp(last_row + diag_off + window_right + 1, min=0))
+    if has_window_left:
+        lo = torch.clamp(rows + diag_off - window_left, min=0) // BLOCK_N * BLOCK_N
+    blocks = torch.clamp((hi - lo + BLOCK_N - 1).div(BLOCK_N, rounding_mode="floor"), min=1).double()
+    # Tile t is query block n_m - 1 - t % n_m of its head.
+    per_tile = blocks.flip(0).repeat(heads)
+    tiles = per_tile.numel()
+    fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
+    one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
+    if tiles <= sms:
+        return tiles, False
+    t = torch.arange(tiles, dtype=torch.int64)
+    best, best_cost = sms, float("inf")
+    for programs in range(sms, max(1, sms - FWD_GRIDS_TRIED + 1) - 1, -1):
+        r, pos = t // programs, t % programs
+        prog = torch.where(r % 2 == 0, pos, programs - 1 - pos)
+        work = torch.bincount(prog, weights=per_tile + fixed_p, minlength=programs)
+        cost = float(work.max()) + fixed_t - fixed_p  # each program's first tile pays the full fixed part
+        if cost < best_cost:
+            best, best_cost = programs, cost
+    return best, best_cost < one_each
+
+
 def kernel():
     """The Gluon kernel, imported on first use."""
     from . import hopper_gluon
 
-    return hopper_gluon._hopper_attn_fwd_ws
+    return hopper_gluon._hopper_attn_fwd
 
 
-def kernel_args(p: AttentionProblem, q, k, v, out, lse) -> tuple[tuple, dict]:
-    """The kernel's positional arguments and launch options for a problem."""
+def _descriptor_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """The batch, head and row strides of a (B, H, L, D) tensor for a
+    descriptor over all of it: a dimension of one element may have any
+    stride in PyTorch, while the copy engine wants a positive multiple of 16
+    bytes, so such a dimension gets the stride of the dimensions after it
+    laid out densely."""
+    B, H, L, D = t.shape
+    dense = (max(1, H) * max(1, L) * D, max(1, L) * D, D)
+    return tuple(st if size > 1 else d for size, st, d in zip((B, H, L), t.stride()[:3], dense))
+
+
+def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None = None
+                ) -> tuple[tuple, dict, int]:
+    """The kernel's positional arguments, launch options and program count
+    (``persistent``: ``forward_persistent(p)`` unless given)."""
+    if persistent is None:
+        persistent = forward_persistent(p)
     args = (
         q, k, v, out, lse,
-        *p.q_strides[:3], *p.k_strides[:3], *p.v_strides[:3], *out.stride()[:3],
-        p.Hq, p.Hkv, p.N, p.M,
+        *_descriptor_strides(q), *_descriptor_strides(k), *_descriptor_strides(v), *_descriptor_strides(out),
+        p.B, p.Hq, p.Hkv, p.N, p.M,
         p.qk_scale, p.diag_off, p.window_left, p.window_right,
     )
     # Two consumer warp groups at 240 registers and the copy warp at 24 (its
     # warp group's share): 168 per thread at launch over 12 warps.
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
-                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], num_warps=4, maxnreg=168)
-    return args, meta
+                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], num_warps=4,
+                maxnreg=168)
+    return args, meta, forward_programs(p, persistent)
 
 
-def hopper_forward(p: AttentionProblem, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def hopper_forward(p: AttentionProblem, q, k, v, persistent: bool | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward on the Hopper kernel; ``(out, lse)`` as ``forward.attention_forward``
-    returns them (out laid out as ``empty(B, N, Hq, D).transpose(1, 2)``)."""
+    returns them (out laid out as ``empty(B, N, Hq, D).transpose(1, 2)``).
+    ``persistent``: the grid, ``forward_persistent(p)`` unless given (the
+    benchmarks and tests)."""
     B, Hq, N = p.B, p.Hq, p.N
     out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    args, meta = kernel_args(p, q, k, v, out, lse)
+    args, meta, programs = kernel_args(p, q, k, v, out, lse, persistent)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
-        kernel()[(cdiv(N, BLOCK_M), Hq, B)](*args, **meta)
+        kernel()[(programs, )](*args, **meta)
     return out, lse
 
 

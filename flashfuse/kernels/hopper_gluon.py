@@ -51,21 +51,16 @@ def _mask_if_crossing(s, start_n, m0, key_end, full_end, right_edge, left_edge, 
 
 
 @gluon.jit
-def _ws_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-               v_empty, m0, lo, n_blocks, WITH_DO: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """The copy-engine warp of the forward and the dQ kernel: q's two halves
-    (and dO's, ``WITH_DO``) once, then K and V blocks into their slots as
-    the two consumers release them."""
-    if WITH_DO:
-        mbarrier.expect(q_bar, 4 * HALF_M * HEAD_DIM * 2)
-    else:
-        mbarrier.expect(q_bar, 2 * HALF_M * HEAD_DIM * 2)
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+               v_empty, m0, lo, n_blocks, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr):
+    """The copy-engine warp of the dQ kernel: q's and dO's two halves once,
+    then K and V blocks into their slots as the two consumers release them."""
+    mbarrier.expect(q_bar, 4 * HALF_M * HEAD_DIM * 2)
     tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [m0 + HALF_M, 0], q_bar, q_smem.index(1))
-    if WITH_DO:
-        tma.async_copy_global_to_shared(do_desc, [m0, 0], q_bar, do_smem.index(0))
-        tma.async_copy_global_to_shared(do_desc, [m0 + HALF_M, 0], q_bar, do_smem.index(1))
+    tma.async_copy_global_to_shared(do_desc, [m0, 0], q_bar, do_smem.index(0))
+    tma.async_copy_global_to_shared(do_desc, [m0 + HALF_M, 0], q_bar, do_smem.index(1))
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
     for i in range(n_blocks):
         slot = i % STAGES
@@ -77,85 +72,6 @@ def _ws_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), kv_bytes)
         tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
-
-
-@gluon.jit
-def _ws_consumer(o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                 lse_base, N, m0, lo, n_blocks, key_end, qk_scale, diag_off, window_left, window_right,
-                 HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """One warp group: 64 query rows, the whole online softmax for them."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    r0 = m0 + HALF * HALF_M
-    last_row = gl.minimum(r0 + HALF_M, N) - 1
-    q_half = q_smem.index(HALF)
-    full_end = key_end - BLOCK_N
-    right_edge = r0 + diag_off + window_right - BLOCK_N + 1
-    left_edge = last_row + diag_off - window_left
-    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False)
-    mbarrier.arrive(k_empty.index(0))
-    s = _mask_if_crossing(s, lo, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
-                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
-    m_i = gl.max(s, axis=1) * qk_scale
-    m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-    l_i = gl.sum(p, axis=1)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-
-    for j in range(1, n_blocks):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        start_n = lo + j * BLOCK_N
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(slot))
-        s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
-                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        mbarrier.arrive(v_empty.index(prev))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-
-    last = n_blocks - 1
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc)
-    mbarrier.arrive(v_empty.index(last % STAGES))
-
-    l_o = gl.convert_layout(l_i, row_o)
-    m_o = gl.convert_layout(m_i, row_o)
-    empty = l_o == 0.0
-    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
-    out = acc * gl.expand_dims(inv_l, 1)
-    lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
-    rows = r0 + gl.arange(0, HALF_M, layout=row_o)
-    gl.store(Lse + lse_base + rows, lse, mask=rows < N)
-    # This warp group's q half is free once its last q·kᵀ has finished.
-    q_half.store(out.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [r0, 0], q_half)
-    tma.store_wait(0)
 
 
 @gluon.jit
@@ -220,57 +136,253 @@ def _stream_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _hopper_attn_fwd_ws(
-    Q, K, V, Out, Lse,
-    stride_q_b, stride_q_h, stride_q_n,
-    stride_k_b, stride_k_h, stride_k_n,
-    stride_v_b, stride_v_h, stride_v_n,
-    stride_o_b, stride_o_h, stride_o_n,
-    Hq, Hkv, N, M,
-    qk_scale, diag_off, window_left, window_right,
-    HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    dtype: gl.constexpr = Q.dtype.element_ty
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    hk = h // (Hq // Hkv)
-    m0 = pid_m * BLOCK_M
-    b64 = b.to(gl.int64)
+def _fwd_rounds(n_tiles):
+    """How many tiles this program takes (see ``_fwd_tile``)."""
+    P = gl.num_programs(0)
+    p = gl.program_id(0)
+    full = n_tiles // P
+    last_pos = gl.where(full % 2 == 0, p, P - 1 - p)
+    return full + (last_pos < n_tiles - full * P).to(gl.int32)
 
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = _head_matrix(Q, b64, h, stride_q_b, stride_q_h, stride_q_n, N, HALF_M, HEAD_DIM, q_layout)
-    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, BLOCK_N, HEAD_DIM, kv_layout)
-    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, BLOCK_N, HEAD_DIM, kv_layout)
-    o_desc = _head_matrix(Out, b64, h, stride_o_b, stride_o_h, stride_o_n, N, HALF_M, HEAD_DIM, q_layout)
 
+@gluon.jit
+def _fwd_tile(r, n_m, Hq, BLOCK_M: gl.constexpr):
+    """The tile program p takes in its round ``r``: ``(m0, h, b)``. Round r
+    covers tiles r·P .. r·P + P - 1 (P programs), handed out in program
+    order in even rounds and in reverse in odd ones, so that under a band a
+    program that had a long tile gets a short one next. Tiles are numbered
+    with the query blocks of one (batch, head) consecutive, last block first:
+    tiles running together share K and V in L2, and under a causal band the
+    longest rows start first."""
+    P = gl.num_programs(0)
+    p = gl.program_id(0)
+    t = r * P + gl.where(r % 2 == 0, p, P - 1 - p)
+    bh = t // n_m
+    m0 = (n_m - 1 - t % n_m) * BLOCK_M
+    return m0, bh % Hq, bh // Hq
+
+
+@gluon.jit
+def _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
+                HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A tile's key blocks as both partitions stream them: ``(lo, n_blocks,
+    key_end)``. A tile that sees no key still streams block 0, all of it
+    masked (``key_end = 0``), so that its rows get out 0 and lse +inf."""
     lo, hi = _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M,
                         BLOCK_N)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N)
     none_visible = n_blocks <= 0
     key_end = gl.where(none_visible, 0, M)
     lo = gl.where(none_visible, 0, lo)
-    n_blocks = gl.maximum(n_blocks, 1)
+    return lo, gl.maximum(n_blocks, 1), key_end
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_bar, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES)
 
-    lse_base = (b64 * Hq + h) * N
+@gluon.jit
+def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right,
+                HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The copy warp: for each of the program's tiles, q's two halves (each
+    once its consumer has issued the last product that reads the previous
+    tile's), then the tile's K and V blocks into the ring of slots, whose
+    counter runs on across tiles."""
+    q_bytes: gl.constexpr = HALF_M * HEAD_DIM * 2
+    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
+    c = 0
+    n_done = 0
+    for r in range(_fwd_rounds(n_tiles)):
+        m0, h, b = _fwd_tile(r, n_m, Hq, 2 * HALF_M)
+        hk = h // (Hq // Hkv)
+        lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                            HAS_WINDOW_RIGHT, 2 * HALF_M, BLOCK_N)
+        for half in gl.static_range(2):
+            mbarrier.wait(q_empty.index(half), (n_done & 1) ^ 1)  # a fresh barrier's previous phase counts as done
+            mbarrier.expect(q_ready.index(half), q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF_M, 0], q_ready.index(half),
+                                            q_smem.index(half).reshape([1, 1, HALF_M, HEAD_DIM]))
+        for i in range(n_blocks):
+            slot = (c + i) % STAGES
+            phase = (((c + i) // STAGES) & 1) ^ 1
+            start_n = lo + i * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), kv_bytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], k_ready.index(slot),
+                                            k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), kv_bytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], v_ready.index(slot),
+                                            v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        c += n_blocks
+        n_done += 1
+
+
+@gluon.jit
+def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                  HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One warp group: 64 query rows of each of the program's tiles, the
+    whole online softmax for them. Iteration j issues S_j = q·K_jᵀ and
+    O += P_{j-1}·V_{j-1} together and computes the softmax of S_j while the
+    tensor cores work on the second. The two groups never wait for each
+    other (taking turns to issue, FlashAttention-3's ping-pong, measured
+    slower: runs 19 and 24). The output is staged in this group's own tile
+    of ``o_smem``, so the next tile's q may load while it is stored."""
+    dtype: gl.constexpr = q_smem.dtype
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_half = q_smem.index(HALF)
+    o_half = o_smem.index(HALF)
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    # c: K/V blocks consumed before this tile; n_done: tiles before it.
+    c = 0
+    n_done = 0
+    for r in range(_fwd_rounds(n_tiles)):
+        m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)
+        lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                            HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        r0 = m0 + HALF * HALF_M
+        last_row = gl.minimum(r0 + HALF_M, N) - 1
+        full_end = key_end - BLOCK_N
+        right_edge = r0 + diag_off + window_right - BLOCK_N + 1
+        left_edge = last_row + diag_off - window_left
+
+        slot = c % STAGES
+        mbarrier.wait(q_ready.index(HALF), n_done & 1)
+        mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
+        s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(slot))
+        s = _mask_if_crossing(s, lo, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
+                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+        m_i = gl.max(s, axis=1) * qk_scale
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        l_i = gl.sum(p, axis=1)
+        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+
+        for j in range(1, n_blocks):
+            slot = (c + j) % STAGES
+            prev = (c + j - 1) % STAGES
+            start_n = lo + j * BLOCK_N
+            mbarrier.wait(k_ready.index(slot), ((c + j) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(slot))
+            s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
+                                  window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        # Every product that reads this tile's q has finished: the next tile's may load.
+        mbarrier.arrive(q_empty.index(HALF))
+
+        last = (c + n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((c + n_blocks - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.arrive(v_empty.index(last))
+        c += n_blocks
+        n_done += 1
+
+        l_o = gl.convert_layout(l_i, row_o)
+        m_o = gl.convert_layout(m_i, row_o)
+        empty = l_o == 0.0
+        inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
+        out = acc * gl.expand_dims(inv_l, 1)
+        lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+        m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)  # recomputed: fewer registers live across the loop
+        r0 = m0 + HALF * HALF_M
+        rows = r0 + gl.arange(0, HALF_M, layout=row_o)
+        gl.store(Lse + ((b.to(gl.int64) * Hq + h) * N + rows), lse, mask=rows < N)
+        # The previous tile's output has left o_half: the issuing thread
+        # waits for its store, the barrier holds the others until it has.
+        tma.store_wait(0)
+        gl.thread_barrier()
+        o_half.store(out.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], o_half.reshape([1, 1, HALF_M, HEAD_DIM]))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _heads_4d(base, B, H, rows, stride_b, stride_h, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+              layout: gl.constexpr):
+    """A descriptor over a whole (B, H, rows, HEAD_DIM) tensor, copied
+    [1, 1, BLOCK_ROWS, HEAD_DIM] at a time: the copy engine clips at each
+    head's ``rows``, and one descriptor serves every tile of a program."""
+    return tma.make_tensor_descriptor(base, shape=[B, H, rows, HEAD_DIM], strides=[stride_b, stride_h, stride_row, 1],
+                                      block_shape=[1, 1, BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+
+@gluon.jit
+def _hopper_attn_fwd(
+    Q, K, V, Out, Lse,
+    stride_q_b, stride_q_h, stride_q_n,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_o_b, stride_o_h, stride_o_n,
+    B, Hq, Hkv, N, M,
+    qk_scale, diag_off, window_left, window_right,
+    HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The forward over tiles of BLOCK_M query rows of one (batch, head),
+    P programs taking one tile per round (``_fwd_tile``): one program per
+    tile when P is the tile count, a persistent grid when P is at most the
+    SM count (the launcher's plan)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    n_m = gl.cdiv(N, BLOCK_M)
+    n_tiles = n_m * Hq * B
+    q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
+    kv2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, HALF_M, HEAD_DIM], dtype)
+    kv4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
+    q_desc = _heads_4d(Q, B, Hq, N, stride_q_b, stride_q_h, stride_q_n, HALF_M, HEAD_DIM, q4_layout)
+    k_desc = _heads_4d(K, B, Hkv, M, stride_k_b, stride_k_h, stride_k_n, BLOCK_N, HEAD_DIM, kv4_layout)
+    v_desc = _heads_4d(V, B, Hkv, M, stride_v_b, stride_v_h, stride_v_n, BLOCK_N, HEAD_DIM, kv4_layout)
+    o_desc = _heads_4d(Out, B, Hq, N, stride_o_b, stride_o_h, stride_o_n, HALF_M, HEAD_DIM, q4_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q2_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q2_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv2_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv2_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    unused, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES)
+
     gl.warp_specialize([
-        (_ws_consumer, (o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                        lse_base, N, m0, lo, n_blocks, key_end, qk_scale, diag_off, window_left, window_right,
-                        0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_ws_consumer, (o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                        lse_base, N, m0, lo, n_blocks, key_end, qk_scale, diag_off, window_left, window_right,
-                        1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_ws_loader, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                      v_ready, v_empty, m0, lo, n_blocks, False, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                         0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                         1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                       HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])
 
 
@@ -569,8 +681,8 @@ def _hopper_attn_bwd_dq(
         (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
                         v_empty, stat_base, N, M, m0, lo, n_blocks, qk_scale, scale, diag_off, window_left,
                         window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
-        (_ws_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
-                      v_ready, v_empty, m0, lo, n_blocks, True, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty,
+                      v_ready, v_empty, m0, lo, n_blocks, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])
 
 

@@ -501,6 +501,12 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessors(index: int) -> int:
+    """The SM count of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _scratch(size: int, alignment: int, stream):
     """Global scratch for kernels that build tensor descriptors on the device."""
     return torch.empty(size, dtype=torch.int8, device="cuda")

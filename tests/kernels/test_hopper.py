@@ -120,13 +120,81 @@ def _require_hopper():
         pytest.skip("needs a Hopper GPU and a Triton whose Gluon API the kernel targets")
 
 
+# The forward's grids: one program per tile or a persistent grid (with
+# three programs, each takes many tiles of different heads, lengths and
+# bands, in rounds of alternating order).
+GRIDS = {"tiles": (False, None), "persistent": (True, None), "three_programs": (True, 3)}
+
+
+def _grid(monkeypatch, name):
+    """``persistent`` for ``hopper_forward``, with the SM count patched where the grid names one."""
+    persistent, sms = GRIDS[name]
+    if sms is not None:
+        monkeypatch.setattr(hopper, "multiprocessors", lambda index: sms)
+    return persistent
+
+
+def test_forward_grid_rule(monkeypatch):
+    """A persistent grid where the plan finds it faster, one program per
+    tile otherwise."""
+    q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    assert not hopper.forward_persistent(_problem(q, k, v))  # 16 tiles: one program each
+    plan = hopper._grid_plan
+    # (heads, N, M, diag_off, window_left, window_right, has_left, has_right, SMs)
+    assert plan(256, 1024, 1024, 0, 0, 0, False, False, 132) == (132, True)  # short rows: the fixed costs hide
+    assert plan(256, 1024, 1024, 0, 0, 0, False, True, 132) == (132, True)  # causal: the hand-out balances
+    # Causal 16k, 16 heads: 128 query blocks a head; with 128 programs each
+    # round is one head, and the reversed rounds pair long tiles with short.
+    assert plan(16, 16384, 16384, 0, 0, 0, False, True, 132) == (128, True)
+    # 16k without a band, 16 heads: 15.5 tiles a program either way, one program per tile is kept.
+    assert plan(16, 16384, 16384, 0, 0, 0, False, False, 132) == (132, False)
+    assert plan(4, 256, 256, 0, 0, 0, False, False, 132) == (8, False)  # fewer tiles than SMs
+    assert hopper.forward_programs(_problem(q, k, v), False) == 16
+    many = torch.randn(3, 16, 1024, 128, dtype=torch.bfloat16)
+    assert hopper.forward_persistent(_problem(many, many, many))
+    assert hopper.forward_programs(_problem(many, many, many), True) == 132  # off the GPU: an H100's SMs
+    monkeypatch.setattr(hopper, "FWD_PERSISTENT", False)
+    assert not hopper.forward_persistent(_problem(many, many, many))
+
+
+def _kernel_hand_out(tiles: int, programs: int) -> list[list[int]]:
+    """The tiles each program takes, as ``_fwd_rounds`` and ``_fwd_tile`` compute them."""
+    out = []
+    for p in range(programs):
+        full = tiles // programs
+        last_pos = p if full % 2 == 0 else programs - 1 - p
+        rounds = full + (last_pos < tiles - full * programs)
+        out.append([r * programs + (p if r % 2 == 0 else programs - 1 - p) for r in range(rounds)])
+    return out
+
+
+@pytest.mark.parametrize("tiles,programs", [(1, 1), (7, 7), (2048, 132), (2048, 128), (1000, 3), (131, 132),
+                                            (265, 132), (396, 132), (5, 2)])
+def test_hand_out_takes_every_tile_once(tiles, programs):
+    programs = min(programs, tiles)
+    taken = sorted(t for ts in _kernel_hand_out(tiles, programs) for t in ts)
+    assert taken == list(range(tiles))
+
+
+def test_descriptor_strides_of_single_element_dims():
+    """A dimension of one element may carry any stride in PyTorch (0 when
+    expanded); the descriptor gets a dense one, a multiple of 16 bytes."""
+    t = torch.as_strided(torch.randn(64, dtype=torch.bfloat16), (1, 1, 1, 64), (0, 3, 5, 1))
+    assert hopper._descriptor_strides(t) == (64, 64, 64)
+    u = torch.randn(2, 300, 4, 128).transpose(1, 2)
+    assert hopper._descriptor_strides(u) == u.stride()[:3]
+    w = torch.randn(3, 1, 7, 128)[:, :, :5]
+    assert hopper._descriptor_strides(w) == (7 * 128, 5 * 128, 128)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("band", list(BANDS))
 @pytest.mark.parametrize("B,Hq,Hkv,N,M", [(2, 4, 4, 1000, 1000), (1, 8, 2, 129, 4097), (1, 2, 2, 1, 300),
                                           (1, 4, 1, 300, 1), (2, 2, 1, 2048, 640)])
-def test_forward_against_reference(monkeypatch, dtype, D, band, B, Hq, Hkv, N, M):
+def test_forward_against_reference(monkeypatch, grid, dtype, D, band, B, Hq, Hkv, N, M):
     _require_hopper()
     poison_empty(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(D * 1000003 + N * 31 + M)
@@ -135,7 +203,7 @@ def test_forward_against_reference(monkeypatch, dtype, D, band, B, Hq, Hkv, N, M
     p = _problem(q, k, v, **kw)
     why = hopper.hopper_refusal(p, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
     assert why is None or "visible keys" in why, why  # short rows: the kernel runs when called directly
-    out, lse = hopper.hopper_forward(p, q, k, v)
+    out, lse = hopper.hopper_forward(p, q, k, v, _grid(monkeypatch, grid))
     want = ref.reference_attention(q.cpu(), k.cpu(), v.cpu(), scale=0.125, **kw)
     want_lse = ref.reference_lse(q.cpu(), k.cpu(), scale=0.125, **kw)
     assert not out.isnan().any() and not lse.isnan().any()
@@ -148,15 +216,17 @@ def test_forward_against_reference(monkeypatch, dtype, D, band, B, Hq, Hkv, N, M
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
-def test_layouts_and_repeatability(monkeypatch, layout, D):
+def test_layouts_and_repeatability(monkeypatch, layout, D, grid):
     _require_hopper()
     poison_empty(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = _inputs(2, 8, 2, 3000, 3000, D, torch.bfloat16, layout, gen)
     p = _problem(q, k, v, window_right=0)
-    runs = [hopper.hopper_forward(p, q, k, v) for _ in range(3)]
+    persistent = _grid(monkeypatch, grid)
+    runs = [hopper.hopper_forward(p, q, k, v, persistent) for _ in range(3)]
     for out, lse in runs[1:]:  # a race would move bits between runs
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
     want = ref.reference_attention(q.cpu(), k.cpu(), v.cpu(), scale=0.125, window_right=0)
@@ -203,14 +273,17 @@ def test_mean_visible_keys_and_crossover_rule():
 def test_crossover_refusals(monkeypatch):
     q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
     full = _as_hopper_call(monkeypatch, _problem(q, k, v))
-    causal = _as_hopper_call(monkeypatch, _problem(q, k, v, window_right=0))
+    short = q[:, :, :hopper.MIN_KEYS[128]]
+    causal = _as_hopper_call(monkeypatch, _problem(short, short, short, window_right=0))
     assert hopper.hopper_refusal(full, q, k, v, dropout_p=0.0, softcap=None, sinks=None) is None
-    why = hopper.hopper_refusal(causal, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
-    assert "visible keys per query row" in why
-    q64 = q[..., :64].contiguous()
+    why = hopper.hopper_refusal(causal, short, short, short, dropout_p=0.0, softcap=None, sinks=None)
+    assert f"fewer than {hopper.MIN_KEYS[128]} at D = 128" in why
+    q64 = torch.randn(1, 2, hopper.MIN_KEYS[64], 64, dtype=torch.bfloat16)
+    p64 = _as_hopper_call(monkeypatch, _problem(q64, q64, q64, window_right=0))
+    assert f"fewer than {hopper.MIN_KEYS[64]} at D = 64" in hopper.hopper_refusal(p64, q64, q64, q64, dropout_p=0.0,
+                                                                                softcap=None, sinks=None)
     p64 = _as_hopper_call(monkeypatch, _problem(q64, q64, q64))
-    assert "fewer than 6144 at D = 64" in hopper.hopper_refusal(p64, q64, q64, q64, dropout_p=0.0, softcap=None,
-                                                               sinks=None)
+    assert hopper.hopper_refusal(p64, q64, q64, q64, dropout_p=0.0, softcap=None, sinks=None) is None
 
 
 def test_hopper_forward_op_fake_layout():

@@ -43,6 +43,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """With FLASHFUSE_GPU_MEMORY_LOG=FILE, append each GPU test's peak CUDA
+    allocation to FILE as ``<MiB> <test id>`` (one line per test; workers of
+    pytest-xdist append to the same file), so that the tests that need most
+    memory, and make others fail on allocation when they run side by side,
+    can be found."""
+    path = os.environ.get("FLASHFUSE_GPU_MEMORY_LOG")
+    if not (path and _has_cuda and "gpu" in item.keywords):
+        yield
+        return
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield
+    finally:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        with open(path, "a") as f:
+            f.write(f"{peak:.0f} {item.nodeid}\n")
+
+
 @pytest.fixture
 def blockwise_cpu(monkeypatch):
     """Run the op's CPU tensors through the blockwise PyTorch path."""

@@ -7,7 +7,9 @@ Models (random init, bf16; nothing is downloaded):
 * ``gpt2``: GPT2LMHeadModel, 124M config, B=8, T in {1024, 2048}, one training
   step (forward, backward, AdamW step), attention dropout 0.1 in train mode.
 * ``llama``: a small LlamaConfig with grouped heads (16 query, 4 key/value
-  heads), B=4, T=2048: one training step and one inference pass.
+  heads, head dim 64), B=4, T=2048: one training step and one inference pass.
+* ``llama128``: LLaMA-shaped at head dim 128 (hidden 2048, 16 query and 4
+  key/value heads, 8 layers), B=1, T=4096: training step and inference pass.
 * ``bert``: a BERT-style encoder (BertForMaskedLM) with a padding mask
   (random lengths between T/2 and T), B=16, T=512: training step and
   inference pass.
@@ -52,7 +54,7 @@ VARIANTS = [
 
 def parse_args():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=560)
-    p.add_argument("--only", default=None, help="comma-separated subset of gpt2,llama,bert")
+    p.add_argument("--only", default=None, help="comma-separated subset of gpt2,llama,llama128,bert")
     p.add_argument("--t", default=None, help="GPT-2 sequence lengths, comma-separated (default 1024,2048)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {[v[0] for v in VARIANTS]}")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; smoke 2)")
@@ -93,6 +95,16 @@ def llama_config(smoke: bool, T: int):
                        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T)
 
 
+def llama128_config(smoke: bool, T: int):
+    from transformers import LlamaConfig
+
+    if smoke:
+        return LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T)
+    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T)
+
+
 def bert_config(smoke: bool, T: int):
     from transformers import BertConfig
 
@@ -114,6 +126,7 @@ def build_model(model: str, config, attn: str):
     cls = {
         "gpt2": transformers.GPT2LMHeadModel,
         "llama": transformers.LlamaForCausalLM,
+        "llama128": transformers.LlamaForCausalLM,
         "bert": transformers.BertForMaskedLM,
     }[model]
     return cls._from_config(config, attn_implementation=attn)
@@ -241,14 +254,16 @@ def run_row(results, spec, variant, task, device, args, budget):
 
 
 # Batch size and default sequence length of each model: (full run, --smoke).
-SIZES = {"gpt2": ((8, 1024), (2, 32)), "llama": ((4, 2048), (2, 32)), "bert": ((16, 512), (2, 32))}
+SIZES = {"gpt2": ((8, 1024), (2, 32)), "llama": ((4, 2048), (2, 32)), "llama128": ((1, 4096), (1, 32)),
+         "bert": ((16, 512), (2, 32))}
 
 
 def model_spec(model: str, smoke: bool, T: int | None = None) -> dict:
     """One model's benchmark spec: name, batch size, sequence length, config."""
     B, default_T = SIZES[model][1 if smoke else 0]
     T = T or default_T
-    config = {"gpt2": gpt2_config, "llama": llama_config, "bert": bert_config}[model](smoke, T)
+    config = {"gpt2": gpt2_config, "llama": llama_config, "llama128": llama128_config,
+              "bert": bert_config}[model](smoke, T)
     return dict(model=model, B=B, T=T, config=config)
 
 
@@ -258,13 +273,13 @@ def plan(args) -> list[tuple[dict, str]]:
     only = set(args.only.split(",")) if args.only else set(SIZES)
     unknown = only - set(SIZES)
     if unknown:
-        raise SystemExit(f"unknown models {sorted(unknown)}; choose from gpt2, llama, bert")
+        raise SystemExit(f"unknown models {sorted(unknown)}; choose from {', '.join(SIZES)}")
     ts = [int(x) for x in args.t.split(",")] if args.t else ([32] if args.smoke else [1024, 2048])
     gpt2 = [model_spec("gpt2", args.smoke, T) for T in ts]
     out = []
     if "gpt2" in only:
         out.append((gpt2[0], "train"))
-    for model in ("llama", "bert"):
+    for model in ("llama", "llama128", "bert"):
         if model in only:
             spec = model_spec(model, args.smoke)
             out += [(spec, "train"), (spec, "infer")]

@@ -88,6 +88,17 @@ def test_bench_models_smoke(tmp_path):
     assert by_variant["eager+flashfuse"]["compile_scope"] == "model"  # compiled whole by default
 
 
+def test_bench_models_llama128_smoke(tmp_path):
+    """The LLaMA-shaped model at head dim 128 (tiny here: head dim 128, grouped
+    heads), rewritten by the backend in training and inference."""
+    pytest.importorskip("transformers")
+    run_script("bench_models.py", tmp_path, "--only", "llama128", "--variants", "sdpa,eager+flashfuse")
+    rows = read_csv(tmp_path / "models.csv")
+    assert {r["task"] for r in rows} == {"train", "infer"}, rows
+    assert all(r["status"] == "ok" and r["model"] == "llama128" for r in rows), rows
+    assert all(int(r["attn_rewritten"]) >= 1 for r in rows if r["variant"] == "eager+flashfuse")
+
+
 def test_bench_models_redraws_the_committed_results(tmp_path):
     committed = os.path.join(BENCH, "results", "models.csv")
     out = run_script("bench_models.py", tmp_path, "--from-csv", committed, "--since", "2026-11-30 18:00")

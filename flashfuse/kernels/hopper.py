@@ -303,7 +303,17 @@ def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, wind
     """``(programs, faster)``: the persistent grid that ends first under the
     cost model (``FWD_FIXED_BLOCKS``), and whether it beats one program per
     tile. Tile t of program p in round r is ``_fwd_tile``'s (round r hands
-    tiles r·P .. r·P + P - 1 out in program order, reversed in odd rounds)."""
+    tiles r·P .. r·P + P - 1 out in program order, reversed in odd rounds).
+    Plain CPU arithmetic, also when a dispatch mode (a fake-tensor trace, a
+    profiler's mode) is active around the launch."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_left, has_window_right,
+                            sms)
+
+
+def _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_left, has_window_right, sms):
     n_m = cdiv(N, BLOCK_M)
     rows = torch.arange(n_m, dtype=torch.int64) * BLOCK_M
     last_row = torch.clamp(rows + BLOCK_M, max=N) - 1

@@ -157,6 +157,16 @@ def test_forward_grid_rule(monkeypatch):
     assert not hopper.forward_persistent(_problem(many, many, many))
 
 
+def test_grid_plan_under_a_dispatch_mode():
+    """The plan is CPU arithmetic even when a fake-tensor mode is active
+    around the launch (its tensors would have no values to read)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hopper._grid_plan.cache_clear()
+    with FakeTensorMode():
+        assert hopper._grid_plan(256, 1024, 1024, 0, 0, 0, False, True, 132) == (132, True)
+
+
 def _kernel_hand_out(tiles: int, programs: int) -> list[list[int]]:
     """The tiles each program takes, as ``_fwd_rounds`` and ``_fwd_tile`` compute them."""
     out = []

@@ -438,6 +438,56 @@ def _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, 
 
 
 @gluon.jit
+def _dkdv_descriptors(Q, K, V, DO, DK, DV, b64, hk, stride_q_b, stride_q_h, stride_q_n, stride_k_b, stride_k_h,
+                      stride_k_n, stride_v_b, stride_v_h, stride_v_n, stride_do_b, stride_do_h, stride_do_n,
+                      stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n, Hq, N, M,
+                      BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The dK/dV kernels' descriptors for batch ``b64`` and key/value head
+    ``hk``: q and dO over the batch's stacked query heads (``BLOCK_M``-row
+    blocks), K, V, dK and dV over the head's keys (``HALF_N``-row halves)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    qo3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
+    q_desc = _stacked_heads(Q, b64, stride_q_b, stride_q_h, stride_q_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
+                            qo3_layout)
+    do_desc = _stacked_heads(DO, b64, stride_do_b, stride_do_h, stride_do_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
+                             qo3_layout)
+    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, HALF_N, HEAD_DIM, kv_layout)
+    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, HALF_N, HEAD_DIM, kv_layout)
+    dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
+    dv_desc = _head_matrix(DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, M, HALF_N, HEAD_DIM, kv_layout)
+    return q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
+
+
+@gluon.jit
+def _dkdv_buffers(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr):
+    """The dK/dV kernels' slots for the q and dO blocks that stream and the
+    K and V halves held for the whole tile."""
+    qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    return q_smem, do_smem, k_smem, v_smem
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, scale, k_half, v_half, dk_desc, dv_desc, j0):
+    """A consumer's dK (times ``scale``) and dV out through its K and V
+    halves in shared memory, which the loop no longer reads."""
+    dtype: gl.constexpr = k_half.dtype
+    k_half.store((dk * scale).to(dtype))
+    v_half.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [j0, 0], k_half)
+    tma.async_copy_shared_to_global(dv_desc, [j0, 0], v_half)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
                  do_ready, do_empty, h0, n0, lo_m, n_m, n_iters, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
@@ -516,13 +566,7 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, dst_op))
         mbarrier.arrive(q_empty.index(slot))
         mbarrier.arrive(do_empty.index(slot))
-    k_half.store((dk * scale).to(dtype))
-    v_half.store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [j0, 0], k_half)
-    tma.async_copy_shared_to_global(dv_desc, [j0, 0], v_half)
-    tma.store_wait(0)
+    _store_dkdv(dk, dv, scale, k_half, v_half, dk_desc, dv_desc, j0)
 
 
 @gluon.jit
@@ -549,25 +593,15 @@ def _hopper_attn_bwd_dkdv(
     G = Hq // Hkv
     n0 = pid_n * BLOCK_N
     b64 = b.to(gl.int64)
-    qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    qo3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
-    q_desc = _stacked_heads(Q, b64, stride_q_b, stride_q_h, stride_q_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
-                            qo3_layout)
-    do_desc = _stacked_heads(DO, b64, stride_do_b, stride_do_h, stride_do_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
-                             qo3_layout)
-    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, HALF_N, HEAD_DIM, kv_layout)
-    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, HALF_N, HEAD_DIM, kv_layout)
-    dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
-    dv_desc = _head_matrix(DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, M, HALF_N, HEAD_DIM, kv_layout)
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = _dkdv_descriptors(
+        Q, K, V, DO, DK, DV, b64, hk, stride_q_b, stride_q_h, stride_q_n, stride_k_b, stride_k_h, stride_k_n,
+        stride_v_b, stride_v_h, stride_v_n, stride_do_b, stride_do_h, stride_do_n, stride_dk_b, stride_dk_h,
+        stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n, Hq, N, M, BLOCK_M, HALF_N, HEAD_DIM)
 
     lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
                                       HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    q_smem, do_smem, k_smem, v_smem = _dkdv_buffers(dtype, STAGES, BLOCK_M, HALF_N, HEAD_DIM)
     kv_bar, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
     h0 = hk * G
     stat_b = b64 * stride_stat_b
@@ -840,13 +874,7 @@ def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_sm
     async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
     if DQ_TMA:
         tma.store_wait(0)
-    k_half.store((dk * scale).to(dtype))
-    v_half.store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [j0, 0], k_half)
-    tma.async_copy_shared_to_global(dv_desc, [j0, 0], v_half)
-    tma.store_wait(0)
+    _store_dkdv(dk, dv, scale, k_half, v_half, dk_desc, dv_desc, j0)
 
 
 @gluon.jit
@@ -878,30 +906,20 @@ def _hopper_attn_bwd_fused(
     G = Hq // Hkv
     n0 = pid_n * BLOCK_N
     b64 = b.to(gl.int64)
-    qo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    qo3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], gl.float32)
     dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF_D], gl.float32)
-    q_desc = _stacked_heads(Q, b64, stride_q_b, stride_q_h, stride_q_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
-                            qo3_layout)
-    do_desc = _stacked_heads(DO, b64, stride_do_b, stride_do_h, stride_do_n, Hq, N, BLOCK_M, HEAD_DIM, HEAD_DIM,
-                             qo3_layout)
-    k_desc = _head_matrix(K, b64, hk, stride_k_b, stride_k_h, stride_k_n, M, HALF_N, HEAD_DIM, kv_layout)
-    v_desc = _head_matrix(V, b64, hk, stride_v_b, stride_v_h, stride_v_n, M, HALF_N, HEAD_DIM, kv_layout)
-    dk_desc = _head_matrix(DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, M, HALF_N, HEAD_DIM, kv_layout)
-    dv_desc = _head_matrix(DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, M, HALF_N, HEAD_DIM, kv_layout)
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = _dkdv_descriptors(
+        Q, K, V, DO, DK, DV, b64, hk, stride_q_b, stride_q_h, stride_q_n, stride_k_b, stride_k_h, stride_k_n,
+        stride_v_b, stride_v_h, stride_v_n, stride_do_b, stride_do_h, stride_do_n, stride_dk_b, stride_dk_h,
+        stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n, Hq, N, M, BLOCK_M, HALF_N, HEAD_DIM)
     dqa_desc = _stacked_heads(DQacc, b64, stride_dqa_b, stride_dqa_h, stride_dqa_n, Hq, N, BLOCK_M, HEAD_DIM, HALF_D,
                               dq3_layout)
 
     lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
                                       HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qo_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], kv_layout)
+    q_smem, do_smem, k_smem, v_smem = _dkdv_buffers(dtype, STAGES, BLOCK_M, HALF_N, HEAD_DIM)
     # dSᵀ of both consumers, two iterations' worth (see _fused_consumer).
     ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)  # [buffer * 2 + consumer]
     stat_smem = gl.allocate_shared_memory(gl.float32, [4, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))

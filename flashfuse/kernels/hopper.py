@@ -90,7 +90,7 @@ BLOCK_N = 128
 # K/V slots per head dim (shared memory at D = 128: q 32 KiB + 2 x 2 x 32 KiB).
 WS_STAGES = {64: 3, 128: 2}
 
-# The forward's grid (``forward_schedule``, ``forward_programs``): one
+# The forward's grid (``forward_persistent``, ``forward_programs``): one
 # program per tile, or a persistent grid of at most one program per SM, each
 # taking a tile per round, so that one tile's output store and the next
 # one's q load overlap the work around them. The plan compares the two with
@@ -280,7 +280,7 @@ def forward_persistent(p: AttentionProblem) -> bool:
     """Whether the op's forward runs ``p`` on a persistent grid (at most one
     program per SM, each taking a tile per round) rather than one program
     per tile: where the plan (``forward_programs``) finds it faster."""
-    return FWD_PERSISTENT and _grid_plan(*_plan_key(p), _device_sms(p))[1]
+    return FWD_PERSISTENT and _plan(p)[1]
 
 
 def forward_programs(p: AttentionProblem, persistent: bool) -> int:
@@ -289,12 +289,13 @@ def forward_programs(p: AttentionProblem, persistent: bool) -> int:
     tiles = cdiv(p.N, BLOCK_M) * p.Hq * p.B
     if not persistent:
         return tiles
-    return _grid_plan(*_plan_key(p), _device_sms(p))[0]
+    return _plan(p)[0]
 
 
-def _plan_key(p: AttentionProblem) -> tuple:
-    return (p.B * p.Hq, p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
-            p.has_window_right)
+def _plan(p: AttentionProblem) -> tuple[int, bool]:
+    """``_grid_plan`` for ``p`` on its device."""
+    return _grid_plan(p.B * p.Hq, p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
+                      p.has_window_right, _device_sms(p))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -327,10 +328,10 @@ def _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_le
     # Tile t is query block n_m - 1 - t % n_m of its head.
     per_tile = blocks.flip(0).repeat(heads)
     tiles = per_tile.numel()
-    fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
-    one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
     if tiles <= sms:
         return tiles, False
+    fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
+    one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
     t = torch.arange(tiles, dtype=torch.int64)
     best, best_cost = sms, float("inf")
     for programs in range(sms, max(1, sms - FWD_GRIDS_TRIED + 1) - 1, -1):
@@ -352,10 +353,11 @@ def kernel():
 
 def _descriptor_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """The batch, head and row strides of a (B, H, L, D) tensor for a
-    descriptor over all of it: a dimension of one element may have any
+    descriptor over all of it (the forward) or over one batch's stacked
+    heads (the dK/dV kernels): a dimension of one element may have any
     stride in PyTorch, while the copy engine wants a positive multiple of 16
     bytes, so such a dimension gets the stride of the dimensions after it
-    laid out densely."""
+    laid out densely (its index is always 0, so the value is never used)."""
     B, H, L, D = t.shape
     dense = (max(1, H) * max(1, L) * D, max(1, L) * D, D)
     return tuple(st if size > 1 else d for size, st, d in zip((B, H, L), t.stride()[:3], dense))
@@ -438,28 +440,16 @@ def traced_backward_takes(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: 
         p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad, tables=tables))
 
 
-def _stacked_heads_stride(t: torch.Tensor) -> int:
-    """The head stride for a descriptor over one batch's (H, L, D) block:
-    any positive multiple of 16 bytes works when there is one head, so a
-    single head gets L rows' stride (the descriptor rejects 0)."""
-    return t.stride(1) if t.shape[1] > 1 else max(1, t.shape[2]) * t.stride(2)
-
-
-def _stacked(t: torch.Tensor) -> tuple:
-    """Batch, head and row strides of a (B, H, L, D) tensor as a descriptor
-    over one batch's stacked heads takes them."""
-    return t.stride(0), _stacked_heads_stride(t), t.stride(2)
-
-
 def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dk, dv, dq_acc=None) -> tuple[tuple, dict]:
     """``(args, meta)`` of a dK/dV kernel: the deterministic one, or with
     ``dq_acc`` (float32 (B, Hq, N, D), unit stride along D) the fused one,
     whose arguments add it and its strides; ``meta`` without the fused
     kernel's dQ options. ``lse`` and ``delta`` share their (B, Hq, N)
     strides, unit along N."""
-    acc, acc_st = ((), ()) if dq_acc is None else ((dq_acc,), _stacked(dq_acc))
-    args = (q, k, v, grad_out, dk, dv, *acc, lse, delta, *_stacked(q), *p.k_strides[:3], *p.v_strides[:3],
-            *_stacked(grad_out), *dk.stride()[:3], *dv.stride()[:3], *acc_st, *lse.stride()[:2], *_band(p))
+    acc, acc_st = ((), ()) if dq_acc is None else ((dq_acc,), _descriptor_strides(dq_acc))
+    args = (q, k, v, grad_out, dk, dv, *acc, lse, delta, *_descriptor_strides(q), *p.k_strides[:3],
+            *p.v_strides[:3], *_descriptor_strides(grad_out), *dk.stride()[:3], *dv.stride()[:3], *acc_st,
+            *lse.stride()[:2], *_band(p))
     return args, dict(_flags(p), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D])
 
 

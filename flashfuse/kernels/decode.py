@@ -801,7 +801,7 @@ def _cached_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wi
     """The kept call of ``decode_forward``'s arguments on real tensors
     (``knobs``: the settings the plans depend on, see "Launch plans"),
     built when new."""
-    ks, vs, kst, vst = k.shape, v.shape, k.stride(), v.stride()
+    ks, vs = k.shape, v.shape
     # Everything of the exact key but k's and v's shapes and strides
     # (``_GROWN``'s key starts from it).
     rest = (
@@ -814,12 +814,12 @@ def _cached_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wi
         None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
         window_left, window_right, bottom_right, num_splits, knobs, _dot_precision(q),
     )
-    key = (ks, kst, vs, vst, rest)
+    key = (ks, k.stride(), vs, v.stride(), rest)
     call = _CALLS.get(key)
     if call is None:
         if attn_mask is None and block_table is None:
-            call = _grown_call(q, k, v, ks, vs, kst, vst, rest, cache_seqlens, window_left, window_right,
-                               bottom_right, layout, num_splits, knobs)
+            call = _grown_call(q, k, v, rest, cache_seqlens, window_left, window_right, bottom_right, layout,
+                               num_splits, knobs)
         else:
             call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right,
                               bottom_right, layout, num_splits, True, knobs)
@@ -945,18 +945,17 @@ def _finish_call(plan: _Plan, q, head: tuple, m_cap, m_hint: int, num_pages, win
 _GROWN: dict = {}
 
 
-def _grown_call(q, k, v, ks, vs, kst, vst, rest, cache_seqlens, window_left, window_right, bottom_right, layout,
-                num_splits, knobs) -> _Call:
+def _grown_call(q, k, v, rest, cache_seqlens, window_left, window_right, bottom_right, layout, num_splits,
+                knobs) -> _Call:
     """The call of a signature without mask or block table (``rest``: its
     exact key less k's and v's sizes and strides, ``rest[1]`` q's strides):
     from ``_GROWN``'s plan when one matches, else through ``_make_call``,
     whose plan is then recorded."""
-    if layout == "bhsd":  # (B, Hkv, M, D), strides in the kernel's (b, slot, head, dim) order
-        m, kv = ks[2], (kst[0], kst[2], kst[1], kst[3], vst[0], vst[2], vst[1], vst[3])
-        gkey = (ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], rest)
-    else:  # (B, M, Hkv, D)
-        m, kv = ks[1], (*kst, *vst)
-        gkey = (ks[0], ks[2], ks[3], vs[0], vs[2], vs[3], rest)
+    _, m, kst, vst, _ = _kernel_strides(k, v, None, layout)
+    kv = (*kst, *vst)
+    length = 2 if layout == "bhsd" else 1  # k's and v's length dimension: (B, Hkv, M, D) or (B, M, Hkv, D)
+    ks, vs = k.shape, v.shape
+    gkey = (ks[:length] + ks[length + 1:], vs[:length] + vs[length + 1:], rest)
     fp = _fingerprint(kv)
     entry = _GROWN.get(gkey)
     if entry is not None and entry[1] == fp:
@@ -1052,7 +1051,7 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
     # Fresh allocations are 16-byte aligned (PyTorch's allocators align far
     # more), as the binaries kept for these arguments assume; so are the
     # workspaces, fresh allocations that are kept.
-    out = torch.empty_strided((B, Hq, N, Dv), (N * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=dev)
+    out = torch.empty_strided((B, Hq, N, Dv), plan.sizes[:4], dtype=q.dtype, device=dev)  # out's strides
     if need_lse or not kept:
         lse = torch.empty((B, Hq, N), dtype=torch.float32, device=dev)
     else:  # written, never read
@@ -1080,7 +1079,7 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
     count = _workspace(dev, stream, "counters", L.counters, torch.int32, zeroed=True) if fused else lse
     args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E, *c.windows)
     # The combine kernel's arguments, when it runs.
-    comb_args = None if L.direct or fused else (part, out, lse, N * Hq * Dv, Dv, Hq * Dv, 1, Hq, N, L.S)
+    comb_args = None if L.direct or fused else (part, out, lse, *plan.sizes[:-1], L.S)
     if plan.interp:
         if attn_mask is not None:
             _mask_bounds[(plan.chunks, B)](*bounds_args, **plan.bounds_meta)

@@ -523,17 +523,16 @@ def ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+def _device_stream(index: int):
+    """Device ``index``'s current raw CUDA stream (for a caller that has just
+    read the current device's index, ``torch.cuda.current_device()``, which
+    Triton's driver reads too when PyTorch is loaded)."""
+    return triton.runtime.driver.active.get_current_stream(index)
+
+
 def _current_stream():
     """The raw CUDA stream Triton would launch on: the current device's."""
-    driver = triton.runtime.driver.active
-    return driver.get_current_stream(driver.get_current_device())
-
-
-def _device_stream(index: int):
-    """``_current_stream()`` for a caller that has just read the current
-    device's index (``torch.cuda.current_device()``, which Triton's driver
-    reads too when PyTorch is loaded): that device's current raw stream."""
-    return triton.runtime.driver.active.get_current_stream(index)
+    return _device_stream(triton.runtime.driver.active.get_current_device())
 
 
 def _launch_hooks():

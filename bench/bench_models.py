@@ -85,24 +85,25 @@ def gpt2_config(smoke: bool, T: int):
     return GPT2Config(n_positions=max(1024, T))
 
 
-def llama_config(smoke: bool, T: int):
+# LLaMA-style sizes (hidden, intermediate, layers, query heads, key/value
+# heads), full and smoke: ``llama`` at head dim 64, ``llama128`` at 128.
+LLAMA_SIZES = {
+    "llama": ((1024, 2816, 8, 16, 4), (64, 128, 2, 4, 2)),
+    "llama128": ((2048, 5632, 8, 16, 4), (256, 256, 2, 2, 1)),
+}
+
+
+def llama_config(smoke: bool, T: int, model: str = "llama"):
     from transformers import LlamaConfig
 
-    if smoke:
-        return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T)
-    return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T)
+    hidden, intermediate, layers, heads, kv_heads = LLAMA_SIZES[model][1 if smoke else 0]
+    return LlamaConfig(vocab_size=128 if smoke else 32000, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       max_position_embeddings=T)
 
 
 def llama128_config(smoke: bool, T: int):
-    from transformers import LlamaConfig
-
-    if smoke:
-        return LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T)
-    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T)
+    return llama_config(smoke, T, "llama128")
 
 
 def bert_config(smoke: bool, T: int):

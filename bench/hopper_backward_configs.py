@@ -102,14 +102,20 @@ def _timed_inputs(D, N, causal, device):
     return q, k, v, do, (dict(window_right=0) if causal else {})
 
 
-def check(job):
-    """Worker: ``_check`` of one (kernel, D, option); an option that fails to
-    compile or launch reports inf and the error instead of stopping the sweep."""
+def reported(check_one, job):
+    """``check_one(job)`` (``(job, error)``) in a worker, where a job that
+    fails to compile or launch reports inf and the error instead of stopping
+    the sweep."""
     try:
-        return _check(job)
-    except Exception as e:  # noqa: BLE001 - reported per option
-        print(f"{job}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return check_one(job)
+    except Exception as e:  # noqa: BLE001 - reported per job
+        print(f"{job}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return job, float("inf")
+
+
+def check(job):
+    """Worker: ``_check`` of one (kernel, D, option), failures reported."""
+    return reported(_check, job)
 
 
 def _check(job):

@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import torch  # noqa: E402
-from hopper_backward_configs import _setup, _timed_inputs, float64_grads, odd_inputs, rel_error  # noqa: E402
+from hopper_backward_configs import (  # noqa: E402
+    _setup, _timed_inputs, float64_grads, odd_inputs, rel_error, reported,
+)
 
 SCHEDULES = ("separate", "atomic", "tma1", "tma2")
 # Odd sizes and bands the checks run: (B, Hq, Hkv, N, M), band.
@@ -56,13 +58,8 @@ def run_schedule(schedule, p, do, q, k, v, lse, delta):
 
 
 def check(job):
-    """Worker: ``_check`` of one (schedule, D); a schedule that fails to
-    compile or launch reports inf and the error."""
-    try:
-        return _check(job)
-    except Exception as e:  # noqa: BLE001 - reported per schedule
-        print(f"{job}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-        return job, float("inf")
+    """Worker: ``_check`` of one (schedule, D), failures reported."""
+    return reported(_check, job)
 
 
 def _check(job):

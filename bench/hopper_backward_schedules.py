@@ -5,7 +5,10 @@
 * ``atomic``: one kernel, dQ from the dK/dV kernel's dS added into a float32
   buffer by relaxed atomics, then a convert kernel (five products);
 * ``tma1`` / ``tma2``: the same with the copy engine's reduce-add from one or
-  two float32 staging tiles per consumer.
+  two float32 staging tiles per consumer;
+* ``persistent``: the copy engine's reduce with the default staging tiles,
+  on the persistent grid the launcher's plan sizes (the other fused
+  schedules run one program per key tile).
 
 Each schedule is first checked against float64 at odd sizes and bands
 (NaN-poisoned outputs), in worker processes so that the Gluon compiles run
@@ -31,7 +34,7 @@ from hopper_backward_configs import (  # noqa: E402
     _setup, _timed_inputs, float64_grads, odd_inputs, rel_error, reported,
 )
 
-SCHEDULES = ("separate", "atomic", "tma1", "tma2")
+SCHEDULES = ("separate", "atomic", "tma1", "tma2", "persistent")
 # Odd sizes and bands the checks run: (B, Hq, Hkv, N, M), band.
 CHECKS = [((1, 8, 2, 129, 4097), dict(window_right=0, bottom_right=True)),
           ((2, 2, 1, 2048, 640), dict(window_left=100, window_right=0)),
@@ -47,12 +50,14 @@ def run_schedule(schedule, p, do, q, k, v, lse, delta):
     if schedule == "separate":
         return hopper.hopper_backward_separate(p, do, q, k, v, lse, delta)
     if schedule == "atomic":
-        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="atomic")
+        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="atomic", persistent=False)
+    if schedule == "persistent":
+        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma", persistent=True)
     buffers = int(schedule[-1])
     saved = dict(hopper.BWD_DQ_BUFFERS)
     hopper.BWD_DQ_BUFFERS.update({64: buffers, 128: buffers})
     try:
-        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma")
+        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma", persistent=False)
     finally:
         hopper.BWD_DQ_BUFFERS.update(saved)
 

@@ -139,7 +139,7 @@ def hopper_launches(a, dtype):
                  ("dQ (deterministic)", hopper_gluon._hopper_attn_bwd_dq, a2, m2)]
     acc = torch.empty(a.b, a.h, a.n, a.d)
     for how in ("tma", "atomic"):
-        args, meta = hopper.fused_kernel_args(p, dout, q, k, v, lse, delta, acc, dk, dv, how)
+        args, meta, _ = hopper.fused_kernel_args(p, dout, q, k, v, lse, delta, acc, dk, dv, how)
         if how == "atomic":
             launches.append(("fused, dQ by atomics", hopper_gluon._hopper_attn_bwd_fused, args, meta))
             continue

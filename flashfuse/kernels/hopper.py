@@ -79,7 +79,8 @@ from .. import config
 __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes", "gluon_available",
            "mean_visible_keys", "hopper_backward", "backward_refusal", "backward_problem_refusal",
            "traced_backward_takes", "backward_path", "hopper_backward_separate", "hopper_backward_fused",
-           "forward_persistent", "forward_programs"]
+           "forward_persistent", "forward_programs",
+           "backward_persistent", "backward_programs"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
 SUPPORTED_TRITON = ("3.6",)
@@ -149,6 +150,20 @@ BWD_MIN_KEYS = {128: 384, 64: 1024}
 # the mode; "separate" takes the two deterministic kernels, as
 # torch.use_deterministic_algorithms(True) does.
 BWD_FUSED_DQ = "tma"
+# The fused backward's grid (``backward_persistent``, ``backward_programs``):
+# a persistent grid of at most one program per SM whenever there are more
+# key tiles than SMs, each program taking a tile per round as the forward's
+# do; there the next tile's first q/dO blocks load under the last products
+# of the one before, and K and V once both consumers are done with the old
+# ones. Measured on an H100 (bench/NOTES.md run 25, the twelve shapes of
+# bench/hopper_backward_schedules.py): faster than one program per tile at
+# eleven shapes (up to 1.25x at 1k, 1.11x causal at 4k), 1 % slower at the
+# twelfth. The plan (``_persistent_plan``, in units of one 64-row q/dO
+# block) picks the program count that balances the tiles under a band;
+# BWD_FIXED_BLOCKS are its per-tile fixed parts, estimated (the K/V load
+# and the pipeline's fill and drain).
+BWD_PERSISTENT = True
+BWD_FIXED_BLOCKS = {"tiles": 3.0, "persistent": 1.0}
 BWD_DQ_CHOICES = ("separate", "atomic", "tma")
 BWD_DQ_BUFFERS = {64: 2, 128: 1}
 # Rows of dQ per program of the convert kernel.
@@ -326,15 +341,24 @@ def _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_le
         lo = torch.clamp(rows + diag_off - window_left, min=0) // BLOCK_N * BLOCK_N
     blocks = torch.clamp((hi - lo + BLOCK_N - 1).div(BLOCK_N, rounding_mode="floor"), min=1).double()
     # Tile t is query block n_m - 1 - t % n_m of its head.
-    per_tile = blocks.flip(0).repeat(heads)
+    return _persistent_plan(blocks.flip(0).repeat(heads), sms, FWD_FIXED_BLOCKS, FWD_GRIDS_TRIED)
+
+
+def _persistent_plan(per_tile: torch.Tensor, sms: int, fixed: dict, grids_tried: int) -> tuple[int, bool]:
+    """``(programs, faster)`` for tiles of ``per_tile`` work each, in tile
+    order, handed out as ``hopper_gluon._round_tile`` hands them out: the
+    grid of ``sms`` down to ``sms - grids_tried + 1`` programs whose busiest
+    program ends first, and whether it beats one program per tile. A tile
+    costs its work plus ``fixed["tiles"]`` as its own program, plus
+    ``fixed["persistent"]`` after a persistent program's first tile."""
     tiles = per_tile.numel()
     if tiles <= sms:
         return tiles, False
-    fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
+    fixed_t, fixed_p = fixed["tiles"], fixed["persistent"]
     one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
     t = torch.arange(tiles, dtype=torch.int64)
     best, best_cost = sms, float("inf")
-    for programs in range(sms, max(1, sms - FWD_GRIDS_TRIED + 1) - 1, -1):
+    for programs in range(sms, max(1, sms - grids_tried + 1) - 1, -1):
         r, pos = t // programs, t % programs
         prog = torch.where(r % 2 == 0, pos, programs - 1 - pos)
         work = torch.bincount(prog, weights=per_tile + fixed_p, minlength=programs)
@@ -443,14 +467,59 @@ def traced_backward_takes(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: 
 def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dk, dv, dq_acc=None) -> tuple[tuple, dict]:
     """``(args, meta)`` of a dK/dV kernel: the deterministic one, or with
     ``dq_acc`` (float32 (B, Hq, N, D), unit stride along D) the fused one,
-    whose arguments add it and its strides; ``meta`` without the fused
-    kernel's dQ options. ``lse`` and ``delta`` share their (B, Hq, N)
-    strides, unit along N."""
-    acc, acc_st = ((), ()) if dq_acc is None else ((dq_acc,), _descriptor_strides(dq_acc))
-    args = (q, k, v, grad_out, dk, dv, *acc, lse, delta, *_descriptor_strides(q), *p.k_strides[:3],
-            *p.v_strides[:3], *_descriptor_strides(grad_out), *dk.stride()[:3], *dv.stride()[:3], *acc_st,
-            *lse.stride()[:2], *_band(p))
+    whose arguments add it, its strides and the batch size; ``meta``
+    without the fused kernel's dQ options. ``lse`` and ``delta`` share their
+    (B, Hq, N) strides, unit along N."""
+    fused = dq_acc is not None
+    acc, acc_st = ((dq_acc,), _descriptor_strides(dq_acc)) if fused else ((), ())
+    args = (q, k, v, grad_out, dk, dv, *acc, lse, delta, *_descriptor_strides(q), *_descriptor_strides(k),
+            *_descriptor_strides(v), *_descriptor_strides(grad_out), *dk.stride()[:3], *dv.stride()[:3], *acc_st,
+            *lse.stride()[:2], *((p.B,) if fused else ()), *_band(p))
     return args, dict(_flags(p), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D])
+
+
+def backward_persistent(p: AttentionProblem) -> bool:
+    """Whether the fused backward runs ``p`` on a persistent grid rather
+    than one program per key tile: when there are more tiles than SMs."""
+    return BWD_PERSISTENT and _backward_plan(p)[0] < cdiv(p.M, BWD_BLOCK_N) * p.Hkv * p.B
+
+
+def backward_programs(p: AttentionProblem, persistent: bool) -> int:
+    """The fused backward's program count: the key-tile count, or the
+    persistent grid the plan chose."""
+    if not persistent:
+        return cdiv(p.M, BWD_BLOCK_N) * p.Hkv * p.B
+    return _backward_plan(p)[0]
+
+
+def _backward_plan(p: AttentionProblem) -> tuple[int, bool]:
+    return _backward_grid_plan(p.B * p.Hkv, p.Hq // p.Hkv, p.N, p.M, p.diag_off, p.window_left, p.window_right,
+                               p.has_window_left, p.has_window_right, _device_sms(p))
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_grid_plan(heads: int, group: int, N: int, M: int, diag_off: int, window_left: int,
+                        window_right: int, has_window_left: bool, has_window_right: bool,
+                        sms: int) -> tuple[int, bool]:
+    """``(programs, faster)`` of ``_persistent_plan`` for the fused
+    backward's key tiles (``heads``: batch times key/value heads; ``group``:
+    query heads per key/value head); a tile's work is its q/dO blocks, as
+    ``hopper_gluon._query_range`` counts them. ``backward_persistent`` takes
+    the persistent grid whenever it has fewer programs than tiles, measured
+    faster than the cost model's comparison says."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        n0 = torch.arange(cdiv(M, BWD_BLOCK_N), dtype=torch.int64) * BWD_BLOCK_N
+        lo = torch.zeros_like(n0)
+        hi = torch.full_like(n0, N)
+        if has_window_right:
+            lo = torch.clamp(n0 - diag_off - window_right, min=0) // BWD_BLOCK_M * BWD_BLOCK_M
+        if has_window_left:
+            hi = torch.clamp(n0 + BWD_BLOCK_N - diag_off + window_left, max=N)
+        blocks = torch.clamp(hi - lo, min=0).add(BWD_BLOCK_M - 1).div(BWD_BLOCK_M, rounding_mode="floor")
+        # Tile t is key block t % n_n of its (batch, key/value head).
+        return _persistent_plan((blocks * group).double().repeat(heads), sms, BWD_FIXED_BLOCKS, FWD_GRIDS_TRIED)
 
 
 def _band(p: AttentionProblem) -> tuple:
@@ -476,11 +545,16 @@ def backward_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq,
     return dkdv_args, dkdv_meta, dq_args, dq_meta
 
 
-def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how: str) -> tuple:
-    """``(args, meta)`` of ``_hopper_attn_bwd_fused``; ``dq_acc`` float32
-    (B, Hq, N, D), unit stride along D; ``how``: "atomic" or "tma"."""
+def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how: str,
+                      persistent: bool | None = None) -> tuple:
+    """``(args, meta, programs)`` of ``_hopper_attn_bwd_fused``; ``dq_acc``
+    float32 (B, Hq, N, D), unit stride along D; ``how``: "atomic" or "tma";
+    ``persistent``: the grid, ``backward_persistent(p)`` unless given."""
+    if persistent is None:
+        persistent = backward_persistent(p)
     args, meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv, dq_acc)
-    return args, dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1)
+    meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1)
+    return args, meta, backward_programs(p, persistent)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -557,19 +631,20 @@ def hopper_backward_separate(p: AttentionProblem, grad_out, q, k, v, lse, delta)
 
 
 def hopper_backward_fused(p: AttentionProblem, grad_out, q, k, v, lse, delta, *,
-                          how: str = "tma") -> tuple[torch.Tensor, ...]:
+                          how: str = "tma", persistent: bool | None = None) -> tuple[torch.Tensor, ...]:
     """The fused kernel (dK, dV and the float32 sum of dS·K; ``how``:
     "atomic" or "tma"), then the convert kernel (dq = scale * sum), with the
     gradients laid out as ``hopper_backward_separate`` lays them out. dQ's
-    last bits depend on the order the adds land in."""
+    last bits depend on the order the adds land in. ``persistent``: the
+    grid, ``backward_persistent(p)`` unless given (the benchmarks and tests)."""
     from . import hopper_gluon
 
     lse, delta = _backward_inputs(lse, delta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros((p.B, p.Hq, p.N, p.D), dtype=torch.float32, device=q.device)
-    args, meta = fused_kernel_args(p, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how)
+    args, meta, programs = fused_kernel_args(p, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how, persistent)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
-        hopper_gluon._hopper_attn_bwd_fused[(cdiv(p.M, BWD_BLOCK_N), p.Hkv, p.B)](*args, **meta)
+        hopper_gluon._hopper_attn_bwd_fused[(programs, )](*args, **meta)
         convert_dq(p, dq_acc, dq)
     return dq, dk, dv

@@ -136,8 +136,8 @@ def _stream_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_rounds(n_tiles):
-    """How many tiles this program takes (see ``_fwd_tile``)."""
+def _program_rounds(n_tiles):
+    """How many tiles this program takes (see ``_round_tile``)."""
     P = gl.num_programs(0)
     p = gl.program_id(0)
     full = n_tiles // P
@@ -146,17 +146,24 @@ def _fwd_rounds(n_tiles):
 
 
 @gluon.jit
+def _round_tile(r):
+    """The tile index program p takes in its round ``r``. Round r covers
+    tiles r·P .. r·P + P - 1 (P programs), handed out in program order in
+    even rounds and in reverse in odd ones, so that under a band a program
+    that had a long tile gets a short one next."""
+    P = gl.num_programs(0)
+    p = gl.program_id(0)
+    return r * P + gl.where(r % 2 == 0, p, P - 1 - p)
+
+
+@gluon.jit
 def _fwd_tile(r, n_m, Hq, BLOCK_M: gl.constexpr):
-    """The tile program p takes in its round ``r``: ``(m0, h, b)``. Round r
-    covers tiles r·P .. r·P + P - 1 (P programs), handed out in program
-    order in even rounds and in reverse in odd ones, so that under a band a
-    program that had a long tile gets a short one next. Tiles are numbered
+    """The query tile program p takes in its round ``r``: ``(m0, h, b)``
+    (the hand-out: ``_round_tile``). Tiles are numbered
     with the query blocks of one (batch, head) consecutive, last block first:
     tiles running together share K and V in L2, and under a causal band the
     longest rows start first."""
-    P = gl.num_programs(0)
-    p = gl.program_id(0)
-    t = r * P + gl.where(r % 2 == 0, p, P - 1 - p)
+    t = _round_tile(r)
     bh = t // n_m
     m0 = (n_m - 1 - t % n_m) * BLOCK_M
     return m0, bh % Hq, bh // Hq
@@ -178,6 +185,26 @@ def _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: 
 
 
 @gluon.jit
+def _load_ring_pair(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, b_ready, b_empty, g, b, h, row,
+                    ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Rows ``row .. row + ROWS - 1`` of ``(b, h)`` from the two streamed
+    operands (K and V in the forward, q and dO in the backward) into the
+    ring slot of the program's ``g``-th block, each once both consumers
+    have released that slot."""
+    slot = g % STAGES
+    phase = ((g // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as done
+    nbytes: gl.constexpr = ROWS * HEAD_DIM * 2
+    mbarrier.wait(a_empty.index(slot), phase)
+    mbarrier.expect(a_ready.index(slot), nbytes)
+    tma.async_copy_global_to_shared(a_desc, [b, h, row, 0], a_ready.index(slot),
+                                    a_smem.index(slot).reshape([1, 1, ROWS, HEAD_DIM]))
+    mbarrier.wait(b_empty.index(slot), phase)
+    mbarrier.expect(b_ready.index(slot), nbytes)
+    tma.async_copy_global_to_shared(b_desc, [b, h, row, 0], b_ready.index(slot),
+                                    b_smem.index(slot).reshape([1, 1, ROWS, HEAD_DIM]))
+
+
+@gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                 Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right,
                 HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr,
@@ -187,10 +214,9 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
     tile's), then the tile's K and V blocks into the ring of slots, whose
     counter runs on across tiles."""
     q_bytes: gl.constexpr = HALF_M * HEAD_DIM * 2
-    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
     c = 0
     n_done = 0
-    for r in range(_fwd_rounds(n_tiles)):
+    for r in range(_program_rounds(n_tiles)):
         m0, h, b = _fwd_tile(r, n_m, Hq, 2 * HALF_M)
         hk = h // (Hq // Hkv)
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
@@ -201,17 +227,8 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
             tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF_M, 0], q_ready.index(half),
                                             q_smem.index(half).reshape([1, 1, HALF_M, HEAD_DIM]))
         for i in range(n_blocks):
-            slot = (c + i) % STAGES
-            phase = (((c + i) // STAGES) & 1) ^ 1
-            start_n = lo + i * BLOCK_N
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], k_ready.index(slot),
-                                            k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), kv_bytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], v_ready.index(slot),
-                                            v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            _load_ring_pair(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, c + i, b, hk,
+                            lo + i * BLOCK_N, BLOCK_N, HEAD_DIM, STAGES)
         c += n_blocks
         n_done += 1
 
@@ -242,7 +259,7 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
     # c: K/V blocks consumed before this tile; n_done: tiles before it.
     c = 0
     n_done = 0
-    for r in range(_fwd_rounds(n_tiles)):
+    for r in range(_program_rounds(n_tiles)):
         m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
                                             HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
@@ -766,10 +783,76 @@ def _prefetch_stats(Lse, Delta, stat_smem, t, stat_b, stride_stat_h, N, h0, lo_m
 
 
 @gluon.jit
-def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                    stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b, stride_stat_h, dqa_b,
-                    stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale, diag_off, window_left,
-                    window_right, HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+def _bwd_tile(r, n_n, Hkv, BLOCK_N: gl.constexpr):
+    """The key tile program p takes in its round ``r``: ``(n0, hk, b)``,
+    handed out as ``_fwd_tile`` hands out query tiles. Tiles are numbered
+    with the key blocks of one (batch, key/value head) consecutive, first
+    block first: tiles running together read the same q and dO from L2, and
+    under a top-left causal band the first key blocks, seen by the most
+    rows, start first."""
+    t = _round_tile(r)
+    bh = t // n_n
+    return (t % n_n) * BLOCK_N, bh % Hkv, bh // Hkv
+
+
+@gluon.jit
+def _fused_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, q_ready,
+                  q_empty, do_ready, do_empty, Hq, Hkv, N, n_n, n_tiles, diag_off, window_left, window_right,
+                  HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The copy warp of the fused backward: for each of the program's key
+    tiles, the first q/dO blocks (as the previous tile's last iterations
+    free their slots), then the tile's K and V halves (once both consumers
+    have finished the previous tile's products), then the rest of the q/dO
+    blocks. The slot counter runs on across tiles."""
+    G = Hq // Hkv
+    half_bytes: gl.constexpr = HALF_N * HEAD_DIM * 2
+    c = 0
+    n_done = 0
+    for r in range(_program_rounds(n_tiles)):
+        n0, hk, b = _bwd_tile(r, n_n, Hkv, 2 * HALF_N)
+        lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                          HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
+        h0 = hk * G
+        n_first = gl.minimum(n_iters, STAGES)
+        for i in range(n_first):
+            _load_ring_pair(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, c + i, b,
+                            h0 + i // n_m, lo_m + (i % n_m) * BLOCK_M, BLOCK_M, HEAD_DIM, STAGES)
+        mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
+        mbarrier.expect(kv_ready, 4 * half_bytes)
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + half * HALF_N, 0], kv_ready,
+                                            k_smem.index(half).reshape([1, 1, HALF_N, HEAD_DIM]))
+            tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + half * HALF_N, 0], kv_ready,
+                                            v_smem.index(half).reshape([1, 1, HALF_N, HEAD_DIM]))
+        for i in range(n_first, n_iters):
+            _load_ring_pair(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, c + i, b,
+                            h0 + i // n_m, lo_m + (i % n_m) * BLOCK_M, BLOCK_M, HEAD_DIM, STAGES)
+        c += n_iters
+        n_done += 1
+
+
+@gluon.jit
+def _store_key_rows(x, base, b64, hk, stride_b, stride_h, stride_n, j0, M, ROWS: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """Rows ``j0 .. j0 + ROWS - 1`` (those below M) of ``(b, hk)``'s matrix
+    from registers, in ``base``'s dtype: the fused kernel's dK and dV go out
+    without a shared-memory tile, so the loader may fill K and V for the
+    next tile as soon as the products are done."""
+    rows = j0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    ptrs = (base + b64 * stride_b + hk.to(gl.int64) * stride_h + gl.expand_dims(rows.to(gl.int64) * stride_n, 1)
+            + gl.expand_dims(cols, 0))
+    gl.store(ptrs, x.to(base.dtype.element_ty), mask=gl.expand_dims(rows < M, 1))
+
+
+@gluon.jit
+def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                    stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                    stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
+                    stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
+                    Hq, Hkv, N, M, n_n, n_tiles, qk_scale, scale, diag_off, window_left, window_right,
+                    HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                     HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
@@ -783,98 +866,122 @@ def _fused_consumer(dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_sm
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col: gl.constexpr = gl.SliceLayout(0, st_layout)
     row: gl.constexpr = gl.SliceLayout(1, st_layout)
-    j0 = n0 + HALF * HALF_N
+    G = Hq // Hkv
     k_half = k_smem.index(HALF)
     v_half = v_smem.index(HALF)
     # This consumer's columns of K, both key halves: dQ's B operands.
     k_cols0 = k_smem.index(0).slice(HALF * HALF_D, HALF_D, dim=1)
     k_cols1 = k_smem.index(1).slice(HALF * HALF_D, HALF_D, dim=1)
-    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
     zero_st = gl.zeros([HALF_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
-    kj = gl.expand_dims(j0 + gl.arange(0, HALF_N, layout=row), 1)
-    right_from = j0 + HALF_N - 1 - diag_off - window_right
-    left_to = j0 - diag_off + window_left - BLOCK_M + 1
     dq_rows_l: gl.constexpr = gl.SliceLayout(1, dq_layout)
     dq_cols_l: gl.constexpr = gl.SliceLayout(0, dq_layout)
     dq_r = gl.arange(0, BLOCK_M, layout=dq_rows_l)
     dq_c = HALF * HALF_D + gl.arange(0, HALF_D, layout=dq_cols_l)
-    # lse and delta go through shared memory, copied one iteration ahead:
-    # held in registers from their load to their use they would live across
-    # the wait for Sᵀ and dPᵀ, where dK, dV, Sᵀ and dPᵀ already fill the 240
-    # registers at D = 128 (ptxas spilled them). Two buffers per consumer:
-    # buffer (i + 1) % 2, written at iteration i, was last read at i - 1
-    # before that iteration's thread barrier.
-    _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF), 0, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
-                    BLOCK_M)
-    mbarrier.wait(kv_bar, 0)
-    for i in range(n_iters):
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        head = h0 + i // n_m
-        m0 = lo_m + (i % n_m) * BLOCK_M
-        qi = m0 + gl.arange(0, BLOCK_M, layout=col)
-        _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF + (i + 1) % 2), i + 1, stat_b, stride_stat_h, N, h0,
-                        lo_m, n_m, n_iters, BLOCK_M)
-        mbarrier.wait(q_ready.index(slot), phase)
-        st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(slot), phase)
-        dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                                is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st_tok, ))
-        async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
-        gl.thread_barrier()  # every thread's element, not only its own
-        stats = stat_smem.index(2 * HALF + i % 2)
-        lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
-        delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
-        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left, window_right,
-                                          HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-        dst = pt * (dpt - gl.expand_dims(delta, 0))
-        # dSᵀ to shared memory first: the other consumer waits for it.
-        # Two buffers, alternating: before this consumer overwrites buffer
-        # i % 2 at iteration i, it has waited (at i - 1) for the other's
-        # iteration i - 1 dS, which the other stores only after its
-        # iteration i - 2 dQ product (the last reader of this buffer) is done.
-        ds0 = ds_smem.index((i % 2) * 2)
-        ds1 = ds_smem.index((i % 2) * 2 + 1)
-        ds_mine = ds_smem.index((i % 2) * 2 + HALF)
-        ds_mine.store(dst.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(ds_ready.index(i % 2))
-        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
-        dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_mine, q_smem.index(slot), dk, is_async=True)
-        mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
-        dq_tok = warpgroup_mma(ds0.permute((1, 0)), k_cols0, zero_dq, use_acc=False, is_async=True)
-        dq_tok = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq_tok, is_async=True)
-        dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op))
-        mbarrier.arrive(q_empty.index(slot))
-        mbarrier.arrive(do_empty.index(slot))
-        if DQ_TMA:
-            # The reduce that last read this staging buffer (DQ_BUFFERS
-            # iterations ago) must be done reading it before any thread
-            # overwrites it: the thread that issued it waits, the barrier
-            # holds the others.
-            dq_buf = dq_smem.index(HALF * DQ_BUFFERS + i % DQ_BUFFERS)
-            tma.store_wait(DQ_BUFFERS - 1)
-            gl.thread_barrier()
-            dq_buf.store(dq)
+    # c: q/dO blocks consumed before this tile (the ring's and the dS
+    # buffers' counter); n_done: tiles before it (the K/V barriers' phase).
+    c = 0
+    n_done = 0
+    for r in range(_program_rounds(n_tiles)):
+        n0, hk, b = _bwd_tile(r, n_n, Hkv, 2 * HALF_N)
+        lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                          HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
+        h0 = hk * G
+        b64 = b.to(gl.int64)
+        stat_b = b64 * stride_stat_b
+        j0 = n0 + HALF * HALF_N
+        kj = gl.expand_dims(j0 + gl.arange(0, HALF_N, layout=row), 1)
+        right_from = j0 + HALF_N - 1 - diag_off - window_right
+        left_to = j0 - diag_off + window_left - BLOCK_M + 1
+        dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+        # lse and delta go through shared memory, copied one iteration ahead:
+        # held in registers from their load to their use they would live
+        # across the wait for Sᵀ and dPᵀ, where dK, dV, Sᵀ and dPᵀ already
+        # fill the 240 registers at D = 128 (ptxas spilled them). Two buffers
+        # per consumer: buffer (i + 1) % 2, written at iteration i, was last
+        # read at i - 1 before that iteration's thread barrier (and the
+        # previous tile's reads before its last iteration's).
+        _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF), 0, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
+                        BLOCK_M)
+        mbarrier.wait(kv_ready, n_done & 1)
+        for i in range(n_iters):
+            g = c + i
+            slot = g % STAGES
+            phase = (g // STAGES) & 1
+            head = h0 + i // n_m
+            m0 = lo_m + (i % n_m) * BLOCK_M
+            qi = m0 + gl.arange(0, BLOCK_M, layout=col)
+            _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF + (i + 1) % 2), i + 1, stat_b, stride_stat_h, N,
+                            h0, lo_m, n_m, n_iters, BLOCK_M)
+            mbarrier.wait(q_ready.index(slot), phase)
+            st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                                   is_async=True)
+            mbarrier.wait(do_ready.index(slot), phase)
+            dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                                    is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
+            gl.thread_barrier()  # every thread's element, not only its own
+            stats = stat_smem.index(2 * HALF + i % 2)
+            lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
+            delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
+            st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left,
+                                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            # dSᵀ to shared memory first: the other consumer waits for it.
+            # Two buffers, alternating with the block counter g: before this
+            # consumer overwrites buffer g % 2, it has waited (at g - 1) for
+            # the other's dS of block g - 1, which the other stores only
+            # after its block g - 2 dQ product (the last reader of this
+            # buffer) is done.
+            ds0 = ds_smem.index((g % 2) * 2)
+            ds1 = ds_smem.index((g % 2) * 2 + 1)
+            ds_mine = ds_smem.index((g % 2) * 2 + HALF)
+            ds_mine.store(dst.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            _tma_reduce_add(dqa_desc, [head, m0, HALF * HALF_D], dq_buf.reshape([1, BLOCK_M, HALF_D]))
-        else:
-            rows = m0 + dq_r
-            ptrs = (DQacc + dqa_b + head.to(gl.int64) * stride_dqa_h
-                    + gl.expand_dims(rows.to(gl.int64) * stride_dqa_n, 1) + gl.expand_dims(dq_c, 0))
-            gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < N, 1), sem="relaxed")
-    async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
+            mbarrier.arrive(ds_ready.index(g % 2))
+            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+            dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+            dk_tok = warpgroup_mma(ds_mine, q_smem.index(slot), dk, is_async=True)
+            mbarrier.wait(ds_ready.index(g % 2), (g // 2) & 1)
+            dq_tok = warpgroup_mma(ds0.permute((1, 0)), k_cols0, zero_dq, use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq_tok, is_async=True)
+            dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op))
+            mbarrier.arrive(q_empty.index(slot))
+            mbarrier.arrive(do_empty.index(slot))
+            if DQ_TMA:
+                # The reduce that last read this staging buffer (DQ_BUFFERS
+                # blocks ago) must be done reading it before any thread
+                # overwrites it: the thread that issued it waits, the barrier
+                # holds the others.
+                dq_buf = dq_smem.index(HALF * DQ_BUFFERS + g % DQ_BUFFERS)
+                tma.store_wait(DQ_BUFFERS - 1)
+                gl.thread_barrier()
+                dq_buf.store(dq)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(dqa_desc, [b, head, m0, HALF * HALF_D], dq_buf.reshape([1, 1, BLOCK_M, HALF_D]))
+            else:
+                rows = m0 + dq_r
+                ptrs = (DQacc + b64 * stride_dqa_b + head.to(gl.int64) * stride_dqa_h
+                        + gl.expand_dims(rows.to(gl.int64) * stride_dqa_n, 1) + gl.expand_dims(dq_c, 0))
+                gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < N, 1), sem="relaxed")
+        async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
+        # This group's products of the tile are done (its last dQ read the
+        # other group's K half too): with both arrivals the loader refills K and V.
+        mbarrier.arrive(kv_empty)
+        _store_key_rows(dk * scale, DK, b64, hk, stride_dk_b, stride_dk_h, stride_dk_n, j0, M, HALF_N, HEAD_DIM,
+                        acc_layout)
+        _store_key_rows(dv, DV, b64, hk, stride_dv_b, stride_dv_h, stride_dv_n, j0, M, HALF_N, HEAD_DIM,
+                        acc_layout)
+        c += n_iters
+        n_done += 1
     if DQ_TMA:
         tma.store_wait(0)
-    _store_dkdv(dk, dv, scale, k_half, v_half, dk_desc, dv_desc, j0)
 
 
 @gluon.jit
@@ -888,39 +995,39 @@ def _hopper_attn_bwd_fused(
     stride_dv_b, stride_dv_h, stride_dv_n,
     stride_dqa_b, stride_dqa_h, stride_dqa_n,
     stride_stat_b, stride_stat_h,
-    Hq, Hkv, N, M,
+    B, Hq, Hkv, N, M,
     qk_scale, scale, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """dK, dV of one 128-key tile as ``_hopper_attn_bwd_dkdv``, and the tile's
-    unscaled dS·K added into ``DQacc`` (zeroed float32, unit stride along D):
-    by relaxed atomics, or with ``DQ_TMA`` by the copy engine's reduce."""
+    """dK, dV of 128-key tiles as ``_hopper_attn_bwd_dkdv`` computes them,
+    and each tile's unscaled dS·K added into ``DQacc`` (zeroed float32, unit
+    stride along D): by relaxed atomics, or with ``DQ_TMA`` by the copy
+    engine's reduce. P programs take one tile per round (``_bwd_tile``): one
+    program per tile when P is the tile count, a persistent grid when P is
+    at most the SM count (the launcher's plan), where one tile's last blocks
+    and the next one's first q/dO loads overlap."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
-    pid_n = gl.program_id(0)
-    hk = gl.program_id(1)
-    b = gl.program_id(2)
-    G = Hq // Hkv
-    n0 = pid_n * BLOCK_N
-    b64 = b.to(gl.int64)
+    n_n = gl.cdiv(M, BLOCK_N)
+    n_tiles = n_n * Hkv * B
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], gl.float32)
-    dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF_D], gl.float32)
-    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = _dkdv_descriptors(
-        Q, K, V, DO, DK, DV, b64, hk, stride_q_b, stride_q_h, stride_q_n, stride_k_b, stride_k_h, stride_k_n,
-        stride_v_b, stride_v_h, stride_v_n, stride_do_b, stride_do_h, stride_do_n, stride_dk_b, stride_dk_h,
-        stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n, Hq, N, M, BLOCK_M, HALF_N, HEAD_DIM)
-    dqa_desc = _stacked_heads(DQacc, b64, stride_dqa_b, stride_dqa_h, stride_dqa_n, Hq, N, BLOCK_M, HEAD_DIM, HALF_D,
-                              dq3_layout)
-
-    lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                      HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    dq4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HALF_D], gl.float32)
+    qo4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM], dtype)
+    kv4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, HALF_N, HEAD_DIM], dtype)
+    q_desc = _heads_4d(Q, B, Hq, N, stride_q_b, stride_q_h, stride_q_n, BLOCK_M, HEAD_DIM, qo4_layout)
+    do_desc = _heads_4d(DO, B, Hq, N, stride_do_b, stride_do_h, stride_do_n, BLOCK_M, HEAD_DIM, qo4_layout)
+    k_desc = _heads_4d(K, B, Hkv, M, stride_k_b, stride_k_h, stride_k_n, HALF_N, HEAD_DIM, kv4_layout)
+    v_desc = _heads_4d(V, B, Hkv, M, stride_v_b, stride_v_h, stride_v_n, HALF_N, HEAD_DIM, kv4_layout)
+    dqa_desc = tma.make_tensor_descriptor(DQacc, shape=[B, Hq, N, HEAD_DIM],
+                                          strides=[stride_dqa_b, stride_dqa_h, stride_dqa_n, 1],
+                                          block_shape=[1, 1, BLOCK_M, HALF_D], layout=dq4_layout)
 
     q_smem, do_smem, k_smem, v_smem = _dkdv_buffers(dtype, STAGES, BLOCK_M, HALF_N, HEAD_DIM)
-    # dSᵀ of both consumers, two iterations' worth (see _fused_consumer).
+    # dSᵀ of both consumers, two blocks' worth (see _fused_consumer).
     ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)  # [buffer * 2 + consumer]
     stat_smem = gl.allocate_shared_memory(gl.float32, [4, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if DQ_TMA:
@@ -928,25 +1035,27 @@ def _hopper_attn_bwd_fused(
     else:
         dq_smem = ds_smem  # not read
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ halves
-    kv_bar, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
-    h0 = hk * G
-    stat_b = b64 * stride_stat_b
-    dqa_b = b64 * stride_dqa_b
+    mbarrier.init(kv_empty, count=2)
+    kv_ready, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
     gl.warp_specialize([
-        (_fused_consumer, (dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                           dq_smem, stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b,
-                           stride_stat_h,
-                           dqa_b, stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
-                           diag_off, window_left, window_right, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
-                           BLOCK_M, HEAD_DIM, STAGES, DQ_TMA, DQ_BUFFERS)),
-        (_fused_consumer, (dk_desc, dv_desc, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                           dq_smem, stat_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, stat_b,
-                           stride_stat_h,
-                           dqa_b, stride_dqa_h, stride_dqa_n, N, h0, n0, lo_m, n_m, n_iters, qk_scale, scale,
-                           diag_off, window_left, window_right, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
-                           BLOCK_M, HEAD_DIM, STAGES, DQ_TMA, DQ_BUFFERS)),
-        (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
-                        do_ready, do_empty, h0, n0, lo_m, n_m, n_iters, HALF_N, BLOCK_M, HEAD_DIM, STAGES)),
+        (_fused_consumer, (DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                           stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                           stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
+                           stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
+                           Hq, Hkv, N, M, n_n, n_tiles, qk_scale, scale, diag_off, window_left, window_right,
+                           0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
+                           DQ_BUFFERS)),
+        (_fused_consumer, (DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                           stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                           stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
+                           stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
+                           Hq, Hkv, N, M, n_n, n_tiles, qk_scale, scale, diag_off, window_left, window_right,
+                           1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
+                           DQ_BUFFERS)),
+        (_fused_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty,
+                         q_ready, q_empty, do_ready, do_empty, Hq, Hkv, N, n_n, n_tiles, diag_off, window_left,
+                         window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES)),
     ], [4, 1], [240, 24])

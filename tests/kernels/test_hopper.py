@@ -157,6 +157,61 @@ def test_forward_grid_rule(monkeypatch):
     assert not hopper.forward_persistent(_problem(many, many, many))
 
 
+def test_backward_grid_rule(monkeypatch):
+    """The fused backward's grid: a persistent one whenever there are more
+    key tiles than SMs, sized by the plan; a tile's work is its q/dO blocks
+    as the kernel's query range counts them."""
+    plan = hopper._backward_grid_plan
+    # (B x kv heads, group, N, M, diag_off, window_left, window_right, has_left, has_right, SMs)
+    assert plan(4, 1, 1024, 1024, 0, 0, 0, False, False, 132) == (32, False)  # fewer tiles than SMs
+    assert plan(256, 1, 1024, 1024, 0, 0, 0, False, False, 132) == (132, True)  # 2048 short tiles
+    # Causal 16k, 16 heads: 128 key tiles a head; 128 programs pair long tiles with short.
+    assert plan(16, 1, 16384, 16384, 0, 0, 0, False, True, 132)[0] == 128
+    q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    p = _problem(q, k, v)
+    assert not hopper.backward_persistent(p) and hopper.backward_programs(p, False) == 16
+    grouped_q = torch.empty(8, 32, 1024, 128, dtype=torch.bfloat16)
+    grouped_kv = torch.empty(8, 8, 1024, 128, dtype=torch.bfloat16)
+    pg = _problem(grouped_q, grouped_kv, grouped_kv)  # 512 tiles of 64 blocks
+    assert hopper.backward_programs(pg, False) == 8 * 8 * 8
+    assert hopper.backward_persistent(pg) and hopper.backward_programs(pg, True) <= 132
+    monkeypatch.setattr(hopper, "BWD_PERSISTENT", False)
+    assert not hopper.backward_persistent(pg)
+
+
+@pytest.mark.parametrize("N,M,band", [(1000, 1000, {}), (1000, 1000, dict(window_right=0)),
+                                      (129, 4097, dict(window_right=0, bottom_right=True)),
+                                      (2048, 640, dict(window_left=100, window_right=0)),
+                                      (300, 1, dict(window_left=37, window_right=50, bottom_right=True))])
+def test_backward_plan_counts_the_kernels_blocks(N, M, band):
+    """The plan's per-tile work is the q/dO blocks each key tile streams:
+    from the first block with a row that sees one of the tile's keys under
+    the band to the last, give or take a block at the band's edge."""
+    q, k = torch.randn(1, 1, N, 64), torch.randn(1, 1, M, 64)
+    p = _problem(q, k, k, **band)
+    seen = ref.visibility_mask(N, M, window_left=band.get("window_left"), window_right=band.get("window_right"),
+                               bottom_right=band.get("bottom_right", False))
+    if seen is None:
+        seen = torch.ones(N, M, dtype=torch.bool)
+    counted = []
+    real = hopper._persistent_plan
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hopper, "_persistent_plan", lambda per_tile, *a: counted.append(per_tile) or real(per_tile, *a))
+        hopper._backward_grid_plan.cache_clear()
+        hopper._backward_grid_plan(1, 1, N, M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
+                                   p.has_window_right, 1)
+    hopper._backward_grid_plan.cache_clear()
+    blocks = counted[0]
+    bm, bn = hopper.BWD_BLOCK_M, hopper.BWD_BLOCK_N
+    assert blocks.numel() == -(-M // bn)
+    for t in range(blocks.numel()):
+        rows = seen[:, t * bn:(t + 1) * bn].any(dim=1).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        span = int(rows.max()) // bm - int(rows.min()) // bm + 1
+        assert span <= int(blocks[t]) <= span + 1, (t, span, int(blocks[t]))
+
+
 def test_grid_plan_under_a_dispatch_mode():
     """The plan is CPU arithmetic even when a fake-tensor mode is active
     around the launch (its tensors would have no values to read)."""
@@ -168,7 +223,7 @@ def test_grid_plan_under_a_dispatch_mode():
 
 
 def _kernel_hand_out(tiles: int, programs: int) -> list[list[int]]:
-    """The tiles each program takes, as ``_fwd_rounds`` and ``_fwd_tile`` compute them."""
+    """The tiles each program takes, as ``_program_rounds`` and ``_round_tile`` compute them."""
     out = []
     for p in range(programs):
         full = tiles // programs
@@ -551,7 +606,7 @@ def test_fused_backward_launches(monkeypatch, how):
     dq, dk, dv = hopper.hopper_backward(p, go, q, k, k, lse, lse)
     assert [c[0] for c in calls] == ["fused"]
     name, grid, meta = calls[0]
-    assert grid == (4, 2, 1) and meta["DQ_TMA"] is (how == "tma") and meta["HEAD_DIM"] == 64
+    assert grid == (8, ) and meta["DQ_TMA"] is (how == "tma") and meta["HEAD_DIM"] == 64  # 4 key tiles x 2 heads
     assert meta["DQ_BUFFERS"] == (hopper.BWD_DQ_BUFFERS[64] if how == "tma" else 1)
     assert meta["STAGES"] == hopper.BWD_STAGES[64] and meta["BLOCK_M"] == hopper.BWD_BLOCK_M
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
@@ -577,11 +632,12 @@ def _reference_grads(q, k, v, dout, kw, lse_weight=None):
     return [t.grad for t in leaves]
 
 
-def _hopper_grads(q, k, v, dout, kw, grad_lse=None, path=None):
+def _hopper_grads(q, k, v, dout, kw, grad_lse=None, path=None, persistent=None):
     """The forward on whichever kernel the op takes, then the Hopper
     backward kernels called directly (short rows included): ``path``
     "separate" (the two deterministic kernels), "atomic" or "tma" (the fused
-    kernel's dQ modes), or None (``hopper_backward``'s own choice)."""
+    kernel's dQ modes, on the grid ``persistent`` names, the plan's unless
+    given), or None (``hopper_backward``'s own choice)."""
     from flashfuse.kernels import attention_forward, backward
 
     band = dict(dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
@@ -593,26 +649,38 @@ def _hopper_grads(q, k, v, dout, kw, grad_lse=None, path=None):
         return hopper.hopper_backward(p, dout, q, k, v, lse, delta)
     if path == "separate":
         return hopper.hopper_backward_separate(p, dout, q, k, v, lse, delta)
-    return hopper.hopper_backward_fused(p, dout, q, k, v, lse, delta, how=path)
+    return hopper.hopper_backward_fused(p, dout, q, k, v, lse, delta, how=path, persistent=persistent)
+
+
+# The backward schedules the reference test runs: (path, grid). The fused
+# kernel with dQ by atomics on one program per key tile, by the copy
+# engine's reduce on one program per tile and on three programs (each takes
+# many key tiles of different heads and bands, in rounds of alternating
+# order).
+BWD_SCHEDULES = {"separate": ("separate", "tiles"), "atomic": ("atomic", "tiles"), "tma": ("tma", "tiles"),
+                 "tma_three_programs": ("tma", "three_programs")}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["separate", "atomic", "tma"])
+@pytest.mark.parametrize("schedule", list(BWD_SCHEDULES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("band", list(BANDS))
 @pytest.mark.parametrize("B,Hq,Hkv,N,M", [(2, 4, 4, 1000, 1000), (1, 8, 2, 129, 4097), (1, 2, 2, 1, 300),
                                           (1, 4, 1, 300, 1), (2, 2, 1, 2048, 640), (1, 3, 1, 77, 200)])
-def test_backward_against_reference(monkeypatch, path, dtype, D, band, B, Hq, Hkv, N, M):
+def test_backward_against_reference(monkeypatch, schedule, dtype, D, band, B, Hq, Hkv, N, M):
     """Every schedule: the two deterministic kernels, and the fused kernel
-    with dQ added by atomics or by the copy engine's reduce."""
+    with dQ added by atomics or by the copy engine's reduce, on one program
+    per key tile or a persistent grid."""
     _require_hopper()
+    path, grid = BWD_SCHEDULES[schedule]
+    persistent = _grid(monkeypatch, grid)
     gen = torch.Generator(device="cuda").manual_seed(D * 999983 + N * 17 + M + 5)
     q, k, v = _inputs(B, Hq, Hkv, N, M, D, dtype, "nan_padded", gen)
     dout = in_nan_padding(torch.randn(B, Hq, N, D, generator=gen, device="cuda").to(dtype))
     kw = BANDS[band]
     poison_empty(monkeypatch)
-    dq, dk, dv = _hopper_grads(q, k, v, dout, kw, path=path)
+    dq, dk, dv = _hopper_grads(q, k, v, dout, kw, path=path, persistent=persistent)
     want = _reference_grads(q, k, v, dout, kw)
     for got, exp in zip((dq, dk, dv), want):
         assert not got.isnan().any()
@@ -657,15 +725,17 @@ def test_backward_layouts_and_repeatability(monkeypatch, layout, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("how", ["atomic", "tma"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
-def test_fused_backward_layouts(monkeypatch, layout, D, how):
-    """The fused kernel in the layouts models hand the op: gradients laid
-    out as the two kernels lay them out; dK and dV bitwise theirs (the same
-    sums in the same order), dQ equal up to the order of its float32 adds."""
+def test_fused_backward_layouts(monkeypatch, layout, D, how, grid):
+    """The fused kernel in the layouts models hand the op, on each grid:
+    gradients laid out as the two kernels lay them out; dK and dV bitwise
+    theirs (the same sums in the same order), dQ equal up to the order of
+    its float32 adds."""
     q, k, v, dout, kw = _layout_case(monkeypatch, layout, D, seed=19)
-    got = _hopper_grads(q, k, v, dout, kw, path=how)
+    got = _hopper_grads(q, k, v, dout, kw, path=how, persistent=_grid(monkeypatch, grid))
     sep = _hopper_grads(q, k, v, dout, kw, path="separate")
     for a, b in zip(got, sep):
         assert a.stride() == b.stride() and not a.isnan().any()

@@ -140,7 +140,7 @@ BWD_MIN_KEYS = {128: 384, 64: 1024}
 # How dQ reaches the buffer: "tma" (the copy engine's reduce-add from a
 # float32 staging tile in shared memory, one instruction per 64 x D/2
 # tile) or "atomic" (relaxed float32 adds from the consumers' registers).
-# Measured (bench/results/hopper_backward_schedules.csv, bench/NOTES.md run
+# Measured (bench/results/hopper_backward_schedules_run23.csv, bench/NOTES.md run
 # 23, an H100): "tma" is the fastest schedule at every timed shape, 1.02-1.18x
 # the two kernels at D = 128 and 1.12-1.28x at D = 64; "atomic" the slowest.
 # BWD_DQ_BUFFERS staging tiles per consumer: with two, a reduce may still be

@@ -102,12 +102,13 @@ WS_STAGES = {64: 3, 128: 2}
 # length and a static hand-out can leave some programs far more work
 # (bench/NOTES.md run 24: 1.55x the mean at causal 16k with 16 heads), so
 # the plan sums each program's blocks for each grid of SM count down to SM
-# count - FWD_GRIDS_TRIED + 1 programs and keeps the one that ends first.
+# count - GRIDS_TRIED + 1 programs and keeps the one that ends first (the
+# backward's plan tries the same grids).
 # Fitted on an H100 (run 24's schedules benchmark): causal 1k at D = 128 ran
 # 1.24x faster persistent with a round-robin hand-out 1.34x the mean.
 FWD_PERSISTENT = True
 FWD_FIXED_BLOCKS = {"tiles": 3.8, "persistent": 0.5}
-FWD_GRIDS_TRIED = 8
+GRIDS_TRIED = 8
 
 # Fewest visible keys per query row (mean over the rows) for which the
 # Hopper kernel is taken. Each tile has a fixed cost (the pipeline's fill and
@@ -157,7 +158,7 @@ BWD_FUSED_DQ = "tma"
 # of the one before, and K and V once both consumers are done with the old
 # ones. Measured on an H100 (bench/NOTES.md run 25, the twelve shapes of
 # bench/hopper_backward_schedules.py): faster than one program per tile at
-# eleven shapes (up to 1.25x at 1k, 1.11x causal at 4k), 1 % slower at the
+# eleven shapes (up to 1.27x at 1k, 1.11x causal at 4k), 1 % slower at the
 # twelfth. The plan (``_persistent_plan``, in units of one 64-row q/dO
 # block) picks the program count that balances the tiles under a band;
 # BWD_FIXED_BLOCKS are its per-tile fixed parts, estimated (the K/V load
@@ -341,7 +342,7 @@ def _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_le
         lo = torch.clamp(rows + diag_off - window_left, min=0) // BLOCK_N * BLOCK_N
     blocks = torch.clamp((hi - lo + BLOCK_N - 1).div(BLOCK_N, rounding_mode="floor"), min=1).double()
     # Tile t is query block n_m - 1 - t % n_m of its head.
-    return _persistent_plan(blocks.flip(0).repeat(heads), sms, FWD_FIXED_BLOCKS, FWD_GRIDS_TRIED)
+    return _persistent_plan(blocks.flip(0).repeat(heads), sms, FWD_FIXED_BLOCKS, GRIDS_TRIED)
 
 
 def _persistent_plan(per_tile: torch.Tensor, sms: int, fixed: dict, grids_tried: int) -> tuple[int, bool]:
@@ -493,6 +494,7 @@ def backward_programs(p: AttentionProblem, persistent: bool) -> int:
 
 
 def _backward_plan(p: AttentionProblem) -> tuple[int, bool]:
+    """``_backward_grid_plan`` for ``p`` on its device."""
     return _backward_grid_plan(p.B * p.Hkv, p.Hq // p.Hkv, p.N, p.M, p.diag_off, p.window_left, p.window_right,
                                p.has_window_left, p.has_window_right, _device_sms(p))
 
@@ -519,7 +521,7 @@ def _backward_grid_plan(heads: int, group: int, N: int, M: int, diag_off: int, w
             hi = torch.clamp(n0 + BWD_BLOCK_N - diag_off + window_left, max=N)
         blocks = torch.clamp(hi - lo, min=0).add(BWD_BLOCK_M - 1).div(BWD_BLOCK_M, rounding_mode="floor")
         # Tile t is key block t % n_n of its (batch, key/value head).
-        return _persistent_plan((blocks * group).double().repeat(heads), sms, BWD_FIXED_BLOCKS, FWD_GRIDS_TRIED)
+        return _persistent_plan((blocks * group).double().repeat(heads), sms, BWD_FIXED_BLOCKS, GRIDS_TRIED)
 
 
 def _band(p: AttentionProblem) -> tuple:

@@ -34,8 +34,8 @@ from . import capsink as _capsink
 from . import nodes as N
 from . import views as V
 from .masks import Band, MaskEvaluator
-from .match import (Candidate, MaskTerm, Operand, Plan, ProbsPath, ScoreOperands, ScoresPath, Step, Transform,
-                    ValueOperands, source_line)
+from .match import (Candidate, MaskTerm, Operand, Operands, Plan, ProbsPath, ScoreOperands, ScoresPath, Step,
+                    Transform, ValueOperands, source_line)
 
 # Head sizes and dtypes the op supports.
 MIN_HEAD_DIM = 16
@@ -529,7 +529,7 @@ def _other_users_inplace(cur: torch.fx.Node, consumer: torch.fx.Node) -> Optiona
 def _walk_scores(x: torch.fx.Node, consumer: torch.fx.Node) -> ScoresPath:
     """From the softmax input back to the q @ k^T product (transforms: see
     :data:`flashfuse.fx.match.Transform`)."""
-    outer: list[tuple] = []  # collected from the softmax inward
+    outer: list[Transform] = []  # collected from the softmax inward
     chain: list[torch.fx.Node] = []
     cur = x
     while True:
@@ -538,23 +538,31 @@ def _walk_scores(x: torch.fx.Node, consumer: torch.fx.Node) -> ScoresPath:
         side = _other_users_inplace(cur, consumer)
         if side is not None:
             # The in-place op runs after ``cur`` is computed: it applies last.
-            t, inp = _transform(side, cur)
-            if inp is not cur:
+            step = _transform(side, cur)
+            if step.scores is not cur:
                 raise NoMatch(f"{N.describe(side)} mutates the scores unexpectedly")
-            if t is not None:
-                outer.append(t)
+            if step.transform is not None:
+                outer.append(step.transform)
             chain.append(side)
         if N.kind(cur) in N.PRODUCT_KINDS:
             return ScoresPath(cur, list(reversed(outer)), chain)
-        t, inp = _transform(cur, None)
+        step = _transform(cur, None)
         chain.append(cur)
-        if t is not None:
-            outer.append(t)
-        consumer, cur = cur, inp
+        if step.transform is not None:
+            outer.append(step.transform)
+        consumer, cur = cur, step.scores
 
 
-def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tuple:
-    """Classify one score transform: (transform or None, its scores input).
+class _ScoreStep(NamedTuple):
+    """One node between the q·kᵀ product and the softmax, read back from the softmax."""
+
+    transform: Optional[Transform]  # what it does to the scores; None: nothing the op needs
+    scores: torch.fx.Node  # its scores input, one step closer to the product
+
+
+def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> "_ScoreStep":
+    """Classify one score transform: the transform (None for one that changes
+    nothing the op needs to know) and its scores input.
     ``known_chain`` is the scores input when it is already known (in-place
     ops found as side users)."""
     k = N.kind(node)
@@ -563,15 +571,15 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
     if k in N.CAST_KINDS or k in ("contiguous", "clone"):
         if sv is None or not sv.dtype.is_floating_point:
             raise NoMatch(f"{N.describe(node)} casts the scores to a non-float dtype")
-        return None, node.args[0]
+        return _ScoreStep(None, node.args[0])
     if known_chain is None and _swaps_last_two(node):
         # Scores built transposed, (k @ qᵀ).transpose(-1, -2): see layouts.
-        return Transform("transpose"), node.args[0]
+        return _ScoreStep(Transform("transpose"), node.args[0])
     if k in V.VIEW_KINDS and known_chain is None:
         why = V.why_not_batch_view(node)
         if why is not None:
             raise NoMatch(f"{why} between the q·kᵀ product and the softmax; left alone")
-        return None, node.args[0]
+        return _ScoreStep(None, node.args[0])
     if base == "mul":
         a, b = node.args[0], node.args[1]
         for chain_arg, other in ((a, b), (b, a)):
@@ -579,18 +587,18 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
                 continue
             ct = N.tensor_val(chain_arg)
             if isinstance(chain_arg, torch.fx.Node) and ct is not None and ct.dim() > 0 and N.is_scalar_like(other):
-                return Transform("scale", "mul", _factor(other)), chain_arg
+                return _ScoreStep(Transform("scale", "mul", _factor(other)), chain_arg)
             if isinstance(chain_arg, torch.fx.Node) and _per_head_factor(other, ct):
-                return Transform("scale", "mul", other), chain_arg
+                return _ScoreStep(Transform("scale", "mul", other), chain_arg)
         raise NoMatch("the scores are multiplied by a tensor that varies over the query or key dim")
     if base == "div":
         if N.arg(node, 2, "rounding_mode") is not None:
             raise NoMatch("the scores are divided with a rounding mode")
         a, b = node.args[0], node.args[1]
         if (known_chain is None or a is known_chain) and N.is_scalar_like(b) and isinstance(a, torch.fx.Node):
-            return Transform("scale", "div", _factor(b)), a
+            return _ScoreStep(Transform("scale", "div", _factor(b)), a)
         if (known_chain is None or a is known_chain) and isinstance(a, torch.fx.Node) and _per_head_factor(b, N.tensor_val(a)):
-            return Transform("scale", "div", b), a
+            return _ScoreStep(Transform("scale", "div", b), a)
         raise NoMatch("the scores are divided by a tensor that varies over the query or key dim, or divide something")
     if base in ("add", "sub"):
         a, b = node.args[0], node.args[1]
@@ -613,21 +621,21 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
             if isinstance(other, (int, float)) and not isinstance(other, bool):
                 if not math.isfinite(other):
                     raise NoMatch("an infinite constant is added to the scores")
-                return Transform("noop"), chain_arg  # softmax ignores a constant shift
+                return _ScoreStep(Transform("noop"), chain_arg)  # softmax ignores a constant shift
             ov = N.val(other)
             if isinstance(ov, (torch.SymInt, torch.SymFloat)):
-                return Transform("noop"), chain_arg
+                return _ScoreStep(Transform("noop"), chain_arg)
             if isinstance(other, torch.fx.Node) and isinstance(ov, torch.Tensor):
                 if ov.dim() == 0:
                     raise NoMatch("a 0-d tensor is added to the scores")
-                return Transform("add", other, base == "sub", alpha), chain_arg
+                return _ScoreStep(Transform("add", other, base == "sub", alpha), chain_arg)
         raise NoMatch(f"{N.describe(node)} combines the scores in a way that is not understood")
     if base == "masked_fill":
         chain_arg, cond, value = node.args[0], N.arg(node, 1, "mask"), N.arg(node, 2, "value")
         v = N.number(value)
         if v is None:
             raise NoMatch("masked_fill with a value that is not a compile-time constant")
-        return Transform("fill", cond, True, _in_dtype(v, sv)), chain_arg
+        return _ScoreStep(Transform("fill", cond, True, _in_dtype(v, sv)), chain_arg)
     if base == "where":
         if len(node.args) < 3:
             raise NoMatch("torch.where with one argument")
@@ -638,15 +646,15 @@ def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> tup
             v = N.number(b)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return Transform("fill", cond, False, _in_dtype(v, sv)), a
+            return _ScoreStep(Transform("fill", cond, False, _in_dtype(v, sv)), a)
         if b_chain and not a_chain:
             v = N.number(a)
             if v is None:
                 raise NoMatch("torch.where with a non-constant fill value")
-            return Transform("fill", cond, True, _in_dtype(v, sv)), b
+            return _ScoreStep(Transform("fill", cond, True, _in_dtype(v, sv)), b)
         raise NoMatch("torch.where mixes the scores with another tensor")
     if k == "tanh" and node.args and isinstance(node.args[0], torch.fx.Node):
-        return Transform("tanh"), node.args[0]  # a soft-cap, checked by capsink.fold_softcap
+        return _ScoreStep(Transform("tanh"), node.args[0])  # a soft-cap, checked by capsink.fold_softcap
     raise NoMatch(f"{N.describe(node)} between the q·kᵀ product and the softmax is not understood")
 
 
@@ -769,9 +777,17 @@ def _parse_einsum(eq: str, n_ops: int):
     return terms, out
 
 
-def _peel_scalar_and_transpose(x: Any) -> tuple:
-    """Peel constant scalar mul/div, contiguous and last-two-dims transposes.
-    Returns (node, scale factor, number of transposes mod 2)."""
+class _Peeled(NamedTuple):
+    """A score factor with constant scalings (and transposes) peeled off."""
+
+    node: Any  # what is left
+    scale: float  # the product of the peeled scalings
+    transposed: int  # 1 if an odd number of last-two-dims transposes was peeled
+
+
+def _peel(x: Any, transposes: bool = True) -> _Peeled:
+    """Peel constant scalar mul/div of the same dtype off ``x`` and, with
+    ``transposes``, ``contiguous`` and last-two-dims transposes."""
     scale, flips = 1.0, 0
     while isinstance(x, torch.fx.Node):
         k = N.kind(x)
@@ -791,15 +807,15 @@ def _peel_scalar_and_transpose(x: Any) -> tuple:
             scale = scale * c if k == "mul" else scale / c
             x = a
             continue
-        if k == "contiguous":
+        if transposes and k == "contiguous":
             x = x.args[0]
             continue
-        if _swaps_last_two(x):
+        if transposes and _swaps_last_two(x):
             flips ^= 1
             x = x.args[0]
             continue
         break
-    return x, scale, flips
+    return _Peeled(x, scale, flips)
 
 
 def _swaps_last_two(x: torch.fx.Node) -> bool:
@@ -870,16 +886,16 @@ def _score_operands(qk: torch.fx.Node, pad: bool = True, flipped: bool = False, 
         # a @ b: a is an operand of the op as it is (transposes on it are
         # peeled only when they cancel out), b's transpose the other one.
         # Unflipped that is q @ kᵀ, flipped k @ qᵀ.
-        an, as_, aflips = _peel_scalar_and_transpose(a)
-        if aflips:
-            an, as_ = _peel_scalar_only(a)
-        bn, bs, flips = _peel_scalar_and_transpose(b)
-        if as_ != 1.0:
-            pre.insert(0, Transform("scale", "mul", as_))
-        if bs != 1.0:
-            pre.insert(0, Transform("scale", "mul", bs))
-        a_op = Operand(an)
-        b_op = Operand(bn) if flips else Operand(bn, [Step("transpose", -2, -1)])
+        pa = _peel(a)
+        if pa.transposed:
+            pa = _peel(a, transposes=False)
+        pb = _peel(b)
+        if pa.scale != 1.0:
+            pre.insert(0, Transform("scale", "mul", pa.scale))
+        if pb.scale != 1.0:
+            pre.insert(0, Transform("scale", "mul", pb.scale))
+        a_op = Operand(pa.node)
+        b_op = Operand(pb.node) if pb.transposed else Operand(pb.node, [Step("transpose", -2, -1)])
         nb = max(av.dim(), bv.dim()) - 2
         if nb > max_batch:
             raise NoMatch("scores with more than two batch dims")
@@ -944,7 +960,7 @@ def _canonical(scores: torch.Tensor, perm) -> torch.Tensor:
     return scores if L.identity(perm) else scores.permute(*L.inverse(perm))
 
 
-def _group_operands(group: "L.GroupLayout", q_op: Operand, k_op: Operand, pv: torch.fx.Node, final) -> tuple:
+def _group_operands(group: "L.GroupLayout", q_op: Operand, k_op: Operand, pv: torch.fx.Node, final) -> Operands:
     """q, k, v and the output steps of a 5-D grouped product (see
     flashfuse.fx.layouts.GroupLayout)."""
     if not L.identity(final) or N.kind(pv) not in ("matmul",):
@@ -962,7 +978,7 @@ def _group_operands(group: "L.GroupLayout", q_op: Operand, k_op: Operand, pv: to
         raise NoMatch("k and v are grouped differently in the 5-D product; left alone")
     k_op = group.kv(k_op, kt, km, _unsqueezed_at_2)
     v_op = group.kv(v_op, vt, vm, _unsqueezed_at_2)
-    return q_op, k_op, v_op, group.output_steps()
+    return Operands(q_op, k_op, v_op, group.output_steps())
 
 
 def _folds(qk: torch.fx.Node, pv: torch.fx.Node) -> bool:
@@ -994,24 +1010,8 @@ def _fold_operands(gm, qk: torch.fx.Node, q_op: Operand, k_op: Operand, pv: torc
     fold = L.BatchFold(gm, _canonical(N.tensor_val(qk), perm0), pv)
     v_op = Operand(pv.args[1])
     ops = [fold.operand(op, _operand_val(op), what) for op, what in ((q_op, "q"), (k_op, "k"), (v_op, "v"))]
-    fold.ops = (*ops, fold.output_steps(N.tensor_val(pv)))
+    fold.ops = Operands(*ops, fold.output_steps(N.tensor_val(pv)))
     return fold
-
-
-def _peel_scalar_only(x: Any) -> tuple:
-    scale = 1.0
-    while isinstance(x, torch.fx.Node) and N.kind(x) in ("mul", "div") and len(x.args) == 2:
-        a, b = x.args
-        if N.kind(x) == "mul" and N.number(a) is not None and isinstance(b, torch.fx.Node):
-            a, b = b, a
-        c = N.number(b)
-        if c is None or c == 0 or not isinstance(a, torch.fx.Node) or "rounding_mode" in x.kwargs:
-            break
-        if N.tensor_val(a) is None or N.tensor_val(a).dtype != N.tensor_val(x).dtype:
-            break
-        scale = scale * c if N.kind(x) == "mul" else scale / c
-        x = a
-    return x, scale
 
 
 def _einsum_to(node: Any, have: str, want: list) -> Operand:
@@ -1236,6 +1236,16 @@ def _check_head_dim(d, what: str) -> None:
         raise NoMatch(f"{what} head size {c} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
 
 
+class _Fill(NamedTuple):
+    """A ``masked_fill`` / ``where`` of the scores, as ``_build_plan`` reads
+    the transforms after it."""
+
+    cond: torch.fx.Node  # the bool condition
+    hide_true: bool  # whether it fills where the condition is True
+    value: float  # the value it fills in
+    factor: Optional[float]  # the constant the scores are scaled by after it (None: a tensor scale, only for -inf)
+
+
 def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks, muts=None, layout=None,
                 grouped=False) -> Plan:
     qv, kv, vv = _operand_val(q_op), _operand_val(k_op), _operand_val(v_op)
@@ -1321,7 +1331,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     scale = 1.0
     q_factors: list = []
     additive: list[MaskTerm] = []
-    hides: list[tuple] = []  # (cond node, hide_where_true, value, const factor after)
+    hides: list[_Fill] = []
     softcap = None
     for t in transforms:
         if t[0] in ("noop", "transpose"):
@@ -1342,7 +1352,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
                 scale *= c
                 for term in additive:
                     term.factors.append(("mul", c))
-                hides = [(h[0], h[1], h[2], h[3] * c) for h in hides]
+                hides = [h._replace(factor=h.factor * c) for h in hides]
             else:
                 fv = N.val(f)
                 if isinstance(fv, torch.Tensor) and hides:
@@ -1352,7 +1362,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
                 q_factors.append((op, f))
                 for term in additive:
                     term.factors.append((op, f))
-                hides = [(h[0], h[1], h[2], None if math.isfinite(h[2]) else h[3]) for h in hides]
+                hides = [h._replace(factor=None if math.isfinite(h.value) else h.factor) for h in hides]
         elif t[0] == "add":
             _, node, negate, alpha = t
             term = MaskTerm(node, [], negate)
@@ -1363,7 +1373,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
             _, cond, hide_true, value = t
             if math.isnan(value) or (math.isinf(value) and value > 0):
                 raise NoMatch(f"masked_fill with {value}")
-            hides.append((cond, hide_true, value, 1.0))
+            hides.append(_Fill(cond, hide_true, value, 1.0))
         else:  # pragma: no cover - _transform only makes the kinds above
             raise NoMatch(f"internal: unknown transform {t[0]}")
 
@@ -1380,7 +1390,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
     # (eager averages them; the op returns 0 for a -inf hide or a window), and
     # such rows pass no gradient to q or k: it becomes a window only when no
     # row can be hidden entirely, else a bool mask with mask_fill.
-    bands: list[tuple] = []  # (band, finite hidden value, source)
+    bands: list[_BandMask] = []
     hide_ops: list[tuple] = []  # (operand, fill value in the op's units)
     for cond, hide_true, value, factor in hides:
         if not math.isinf(value):
@@ -1396,7 +1406,7 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         # permuted layout moves them (the mask then stays a tensor).
         band = None if L.reorders(steps_of(cond)) else _visible_band(mask_value(cond), cond, hide_true, N_, M_)
         if band is not None:
-            bands.append((band, math.isfinite(fill), ("hide", operand, fill)))
+            bands.append(_BandMask(band, math.isfinite(fill), fill_op=(operand, fill)))
             continue
         hide_ops.append((operand, fill))
     kept_terms: list[MaskTerm] = []
@@ -1404,35 +1414,34 @@ def _build_plan(cand, q_op, k_op, v_op, out_steps, transforms, dropout_p, masks,
         tv = N.tensor_val(term.node)
         _check_mask_shape(term.node, scores_t, steps_of(term.node))
         term.steps = steps_of(term.node)
-        band, finite = None, False
-        if tv.dtype.is_floating_point and not term.negate:
-            if not L.reorders(term.steps):
-                band, finite = _additive_band(mask_value(term.node), term, N_, M_)
+        band = None
+        if tv.dtype.is_floating_point and not term.negate and not L.reorders(term.steps):
+            band = _additive_band(mask_value(term.node), term, N_, M_)
         if band is not None:
-            bands.append((band, finite, ("add", term)))
+            bands.append(band)
             continue
         kept_terms.append(term)
 
     from .masks import conjoin
 
-    def combined(items):
-        band = items[0][0]
-        for other, _, _ in items[1:]:
-            band = conjoin(band, other)
+    def combined(items: list[_BandMask]):
+        band = items[0].band
+        for other in items[1:]:
+            band = conjoin(band, other.band)
             if band is None:
                 raise NoMatch("two window masks that cannot be combined")
         return band
 
-    if any(finite for _, finite, _ in bands):
+    if any(b.finite for b in bands):
         # Exact as a window only if every row keeps a key and no mask tensor
         # could hide the rest of a row; else such masks stay tensors.
         if hide_ops or kept_terms or not _rows_keep_a_key(combined(bands), N_, M_):
-            for _, finite, source in bands:
-                if finite and source[0] == "hide":
-                    hide_ops.append(source[1:])
-                elif finite:
-                    kept_terms.append(source[1])
-            bands = [b for b in bands if not b[1]]
+            for b in bands:
+                if b.finite and b.fill_op is not None:
+                    hide_ops.append(b.fill_op)
+                elif b.finite:
+                    kept_terms.append(b.term)
+            bands = [b for b in bands if not b.finite]
     mask_fill = None
     fills = {fill for _, fill in hide_ops}
     if any(math.isfinite(f) for f in fills):
@@ -1538,23 +1547,36 @@ def _visible_band(v, cond, hide_true: bool, n, m) -> Optional[Band]:
     return visible if _band_to_window(visible, n, m) is not None else None
 
 
-def _additive_band(v, term: MaskTerm, n, m) -> tuple:
+class _BandMask(NamedTuple):
+    """A mask recognised as a causal or window band, and where it came from:
+    a ``masked_fill`` / ``where`` (``fill_op``: its (operand, fill in the
+    op's units)) or an additive mask (``term``). One whose hidden value is
+    finite may have to stay a tensor (see ``_build_plan``); then it goes back as
+    what it came from."""
+
+    band: Band  # the positions it leaves visible
+    finite: bool  # whether it hides them with a finite value (eager averages rows it hides entirely)
+    fill_op: Optional[tuple] = None
+    term: Optional[MaskTerm] = None
+
+
+def _additive_band(v, term: MaskTerm, n, m) -> "_BandMask | None":
     """An additive mask that is 0 (or any constant) on a band and -inf (or a
-    value that removes positions) elsewhere: (visible band, whether the
-    hidden value is finite), or (None, False)."""
+    value that removes positions) elsewhere, as a ``_BandMask`` (None if it
+    is not one)."""
     if not isinstance(v, Band) or v.trivial:
-        return None, False
+        return None
     if not _band_dims_full(term.node, n, m):
-        return None, False
+        return None
     factor = 1.0
     for op, f in term.factors:
         if not isinstance(f, float):
-            return None, False
+            return None
         factor = factor * f if op == "mul" else factor / f
     try:
         inside, outside = float(v.inside) * factor, float(v.outside) * factor
     except (TypeError, ValueError):
-        return None, False
+        return None
 
     def hides(x: float, kept: float) -> bool:
         return x == -math.inf or (math.isfinite(x) and x - kept <= HIDE_THRESHOLD)
@@ -1564,12 +1586,12 @@ def _additive_band(v, term: MaskTerm, n, m) -> tuple:
     elif math.isfinite(outside) and hides(inside, outside):
         visible, hidden = Band(v.lo, v.hi, False, True, v.ndim).normalized(), inside
         if visible.inside is not True:
-            return None, False
+            return None
     else:
-        return None, False
+        return None
     if _band_to_window(visible, n, m) is None:
-        return None, False
-    return visible, math.isfinite(hidden)
+        return None
+    return _BandMask(visible, math.isfinite(hidden), term=term)
 
 
 def _band_dims_full(node, n, m) -> bool:
@@ -1721,7 +1743,7 @@ class _BatchLayout:
         # that no proof matches to B.
         return op.then(*V.to_canonical(t.dim(), layout, self.tail, self.lead))
 
-    def operands(self, q_op: Operand, k_op: Operand) -> tuple:
+    def operands(self, q_op: Operand, k_op: Operand) -> Operands:
         pv = self.pv
         if N.kind(pv) not in ("matmul", "bmm"):
             raise NoMatch("the value product after a view is not a matmul or bmm")
@@ -1731,8 +1753,8 @@ class _BatchLayout:
         k_op = self._operand(k_op, qk_layout, "k")
         v_op = self._operand(Operand(pv.args[1]), out_layout, "v")
         if V.same_layout(out_layout, self.canon):
-            return q_op, k_op, v_op, []
+            return Operands(q_op, k_op, v_op, [])
         args = self._args(out_layout)[1:]
         if any(a is None for a in args):
             raise NoMatch("the value product's batch sizes are not sizes the graph holds")
-        return q_op, k_op, v_op, V.from_canonical(out_layout, args)
+        return Operands(q_op, k_op, v_op, V.from_canonical(out_layout, args))

@@ -136,6 +136,17 @@ class ValueOperands(NamedTuple):
     out_steps: list
 
 
+class Operands(NamedTuple):
+    """q, k and v as the op takes them, and the steps from its result to
+    the value product's output: what a layout of the products (batch views,
+    folded batch dims, grouped heads) makes of them."""
+
+    query: Operand
+    key: Operand
+    value: Operand
+    out_steps: list
+
+
 @dataclasses.dataclass
 class MaskTerm:
     """An additive score term: ``node * factor`` where factor is the product of

@@ -105,8 +105,11 @@ def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int
         # them for an empty N or M): zeros of the promised shapes, two
         # tensors (an op's outputs may not alias each other).
         return mask.new_zeros(key_shape, dtype=torch.int32), mask.new_zeros(query_shape, dtype=torch.int32)
-    from .kernels.launch import bool_mask_as_bytes, kernel_band
-    from .kernels.mask_ranges import mask_tables
+    from .kernels import defining_kernels
+
+    with defining_kernels():
+        from .kernels.launch import bool_mask_as_bytes, kernel_band
+        from .kernels.mask_ranges import mask_tables
 
     N, M = q_len, kv_len
     Bm, Hm = _mask_batch_heads(mask)

@@ -456,3 +456,54 @@ def test_gpu_inductor_dynamic_sequence_lengths():
             assert rel_err(g, rg) < 2 * TOL[torch.bfloat16], name
 
 
+
+
+_FIRST_CALL_WITHOUT_INTERPRETER = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import flashfuse
+from flashfuse import reference
+
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+mask = torch.rand(1, 1, 40, 40) > 0.3
+# The kernel modules are imported at the first call: here with the
+# interpreter switched off for a moment (the blockwise CPU path), as a test
+# or a user may do.
+os.environ["TRITON_INTERPRET"] = "0"
+flashfuse.attention(q, k, v, is_causal=True)
+flashfuse.block_mask(mask)
+flashfuse.attention_with_kvcache(q[:, :, :1], k.transpose(1, 2), v.transpose(1, 2))
+os.environ["TRITON_INTERPRET"] = "1"
+for name, got in [("attention", flashfuse.attention(q, k, v, attn_mask=mask, is_causal=True)),
+                  ("block mask", flashfuse.attention(q, k, v, attn_mask=flashfuse.block_mask(mask, is_causal=True)))]:
+    want = reference.reference_attention(q, k, v, attn_mask=mask, window_right=0)
+    err = (got.double() - want).abs().max().item()
+    assert err < 1e-4, (name, err)
+got = flashfuse.attention_with_kvcache(q[:, :, :1], k.transpose(1, 2), v.transpose(1, 2))
+want = reference.reference_attention(q[:, :, :1], k, v, window_right=0, bottom_right=True)
+assert (got.double() - want).abs().max().item() < 1e-4
+print("ok")
+"""
+
+
+def test_kernels_defined_for_the_interpreter_recorded_at_import(tmp_path):
+    """The kernel modules are imported at the first call. Triton decides when
+    a kernel is defined whether it runs in the interpreter, from
+    TRITON_INTERPRET at that moment; a first call made while it was switched
+    off (the blockwise CPU path) left compiled kernels that the
+    interpreter's later calls could not launch ("0 active drivers"). In a
+    fresh process, since the order of imports is the point."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
+    import script_runner
+
+    script = tmp_path / "first_call.py"
+    script.write_text(_FIRST_CALL_WITHOUT_INTERPRETER)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = script_runner.run(str(script), cwd=root, env=env, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,6 +5,9 @@ and the Triton interpreter decision (made by Triton when a kernel is defined)
 is recorded here so the ops layer knows which tensors the kernels can take.
 """
 
+import contextlib
+import os
+
 import torch
 
 from .. import config
@@ -14,17 +17,40 @@ from .. import config
 BUILT_FOR_INTERPRETER = config.interpreter_on()
 
 
-_MODULES: tuple = ()  # (hopper, decode, AttentionProblem, forward), imported at the first call
+@contextlib.contextmanager
+def defining_kernels():
+    """Import the kernel modules inside this: their kernels are then defined
+    as this package recorded at import (``BUILT_FOR_INTERPRETER``), also
+    when TRITON_INTERPRET says otherwise at that moment (a caller switched
+    it off for a while to take the blockwise CPU path). Otherwise kernels
+    first defined then would be compiled kernels that later interpreter
+    calls cannot launch."""
+    if config.interpreter_on() == BUILT_FOR_INTERPRETER:
+        yield
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if BUILT_FOR_INTERPRETER else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+_MODULES: tuple = ()  # (hopper, decode, AttentionProblem, forward, backward), imported at the first call
 
 
 def _load_modules() -> tuple:
     """Import the dispatch's modules once (they import Triton), so that a
     call pays no import statement."""
     global _MODULES
-    from . import decode, forward, hopper
-    from .problem import AttentionProblem
+    with defining_kernels():
+        from . import backward, decode, forward, hopper
+        from .problem import AttentionProblem
 
-    _MODULES = (hopper, decode, AttentionProblem, forward)
+    _MODULES = (hopper, decode, AttentionProblem, forward, backward)
     return _MODULES
 
 
@@ -35,7 +61,7 @@ def _route(q, k, v, attn_mask, kwargs) -> tuple:
     kernels; no problem built), ``"hopper"`` (the Hopper kernel, eager),
     ``"hopper-op"`` (a traced call the Hopper kernel suits, whose layout is
     checked when it runs) or ``"portable"`` (``why``: not the Hopper kernel)."""
-    hopper, decode, _, _ = _MODULES or _load_modules()
+    hopper, decode = (_MODULES or _load_modules())[:2]
     if decode.decode_suits(decode.DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"],
                                              kwargs["window_right"], kwargs["bottom_right"], kwargs.get("mask_fill"),
                                              kwargs.get("softcap"), kwargs.get("sinks"))):
@@ -123,8 +149,7 @@ def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):
     """See :func:`flashfuse.kernels.backward.attention_backward`. Calls the
     Hopper backward kernels suit take them (``hopper.backward_refusal``);
     their gradients have the same meaning."""
-    from . import backward
-
+    backward = (_MODULES or _load_modules())[4]
     route, p, _ = _backward_route(grad_out, q, k, v, attn_mask, kwargs)
     if route == "hopper":
         with torch.cuda.device(q.device):

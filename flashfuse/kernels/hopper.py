@@ -131,10 +131,14 @@ BWD_STAGES = {64: 3, 128: 2}
 BWD_DQ_STAGES = 2
 # Fewest visible keys per query row (mean over the rows) for which the
 # Hopper backward is taken; its own crossover with the portable backward
-# (bench/results/hopper_backward_crossover.csv, bench/NOTES.md run 19):
-# D = 128 slower at 256 keys on average, faster from 512; D = 64 even at
-# 1k, faster from 2k.
-BWD_MIN_KEYS = {128: 384, 64: 1024}
+# (bench/results/hopper_backward_crossover.csv, bench/NOTES.md run 19, the
+# two deterministic kernels): D = 128 slower at 256 keys on average, faster
+# from 512. D = 64 from run 25 (bench/NOTES.md): at causal 1k (512 keys on
+# average) the persistent fused backward took 0.71 ms given lse and delta
+# (bench/results/hopper_backward_schedules.csv) where the op's portable
+# backward took 0.92 ms with them (attention_run25.csv, mode bwd); shorter
+# rows were not measured on the fused kernel.
+BWD_MIN_KEYS = {128: 384, 64: 512}
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.

@@ -783,16 +783,22 @@ def _prefetch_stats(Lse, Delta, stat_smem, t, stat_b, stride_stat_h, N, h0, lo_m
 
 
 @gluon.jit
-def _bwd_tile(r, n_n, Hkv, BLOCK_N: gl.constexpr):
-    """The key tile program p takes in its round ``r``: ``(n0, hk, b)``,
-    handed out as ``_fwd_tile`` hands out query tiles. Tiles are numbered
-    with the key blocks of one (batch, key/value head) consecutive, first
-    block first: tiles running together read the same q and dO from L2, and
-    under a top-left causal band the first key blocks, seen by the most
-    rows, start first."""
+def _bwd_tile(r, n_n, G, Hkv, N, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
+              HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key tile program p takes in its round ``r`` and the query blocks
+    it streams: ``(n0, hk, b, h0, lo_m, n_m, n_iters)``, ``h0`` the first
+    of the ``G`` query heads of key/value head ``hk``, the rest
+    ``_query_range``'s. Tiles are handed out as
+    ``_fwd_tile`` hands out query tiles, numbered with the key blocks of one
+    (batch, key/value head) consecutive, first block first: tiles running
+    together read the same q and dO from L2, and under a top-left causal
+    band the first key blocks, seen by the most rows, start first."""
     t = _round_tile(r)
     bh = t // n_n
-    return (t % n_n) * BLOCK_N, bh % Hkv, bh // Hkv
+    n0, hk, b = (t % n_n) * BLOCK_N, bh % Hkv, bh // Hkv
+    lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                      HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    return n0, hk, b, hk * G, lo_m, n_m, n_iters
 
 
 @gluon.jit
@@ -810,10 +816,8 @@ def _fused_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
     c = 0
     n_done = 0
     for r in range(_program_rounds(n_tiles)):
-        n0, hk, b = _bwd_tile(r, n_n, Hkv, 2 * HALF_N)
-        lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                          HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
-        h0 = hk * G
+        n0, hk, b, h0, lo_m, n_m, n_iters = _bwd_tile(r, n_n, G, Hkv, N, diag_off, window_left, window_right,
+                                                      HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
         n_first = gl.minimum(n_iters, STAGES)
         for i in range(n_first):
             _load_ring_pair(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, c + i, b,
@@ -883,10 +887,8 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
     c = 0
     n_done = 0
     for r in range(_program_rounds(n_tiles)):
-        n0, hk, b = _bwd_tile(r, n_n, Hkv, 2 * HALF_N)
-        lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                          HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
-        h0 = hk * G
+        n0, hk, b, h0, lo_m, n_m, n_iters = _bwd_tile(r, n_n, G, Hkv, N, diag_off, window_left, window_right,
+                                                      HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
         b64 = b.to(gl.int64)
         stat_b = b64 * stride_stat_b
         j0 = n0 + HALF * HALF_N

@@ -163,12 +163,12 @@ BWD_FUSED_DQ = "tma"
 # ones. Measured on an H100 (bench/NOTES.md run 25, the twelve shapes of
 # bench/hopper_backward_schedules.py): faster than one program per tile at
 # eleven shapes (up to 1.27x at 1k, 1.11x causal at 4k), 1 % slower at the
-# twelfth. The plan (``_persistent_plan``, in units of one 64-row q/dO
-# block) picks the program count that balances the tiles under a band;
-# BWD_FIXED_BLOCKS are its per-tile fixed parts, estimated (the K/V load
-# and the pipeline's fill and drain).
+# twelfth. The plan (``_balanced_grid``, in units of one 64-row q/dO block)
+# picks the program count that balances the tiles under a band; a tile
+# after a program's first costs BWD_FIXED_BLOCKS more, an estimate (the
+# K/V load, exposed).
 BWD_PERSISTENT = True
-BWD_FIXED_BLOCKS = {"tiles": 3.0, "persistent": 1.0}
+BWD_FIXED_BLOCKS = 1.0
 BWD_DQ_CHOICES = ("separate", "atomic", "tma")
 BWD_DQ_BUFFERS = {64: 2, 128: 1}
 # Rows of dQ per program of the convert kernel.
@@ -330,13 +330,24 @@ def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, wind
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        return _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_left, has_window_right,
-                            sms)
+        per_tile = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
+                                      has_window_right).repeat(heads)
+        if per_tile.numel() <= sms:
+            return per_tile.numel(), False
+        fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
+        programs, busiest = _balanced_grid(per_tile, sms, fixed_p)
+        one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
+        # Each persistent program's first tile pays the full fixed part.
+        return programs, busiest + fixed_t - fixed_p < one_each
 
 
-def _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_left, has_window_right, sms):
-    n_m = cdiv(N, BLOCK_M)
-    rows = torch.arange(n_m, dtype=torch.int64) * BLOCK_M
+def _query_tile_blocks(N: int, M: int, diag_off: int, window_left: int, window_right: int,
+                       has_window_left: bool, has_window_right: bool) -> torch.Tensor:
+    """The key blocks of each of one head's forward tiles, in the order the
+    kernel numbers them (``hopper_gluon._fwd_tile``: last query block
+    first); at least 1, as the kernel streams one block for a tile that sees
+    no key."""
+    rows = torch.arange(cdiv(N, BLOCK_M), dtype=torch.int64) * BLOCK_M
     last_row = torch.clamp(rows + BLOCK_M, max=N) - 1
     lo = torch.zeros_like(rows)
     hi = torch.full_like(rows, M)
@@ -344,33 +355,40 @@ def _plan_on_cpu(heads, N, M, diag_off, window_left, window_right, has_window_le
         hi = torch.minimum(hi, torch.clamp(last_row + diag_off + window_right + 1, min=0))
     if has_window_left:
         lo = torch.clamp(rows + diag_off - window_left, min=0) // BLOCK_N * BLOCK_N
-    blocks = torch.clamp((hi - lo + BLOCK_N - 1).div(BLOCK_N, rounding_mode="floor"), min=1).double()
-    # Tile t is query block n_m - 1 - t % n_m of its head.
-    return _persistent_plan(blocks.flip(0).repeat(heads), sms, FWD_FIXED_BLOCKS, GRIDS_TRIED)
+    return torch.clamp((hi - lo + BLOCK_N - 1).div(BLOCK_N, rounding_mode="floor"), min=1).double().flip(0)
 
 
-def _persistent_plan(per_tile: torch.Tensor, sms: int, fixed: dict, grids_tried: int) -> tuple[int, bool]:
-    """``(programs, faster)`` for tiles of ``per_tile`` work each, in tile
-    order, handed out as ``hopper_gluon._round_tile`` hands them out: the
-    grid of ``sms`` down to ``sms - grids_tried + 1`` programs whose busiest
-    program ends first, and whether it beats one program per tile. A tile
-    costs its work plus ``fixed["tiles"]`` as its own program, plus
-    ``fixed["persistent"]`` after a persistent program's first tile."""
-    tiles = per_tile.numel()
-    if tiles <= sms:
-        return tiles, False
-    fixed_t, fixed_p = fixed["tiles"], fixed["persistent"]
-    one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
-    t = torch.arange(tiles, dtype=torch.int64)
-    best, best_cost = sms, float("inf")
-    for programs in range(sms, max(1, sms - grids_tried + 1) - 1, -1):
+def _key_tile_blocks(N: int, M: int, diag_off: int, window_left: int, window_right: int, has_window_left: bool,
+                     has_window_right: bool) -> torch.Tensor:
+    """The q/dO blocks of one query head that each of one key/value head's
+    fused-backward tiles streams, in the order the kernel numbers them
+    (``hopper_gluon._bwd_tile``: first key block first), as
+    ``hopper_gluon._query_range`` counts them."""
+    n0 = torch.arange(cdiv(M, BWD_BLOCK_N), dtype=torch.int64) * BWD_BLOCK_N
+    lo = torch.zeros_like(n0)
+    hi = torch.full_like(n0, N)
+    if has_window_right:
+        lo = torch.clamp(n0 - diag_off - window_right, min=0) // BWD_BLOCK_M * BWD_BLOCK_M
+    if has_window_left:
+        hi = torch.clamp(n0 + BWD_BLOCK_N - diag_off + window_left, max=N)
+    return torch.clamp(hi - lo, min=0).add(BWD_BLOCK_M - 1).div(BWD_BLOCK_M, rounding_mode="floor").double()
+
+
+def _balanced_grid(per_tile: torch.Tensor, sms: int, fixed: float) -> tuple[int, float]:
+    """``(programs, work)``: of the grids of ``sms`` down to ``sms -
+    GRIDS_TRIED + 1`` programs taking tiles of ``per_tile`` work each, in
+    tile order, as ``hopper_gluon._round_tile`` hands them out, the one
+    whose busiest program ends first, and that program's work (its tiles
+    plus ``fixed`` each)."""
+    t = torch.arange(per_tile.numel(), dtype=torch.int64)
+    best, best_work = sms, float("inf")
+    for programs in range(sms, max(1, sms - GRIDS_TRIED + 1) - 1, -1):
         r, pos = t // programs, t % programs
         prog = torch.where(r % 2 == 0, pos, programs - 1 - pos)
-        work = torch.bincount(prog, weights=per_tile + fixed_p, minlength=programs)
-        cost = float(work.max()) + fixed_t - fixed_p  # each program's first tile pays the full fixed part
-        if cost < best_cost:
-            best, best_cost = programs, cost
-    return best, best_cost < one_each
+        work = float(torch.bincount(prog, weights=per_tile + fixed, minlength=programs).max())
+        if work < best_work:
+            best, best_work = programs, work
+    return best, best_work
 
 
 def kernel():
@@ -486,7 +504,7 @@ def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dk, dv, dq_ac
 def backward_persistent(p: AttentionProblem) -> bool:
     """Whether the fused backward runs ``p`` on a persistent grid rather
     than one program per key tile: when there are more tiles than SMs."""
-    return BWD_PERSISTENT and _backward_plan(p)[0] < cdiv(p.M, BWD_BLOCK_N) * p.Hkv * p.B
+    return BWD_PERSISTENT and _backward_plan(p)[1]
 
 
 def backward_programs(p: AttentionProblem, persistent: bool) -> int:
@@ -507,25 +525,21 @@ def _backward_plan(p: AttentionProblem) -> tuple[int, bool]:
 def _backward_grid_plan(heads: int, group: int, N: int, M: int, diag_off: int, window_left: int,
                         window_right: int, has_window_left: bool, has_window_right: bool,
                         sms: int) -> tuple[int, bool]:
-    """``(programs, faster)`` of ``_persistent_plan`` for the fused
-    backward's key tiles (``heads``: batch times key/value heads; ``group``:
-    query heads per key/value head); a tile's work is its q/dO blocks, as
-    ``hopper_gluon._query_range`` counts them. ``backward_persistent`` takes
-    the persistent grid whenever it has fewer programs than tiles, measured
-    faster than the cost model's comparison says."""
+    """``(programs, persistent)`` for the fused backward's key tiles
+    (``heads``: batch times key/value heads; ``group``: query heads per
+    key/value head): one program per tile when they are at most ``sms``,
+    else the persistent grid ``_balanced_grid`` finds, a tile's work being
+    its q/dO blocks (``_key_tile_blocks``). Unlike the
+    forward's plan this one does not weigh the two grids: the persistent one
+    measured faster wherever it applies (bench/NOTES.md run 25)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        n0 = torch.arange(cdiv(M, BWD_BLOCK_N), dtype=torch.int64) * BWD_BLOCK_N
-        lo = torch.zeros_like(n0)
-        hi = torch.full_like(n0, N)
-        if has_window_right:
-            lo = torch.clamp(n0 - diag_off - window_right, min=0) // BWD_BLOCK_M * BWD_BLOCK_M
-        if has_window_left:
-            hi = torch.clamp(n0 + BWD_BLOCK_N - diag_off + window_left, max=N)
-        blocks = torch.clamp(hi - lo, min=0).add(BWD_BLOCK_M - 1).div(BWD_BLOCK_M, rounding_mode="floor")
-        # Tile t is key block t % n_n of its (batch, key/value head).
-        return _persistent_plan((blocks * group).double().repeat(heads), sms, BWD_FIXED_BLOCKS, GRIDS_TRIED)
+        per_tile = (_key_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left, has_window_right)
+                    * group).repeat(heads)
+        if per_tile.numel() <= sms:
+            return per_tile.numel(), False
+        return _balanced_grid(per_tile, sms, BWD_FIXED_BLOCKS)[0], True
 
 
 def _band(p: AttentionProblem) -> tuple:

@@ -105,19 +105,14 @@ def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int
         # them for an empty N or M): zeros of the promised shapes, two
         # tensors (an op's outputs may not alias each other).
         return mask.new_zeros(key_shape, dtype=torch.int32), mask.new_zeros(query_shape, dtype=torch.int32)
-    from .kernels import defining_kernels
-
-    with defining_kernels():
-        from .kernels.launch import bool_mask_as_bytes, kernel_band
-        from .kernels.mask_ranges import mask_tables
-
+    kernels = _ops._kernels.modules()
     N, M = q_len, kv_len
     Bm, Hm = _mask_batch_heads(mask)
     arg = mask.expand(Bm, Hm, N, M)
     if arg.dtype == torch.bool:
-        arg = bool_mask_as_bytes(arg)
-    band = kernel_band(N, M, window_left, window_right, bottom_right)
-    keys, qs = mask_tables(arg, N, M, band, fills=mask.dtype == torch.bool and mask_fill is not None,
+        arg = kernels.launch.bool_mask_as_bytes(arg)
+    band = kernels.launch.kernel_band(N, M, window_left, window_right, bottom_right)
+    keys, qs = kernels.mask_ranges.mask_tables(arg, N, M, band, fills=mask.dtype == torch.bool and mask_fill is not None,
                            queries=queries)
     if not queries:
         qs = mask.new_empty((0,), dtype=torch.int32)

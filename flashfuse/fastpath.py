@@ -232,12 +232,7 @@ def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, wind
             or query.shape[2] == 0 or ops._kernels is None):
         return None
     if _decode is None:
-        from .kernels import defining_kernels
-
-        with defining_kernels():
-            from .kernels import decode as _decode_module
-
-        _decode = _decode_module
+        _decode = ops._kernels.modules().decode
     # The arguments exactly as run_checked hands them to the kernels' route.
     a = ops._forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right,
                           alignment, mask_fill, new_seed=lambda: None, softcap=softcap, sinks=sinks)

@@ -214,21 +214,6 @@ def check_kvcache_values(k_cache, cache_seqlens, block_table) -> None:
                        f"row {b} uses its first {int(used[b].sum())} entries")
 
 
-_DECODE: list = []  # the kernels.decode module, imported at the first call
-
-
-def _decode():
-    """``kernels.decode``, imported once, as the kernels package records the
-    interpreter (``kernels.defining_kernels``)."""
-    if not _DECODE:
-        from .kernels import defining_kernels
-
-        with defining_kernels():
-            from .kernels import decode
-        _DECODE.append(decode)
-    return _DECODE[0]
-
-
 def _kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, is_causal, window_left, num_splits):
     band = dict(window_left=window_left, window_right=0 if is_causal else None, bottom_right=True)
     B, Hq, N, _ = q.shape
@@ -237,8 +222,9 @@ def _kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, is_
         return (ops._empty_out(q, v_cache).zero_(),
                 torch.full((B, Hq, N), math.inf, dtype=torch.float32, device=q.device))
     if ops._use_triton(q):
-        return _decode().decode_forward(q, k_cache, v_cache, scale=scale, cache_seqlens=cache_seqlens,
-                              block_table=block_table, layout="bshd", num_splits=num_splits, **band)
+        decode = ops._kernels.modules().decode
+        return decode.decode_forward(q, k_cache, v_cache, scale=scale, cache_seqlens=cache_seqlens,
+                                     block_table=block_table, layout="bshd", num_splits=num_splits, **band)
     return _kvcache_blockwise(q, k_cache, v_cache, cache_seqlens, block_table, scale, **band)
 
 

@@ -7,6 +7,7 @@ is recorded here so the ops layer knows which tensors the kernels can take.
 
 import contextlib
 import os
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,7 +19,7 @@ BUILT_FOR_INTERPRETER = config.interpreter_on()
 
 
 @contextlib.contextmanager
-def defining_kernels():
+def _defining_kernels():
     """Import the kernel modules inside this: their kernels are then defined
     as this package recorded at import (``BUILT_FOR_INTERPRETER``), also
     when TRITON_INTERPRET says otherwise at that moment (a caller switched
@@ -39,18 +40,33 @@ def defining_kernels():
             os.environ["TRITON_INTERPRET"] = old
 
 
-_MODULES: tuple = ()  # (hopper, decode, AttentionProblem, forward, backward), imported at the first call
+class _Modules(NamedTuple):
+    """The kernel modules the dispatch and the ops' other paths call."""
+
+    hopper: Any
+    decode: Any
+    AttentionProblem: type
+    forward: Any
+    backward: Any
+    mask_ranges: Any
+    launch: Any
 
 
-def _load_modules() -> tuple:
-    """Import the dispatch's modules once (they import Triton), so that a
-    call pays no import statement."""
+_MODULES: tuple = ()  # a _Modules, imported at the first call
+
+
+def modules() -> _Modules:
+    """The kernel modules, imported at the first call (they import Triton;
+    a call then pays no import statement), their kernels defined as this
+    package recorded the interpreter (``_defining_kernels``). Every lazy
+    use of a kernel module goes through here."""
     global _MODULES
-    with defining_kernels():
-        from . import backward, decode, forward, hopper
-        from .problem import AttentionProblem
+    if not _MODULES:
+        with _defining_kernels():
+            from . import backward, decode, forward, hopper, launch, mask_ranges
+            from .problem import AttentionProblem
 
-    _MODULES = (hopper, decode, AttentionProblem, forward, backward)
+        _MODULES = _Modules(hopper, decode, AttentionProblem, forward, backward, mask_ranges, launch)
     return _MODULES
 
 
@@ -61,7 +77,7 @@ def _route(q, k, v, attn_mask, kwargs) -> tuple:
     kernels; no problem built), ``"hopper"`` (the Hopper kernel, eager),
     ``"hopper-op"`` (a traced call the Hopper kernel suits, whose layout is
     checked when it runs) or ``"portable"`` (``why``: not the Hopper kernel)."""
-    hopper, decode = (_MODULES or _load_modules())[:2]
+    hopper, decode = modules()[:2]
     if decode.decode_suits(decode.DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"],
                                              kwargs["window_right"], kwargs["bottom_right"], kwargs.get("mask_fill"),
                                              kwargs.get("softcap"), kwargs.get("sinks"))):
@@ -74,7 +90,7 @@ def _route(q, k, v, attn_mask, kwargs) -> tuple:
 
 def _problem(q, k, v, attn_mask, kwargs, backward: bool):
     """The call's ``AttentionProblem`` from the launchers' keyword arguments."""
-    AttentionProblem = (_MODULES or _load_modules())[2]
+    AttentionProblem = modules().AttentionProblem
     return AttentionProblem.build(q, k, v, attn_mask, dropout_p=kwargs["dropout_p"], scale=kwargs["scale"],
                                   window_left=kwargs["window_left"], window_right=kwargs["window_right"],
                                   bottom_right=kwargs["bottom_right"], mask_fill=kwargs.get("mask_fill"),
@@ -101,18 +117,18 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
     ``lse`` have the same layout and meaning."""
     route, p, _ = _route(q, k, v, attn_mask, kwargs)
     if route == "decode":
-        return _MODULES[1].decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
+        return _MODULES.decode.decode_forward(q, k, v, scale=kwargs["scale"], window_left=kwargs["window_left"],
                                           window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
                                           attn_mask=attn_mask)
     if route == "hopper":
-        return _MODULES[0].hopper_forward(p, q, k, v)
+        return _MODULES.hopper.hopper_forward(p, q, k, v)
     if route == "hopper-op":
         # Inductor cannot launch a Gluon kernel from its generated code: the
         # trace records the opaque op (ops.py) that runs this function again
         # on the real tensors.
         return torch.ops.flashfuse._hopper_forward(q, k, v, kwargs["scale"], kwargs["window_left"],
                                                    kwargs["window_right"], kwargs["bottom_right"])
-    return _MODULES[3].attention_forward(q, k, v, attn_mask, seed, **kwargs, problem=p)
+    return _MODULES.forward.attention_forward(q, k, v, attn_mask, seed, **kwargs, problem=p)
 
 
 def forward_kernel(q, k, v, attn_mask, seed, dropout_p: float, scale: float, window_left, window_right,
@@ -136,7 +152,7 @@ def _backward_route(grad_out, q, k, v, attn_mask, kwargs) -> tuple:
     eager), ``"hopper-op"`` (a traced call they suit, whose layout is
     checked when it runs) or ``"portable"`` (``why``: not the Hopper
     kernels). The arguments are ``backward.attention_backward``'s."""
-    hopper = (_MODULES or _load_modules())[0]
+    hopper = modules().hopper
     p = _problem(q, k, v, attn_mask, kwargs, backward=True)
     rule = dict(dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
                 mask_grad=bool(kwargs.get("mask_grad")) and attn_mask is not None,
@@ -149,12 +165,12 @@ def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):
     """See :func:`flashfuse.kernels.backward.attention_backward`. Calls the
     Hopper backward kernels suit take them (``hopper.backward_refusal``);
     their gradients have the same meaning."""
-    backward = (_MODULES or _load_modules())[4]
+    backward = modules().backward
     route, p, _ = _backward_route(grad_out, q, k, v, attn_mask, kwargs)
     if route == "hopper":
         with torch.cuda.device(q.device):
             delta, _ = backward.row_delta(p, out, grad_out, lse, kwargs.get("grad_lse"))
-        dq, dk, dv = _MODULES[0].hopper_backward(p, grad_out, q, k, v, lse, delta)
+        dq, dk, dv = _MODULES.hopper.hopper_backward(p, grad_out, q, k, v, lse, delta)
         return dq, dk, dv, None
     if route == "hopper-op":
         # As the forward's hopper-op: Inductor cannot launch Gluon kernels,

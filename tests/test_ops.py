@@ -8,8 +8,10 @@ CPU tensors, through both the blockwise path and the Triton interpreter.
 import contextlib
 import functools
 import math
+import os
 
 import pytest
+import script_runner
 import torch
 import torch.nn.functional as F
 
@@ -456,8 +458,6 @@ def test_gpu_inductor_dynamic_sequence_lengths():
             assert rel_err(g, rg) < 2 * TOL[torch.bfloat16], name
 
 
-
-
 _FIRST_CALL_WITHOUT_INTERPRETER = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
@@ -465,6 +465,8 @@ import torch
 import flashfuse
 from flashfuse import reference
 
+# The premise: no kernel module is imported yet (importing flashfuse does not).
+assert not any(m.startswith("flashfuse.kernels.") for m in sys.modules), sorted(sys.modules)
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
 mask = torch.rand(1, 1, 40, 40) > 0.3
@@ -495,12 +497,6 @@ def test_kernels_defined_for_the_interpreter_recorded_at_import(tmp_path):
     off (the blockwise CPU path) left compiled kernels that the
     interpreter's later calls could not launch ("0 active drivers"). In a
     fresh process, since the order of imports is the point."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
-    import script_runner
-
     script = tmp_path / "first_call.py"
     script.write_text(_FIRST_CALL_WITHOUT_INTERPRETER)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TRITON_INTERPRET="1")

@@ -560,7 +560,7 @@ class _ScoreStep(NamedTuple):
     scores: torch.fx.Node  # its scores input, one step closer to the product
 
 
-def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> "_ScoreStep":
+def _transform(node: torch.fx.Node, known_chain: Optional[torch.fx.Node]) -> _ScoreStep:
     """Classify one score transform: the transform (None for one that changes
     nothing the op needs to know) and its scores input.
     ``known_chain`` is the scores input when it is already known (in-place
@@ -1560,7 +1560,7 @@ class _BandMask(NamedTuple):
     term: Optional[MaskTerm] = None
 
 
-def _additive_band(v, term: MaskTerm, n, m) -> "_BandMask | None":
+def _additive_band(v, term: MaskTerm, n, m) -> Optional[_BandMask]:
     """An additive mask that is 0 (or any constant) on a band and -inf (or a
     value that removes positions) elsewhere, as a ``_BandMask`` (None if it
     is not one)."""

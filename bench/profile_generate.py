@@ -9,7 +9,11 @@ alternating order before any profiler runs: run 16's first version timed
 flashfuse's, came out 1.4-2x slower); a ``cProfile`` of
 one call (the functions with the largest own time, and flashfuse's by
 cumulative time, per generated token); and ``torch.profiler``'s device
-kernels (total device time per token, the largest kernels). Prints the
+kernels (total device time per token, the largest kernels), the launches
+the host made per token (kernel launches and CUDA graph replays: a compiled
+static cache whose graphs replay launches few kernels), the span the device
+was busy per token against the wall time, and what Dynamo and Inductor
+counted (graphs, graph breaks, frames compiled, CUDA graphs skipped). Prints the
 report and writes it to bench/results/profile_generate_<cache>_b<B>_t<T>.txt.
 
     python bench/profile_generate.py --batch 1 --prompt 512 --new 64
@@ -26,6 +30,11 @@ import time
 
 import common
 import torch
+
+# Host-side CUDA calls that start device work: one per kernel launch, one per
+# CUDA graph replay.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+GRAPH_CALLS = ("cudaGraphLaunch",)
 
 import bench_generate
 
@@ -48,6 +57,35 @@ def _stats(prof, sort: str, *restrictions) -> str:
     return "ncalls" + text.split("ncalls", 1)[1] if "ncalls" in text else ""
 
 
+def _compile_counters() -> dict:
+    """What Dynamo and Inductor counted so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"].get("unique_graphs", 0),
+            "graph breaks": sum(counters["graph_break"].values()),
+            "frames compiled": counters["frames"].get("ok", 0),
+            "cudagraph skips": counters["inductor"].get("cudagraph_skips", 0)}
+
+
+def _busy_us(events) -> tuple[float, float]:
+    """(time the device was busy, span from its first kernel's start to its
+    last kernel's end), in microseconds, over the profiled call: the gaps
+    between them are the device waiting for the host."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return 0.0, 0.0
+    busy, cur_start, cur_end = 0.0, *spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, spans[-1][1] - spans[0][0]
+
+
 def main():
     args = parse_args()
     common.quiet_warnings()
@@ -62,7 +100,10 @@ def main():
     lines = [f"generate() profile: batch {B}, prompt {T}, {new} new tokens, {args.cache} cache, {env}"]
     impls = bench_generate.IMPLS
     for impl in impls:
+        before = _compile_counters()
         bench_generate.generate(model, impl, ids, new, args.cache)  # warm-up (compiles a static cache)
+        after = _compile_counters()
+        lines.append(f"== {impl}: first call " + ", ".join(f"{k} {after[k] - before[k]}" for k in after))
     # Wall times first, in alternating order, before any profiler runs (see
     # the module docstring).
     walls = {impl: [] for impl in impls}
@@ -94,8 +135,14 @@ def main():
                 torch.cuda.synchronize()
             ka = p.key_averages()
             dev_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+            launches = sum(e.count for e in ka if e.key in LAUNCH_CALLS)
+            replays = sum(e.count for e in ka if e.key in GRAPH_CALLS)
+            busy, span = _busy_us(p.events())
             lines.append(f"\n== {impl}: torch.profiler")
             lines.append(f"-- device kernels: {dev_us / new:.1f} us per token in all")
+            lines.append(f"-- host launches per token: {launches / new:.1f} kernels, {replays / new:.2f} CUDA graph replays")
+            lines.append(f"-- device busy {busy / new:.1f} us per token over a span of {span / new:.1f} us per token "
+                         f"(the rest: the device waiting for the host)")
             lines.append(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
     text = "\n".join(lines)
     print(text)

@@ -134,6 +134,17 @@ def hopper_launches(a, dtype):
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     launches = [("forward", hopper_gluon._hopper_attn_fwd, *hopper.kernel_args(p, q, k, v, out, lse)[:2])]
+    # The forward reading a mask through its key table: a bool key-padding
+    # mask and a float (B, 1, N, N) mask.
+    from flashfuse.kernels.mask_ranges import COL_GROUP, KEY_ENTRY, QUERY_ENTRY, ROW_GROUP
+
+    masks = (("bool padding", torch.ones(a.b, 1, 1, a.n, dtype=torch.bool)),
+             ("float", torch.zeros(a.b, 1, a.n, a.n, dtype=dtype)))
+    for name, mask in masks:
+        pm = AttentionProblem.build(q, k, v, mask, **band)
+        table = torch.empty(a.b, 1, -(-a.n // ROW_GROUP), KEY_ENTRY, dtype=torch.int32)
+        launches.append((f"forward, {name} mask", hopper_gluon._hopper_attn_fwd,
+                         *hopper.kernel_args(pm, q, k, v, out, lse, key_table=table)[:2]))
     a1, m1, a2, m2 = hopper.backward_kernel_args(p, dout, q, k, v, lse, delta, dq, dk, dv)
     launches += [("dK/dV (deterministic)", hopper_gluon._hopper_attn_bwd_dkdv, a1, m1),
                  ("dQ (deterministic)", hopper_gluon._hopper_attn_bwd_dq, a2, m2)]
@@ -147,6 +158,12 @@ def hopper_launches(a, dtype):
             launches.append((f"fused, dQ by the copy engine, {tiles} staging tile{'s' * (tiles > 1)}"
                              + (" (default)" if tiles == hopper.BWD_DQ_BUFFERS[a.d] else ""),
                              hopper_gluon._hopper_attn_bwd_fused, args, dict(meta, DQ_BUFFERS=tiles)))
+    for name, mask in masks:  # the default fused backward reading a mask through its query table
+        pm = AttentionProblem.build(q, k, v, mask, **band, backward=True)
+        table = torch.empty(a.b, 1, -(-a.n // COL_GROUP), QUERY_ENTRY, dtype=torch.int32)
+        args, meta, _ = hopper.fused_kernel_args(pm, dout, q, k, v, lse, delta, acc, dk, dv, "tma",
+                                                 query_table=table)
+        launches.append((f"fused, {name} mask", hopper_gluon._hopper_attn_bwd_fused, args, meta))
     return launches
 
 

@@ -626,17 +626,22 @@ torch.library.register_fake("flashfuse::_attention_backward_cpu", _attention_bac
 # Hopper kernel suits (``hopper.traced_takes``) records this opaque op, whose
 # CUDA kernel runs the eager launcher on the real tensors (the Hopper kernel,
 # or the portable one where their layout does not suit the copy engine).
+# A mask (bool without a fill, or float) comes with its key table when a
+# block mask gave one (else the launcher builds it).
 _lib.define("_hopper_forward(Tensor q, Tensor k, Tensor v, float scale, SymInt? window_left, "
-            "SymInt? window_right, bool bottom_right) -> (Tensor, Tensor)")
+            "SymInt? window_right, bool bottom_right, Tensor? attn_mask=None, Tensor? mask_key_table=None) "
+            "-> (Tensor, Tensor)")
 
 
-def _hopper_forward(q, k, v, scale, window_left, window_right, bottom_right):
-    return _kernels.attention_forward(q, k, v, None, None, dropout_p=0.0, scale=scale, window_left=window_left,
-                                      window_right=window_right, bottom_right=bottom_right)
+def _hopper_forward(q, k, v, scale, window_left, window_right, bottom_right, attn_mask=None, mask_key_table=None):
+    tables = {"key_table": mask_key_table} if mask_key_table is not None else {}
+    return _kernels.attention_forward(q, k, v, attn_mask, None, dropout_p=0.0, scale=scale, window_left=window_left,
+                                      window_right=window_right, bottom_right=bottom_right, **tables)
 
 
-def _hopper_forward_fake(q, k, v, scale, window_left, window_right, bottom_right):
-    return _attention_forward_fake(q, k, v, None, None, 0.0, scale, window_left, window_right, bottom_right)
+def _hopper_forward_fake(q, k, v, scale, window_left, window_right, bottom_right, attn_mask=None,
+                         mask_key_table=None):
+    return _attention_forward_fake(q, k, v, attn_mask, None, 0.0, scale, window_left, window_right, bottom_right)
 
 
 _lib.impl("_hopper_forward", _hopper_forward, "CUDA")
@@ -649,18 +654,22 @@ torch.library.register_fake("flashfuse::_hopper_forward", _hopper_forward_fake, 
 # Hopper kernels, or the portable ones where the layout does not suit the
 # copy engine).
 _lib.define("_hopper_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
-            "SymInt? window_left, SymInt? window_right, bool bottom_right, Tensor? grad_lse) "
+            "SymInt? window_left, SymInt? window_right, bool bottom_right, Tensor? grad_lse, "
+            "Tensor? attn_mask=None, Tensor? mask_key_table=None, Tensor? mask_query_table=None) "
             "-> (Tensor, Tensor, Tensor)")
 
 
-def _hopper_backward(grad_out, q, k, v, out, lse, scale, window_left, window_right, bottom_right, grad_lse):
+def _hopper_backward(grad_out, q, k, v, out, lse, scale, window_left, window_right, bottom_right, grad_lse,
+                     attn_mask=None, mask_key_table=None, mask_query_table=None):
     dq, dk, dv, _ = _kernels.attention_backward(
-        grad_out, q, k, v, None, None, out, lse, dropout_p=0.0, scale=scale, window_left=window_left,
-        window_right=window_right, bottom_right=bottom_right, mask_grad=False, grad_lse=grad_lse)
+        grad_out, q, k, v, attn_mask, None, out, lse, dropout_p=0.0, scale=scale, window_left=window_left,
+        window_right=window_right, bottom_right=bottom_right, mask_grad=False, grad_lse=grad_lse,
+        key_table=mask_key_table, query_table=mask_query_table)
     return dq, dk, dv
 
 
-def _hopper_backward_fake(grad_out, q, k, v, out, lse, scale, window_left, window_right, bottom_right, grad_lse):
+def _hopper_backward_fake(grad_out, q, k, v, out, lse, scale, window_left, window_right, bottom_right, grad_lse,
+                          attn_mask=None, mask_key_table=None, mask_query_table=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

@@ -210,7 +210,9 @@ def test_kernel_report_compiles_the_hopper_kernels():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r["config"].split(",")[0] for r in rows] == [
-        "forward", "dK/dV (deterministic)", "dQ (deterministic)", "fused", "fused", "fused"]
+        "forward", "forward", "forward", "dK/dV (deterministic)", "dQ (deterministic)", "fused", "fused", "fused",
+        "fused", "fused"]
+    assert sum("mask" in r["config"] for r in rows) == 4  # the forward and the fused backward, bool and float
     assert sum("(default)" in r["config"] for r in rows) == 1
     for r in rows:
         assert "error" not in r and r["HGMMA"] > 0 and r["regs"] == 168, r

@@ -121,13 +121,14 @@ def attention_forward(q, k, v, attn_mask, seed, **kwargs):
                                           window_right=kwargs["window_right"], bottom_right=kwargs["bottom_right"],
                                           attn_mask=attn_mask)
     if route == "hopper":
-        return _MODULES.hopper.hopper_forward(p, q, k, v)
+        return _MODULES.hopper.hopper_forward(p, q, k, v, key_table=kwargs.get("key_table"))
     if route == "hopper-op":
         # Inductor cannot launch a Gluon kernel from its generated code: the
         # trace records the opaque op (ops.py) that runs this function again
         # on the real tensors.
         return torch.ops.flashfuse._hopper_forward(q, k, v, kwargs["scale"], kwargs["window_left"],
-                                                   kwargs["window_right"], kwargs["bottom_right"])
+                                                   kwargs["window_right"], kwargs["bottom_right"], attn_mask,
+                                                   kwargs.get("key_table"))
     return _MODULES.forward.attention_forward(q, k, v, attn_mask, seed, **kwargs, problem=p)
 
 
@@ -155,8 +156,7 @@ def _backward_route(grad_out, q, k, v, attn_mask, kwargs) -> tuple:
     hopper = modules().hopper
     p = _problem(q, k, v, attn_mask, kwargs, backward=True)
     rule = dict(dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),
-                mask_grad=bool(kwargs.get("mask_grad")) and attn_mask is not None,
-                tables=kwargs.get("key_table") is not None or kwargs.get("query_table") is not None)
+                mask_grad=bool(kwargs.get("mask_grad")) and attn_mask is not None)
     return _hopper_or_portable(p, lambda: hopper.traced_backward_takes(p, grad_out, q, k, v, **rule),
                                lambda: hopper.backward_refusal(p, grad_out, q, k, v, **rule))
 
@@ -170,14 +170,16 @@ def attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs):
     if route == "hopper":
         with torch.cuda.device(q.device):
             delta, _ = backward.row_delta(p, out, grad_out, lse, kwargs.get("grad_lse"))
-        dq, dk, dv = _MODULES.hopper.hopper_backward(p, grad_out, q, k, v, lse, delta)
+        dq, dk, dv = _MODULES.hopper.hopper_backward(p, grad_out, q, k, v, lse, delta, kwargs.get("key_table"),
+                                                     kwargs.get("query_table"))
         return dq, dk, dv, None
     if route == "hopper-op":
         # As the forward's hopper-op: Inductor cannot launch Gluon kernels,
         # so the trace records an opaque op that runs this function again.
         dq, dk, dv = torch.ops.flashfuse._hopper_backward(
             grad_out, q, k, v, out, lse, kwargs["scale"], kwargs["window_left"], kwargs["window_right"],
-            kwargs["bottom_right"], kwargs.get("grad_lse"))
+            kwargs["bottom_right"], kwargs.get("grad_lse"), attn_mask, kwargs.get("key_table"),
+            kwargs.get("query_table"))
         return dq, dk, dv, None
     return backward.attention_backward(grad_out, q, k, v, attn_mask, seed, out, lse, **kwargs, problem=p)
 

@@ -43,9 +43,16 @@ themselves, as FlashAttention-3 does:
 
 Scope (``hopper_refusal`` and ``backward_refusal`` name the first reason a
 call is not taken): fp16/bf16, head dims 64 or 128 (q, k and v alike), any
-band (causal, windows, bottom-right), grouped heads; no mask tensor,
-dropout or soft-cap (the forward also no sinks; the backward takes them,
-since the forward's lse includes them); enough keys per query row that the
+band (causal, windows, bottom-right), grouped heads; no dropout or soft-cap
+(the forward also no sinks; the backward takes them, since the forward's
+lse includes them); mask tensors, bool without a ``mask_fill`` or float,
+read through the mask's tables as the portable kernels read them: the
+forward skips the key blocks the key table says the mask hides from every
+row of a tile, the fused backward the query blocks the query table says it
+hides from every key of a tile, and a consumer reads the mask only in
+blocks its rows (keys) do not all see as neutral (``mask_refusal``: the
+backward also not a mask that differs between the query heads of one
+key/value head, nor under deterministic algorithms); enough keys per query row that the
 kernels' fixed cost per tile pays (``MIN_KEYS``, ``BWD_MIN_KEYS``, from the
 measured crossovers with the portable kernels). Either direction may run on
 the Hopper kernel while the other runs on the portable one: their lse
@@ -72,6 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import MASK_FLOAT
 from .launch import _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator, multiprocessors
 from .problem import AttentionProblem
 from .. import config
@@ -139,6 +147,17 @@ BWD_DQ_STAGES = 2
 # backward took 0.92 ms with them (attention_run25.csv, mode bwd); shorter
 # rows were not measured on the fused kernel.
 BWD_MIN_KEYS = {128: 384, 64: 512}
+# With a mask tensor the fused backward's consumers also load the mask where
+# their keys do not all see it as neutral, and its loop spills (bytes
+# stored: D = 64 64 with a bool mask, 140 with a float one; D = 128 832 and
+# 1,016; Triton 3.6, bench/results/hopper_kernel_report_run26.txt). Measured against the portable
+# backward (bench/NOTES.md run 26): at 4k keys, forward+backward 1.13-1.43x
+# faster with a bool padding mask or at D = 64 (bench/hopper_mask_probe.py,
+# both forwards on Hopper), no faster with a float mask at D = 128; at
+# 512-1024 keys no faster in kernel time (bench/block_mask_times.py: GPT-2's
+# layer even, a BERT-style one 0.88x), where eager steps are host-bound.
+BWD_MASK_MIN_KEYS = {128: 2048, 64: 2048}
+BWD_FLOAT_MASK_DIMS = (64,)
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
@@ -203,11 +222,12 @@ def mean_visible_keys(N: int, M: int, diag_off: int, window_left: int, window_ri
     return total / len(rows)
 
 
-def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, min_keys: dict = MIN_KEYS) -> str | None:
+def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, min_keys: dict = MIN_KEYS,
+                    backward: bool = False) -> str | None:
     """The reasons that depend on the problem alone (also known in a trace,
     where the tensors have no address to check the layout on). ``min_keys``:
     the crossover of the kernel asked about (``MIN_KEYS`` for the forward,
-    ``BWD_MIN_KEYS`` for the backward)."""
+    ``BWD_MIN_KEYS`` for the backward, ``backward``)."""
     if config.hopper() == "0":
         return "FLASHFUSE_HOPPER=0"
     if p.interpret or p.device.type != "cuda":
@@ -225,7 +245,9 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, min_k
     if not gluon_available():
         return f"Triton {_triton_version()} is not one of {SUPPORTED_TRITON}"
     if p.mask is not None:
-        return "a mask tensor"
+        why = mask_refusal(p, backward)
+        if why is not None:
+            return why
     if dropout_p > 0.0:
         return "dropout"
     if softcap is not None or sinks is not None:
@@ -238,6 +260,42 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, min_k
                              p.has_window_right)
     if keys < min_keys[p.D]:
         return f"{keys:.0f} visible keys per query row on average (fewer than {min_keys[p.D]} at D = {p.D})"
+    return None
+
+
+def mask_refusal(p: AttentionProblem, backward: bool = False) -> str | None:
+    """Why the Hopper kernels do not read this call's mask (None: they do,
+    the forward through the mask's key table, the fused backward through
+    its query table): a bool mask with a ``mask_fill`` (hidden pairs that
+    take part), or the tables switched off; for the backward also a mask
+    that differs between the query heads of one key/value head (its tiles
+    stream them all over one range of query rows), deterministic
+    algorithms (the two-kernel schedule reads no mask), and where the
+    portable backward measured as fast: a float mask at D = 128
+    (``BWD_FLOAT_MASK_DIMS``), rows of fewer than ``BWD_MASK_MIN_KEYS``
+    visible keys on average."""
+    from . import backward as portable_backward
+    from . import forward as portable_forward
+
+    if p.fill != 0:
+        return "a bool mask with a mask_fill"
+    skip = portable_backward.SKIP_HIDDEN_BLOCKS if backward else portable_forward.SKIP_HIDDEN_BLOCKS
+    if not (skip and p.tables_apply()):
+        return "a mask without its tables (SKIP_HIDDEN_BLOCKS off)"
+    if not backward:
+        return None
+    if p.mask_strides[1] != 0 and p.Hq != p.Hkv:
+        return "a mask that differs between the query heads of a key/value head"
+    if backward_path() == "separate":
+        return "a mask tensor under the deterministic backward (its two kernels read no mask)"
+    if p.mask_kind == MASK_FLOAT and p.D not in BWD_FLOAT_MASK_DIMS:
+        return f"a float mask at D = {p.D} (measured no faster than the portable backward: BWD_FLOAT_MASK_DIMS)"
+    if isinstance(p.N, int) and isinstance(p.M, int) and isinstance(p.diag_off, int):
+        keys = mean_visible_keys(p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
+                                 p.has_window_right)
+        if keys < BWD_MASK_MIN_KEYS[p.D]:
+            return (f"a mask tensor with {keys:.0f} visible keys per query row on average (the Hopper backward "
+                    f"reads masks from {BWD_MASK_MIN_KEYS[p.D]} at D = {p.D})")
     return None
 
 
@@ -410,36 +468,50 @@ def _descriptor_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(st if size > 1 else d for size, st, d in zip((B, H, L), t.stride()[:3], dense))
 
 
-def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None = None
-                ) -> tuple[tuple, dict, int]:
+def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None = None,
+                key_table: torch.Tensor | None = None) -> tuple[tuple, dict, int]:
     """The kernel's positional arguments, launch options and program count
-    (``persistent``: ``forward_persistent(p)`` unless given)."""
+    (``persistent``: ``forward_persistent(p)`` unless given). With a mask,
+    ``key_table`` is its key table (``mask_ranges.mask_key_table`` for
+    ``p``'s band, no fill)."""
+    from .mask_ranges import ROW_GROUP, table_strides
+
     if persistent is None:
         persistent = forward_persistent(p)
+    if p.mask is not None:
+        mask, table, tab_strides = p.mask, key_table, table_strides(key_table)
+    else:
+        mask, table, tab_strides = q, lse, (0, 0)  # never read
     args = (
-        q, k, v, out, lse,
+        q, k, v, out, lse, mask, table,
         *_descriptor_strides(q), *_descriptor_strides(k), *_descriptor_strides(v), *_descriptor_strides(out),
+        *p.mask_strides, *tab_strides,
         p.B, p.Hq, p.Hkv, p.N, p.M,
         p.qk_scale, p.diag_off, p.window_left, p.window_right,
     )
     # Two consumer warp groups at 240 registers and the copy warp at 24 (its
     # warp group's share): 168 per thread at launch over 12 warps.
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
-                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], num_warps=4,
-                maxnreg=168)
+                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
+                GROUP=ROW_GROUP, num_warps=4, maxnreg=168)
     return args, meta, forward_programs(p, persistent)
 
 
-def hopper_forward(p: AttentionProblem, q, k, v, persistent: bool | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def hopper_forward(p: AttentionProblem, q, k, v, persistent: bool | None = None,
+                   key_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward on the Hopper kernel; ``(out, lse)`` as ``forward.attention_forward``
     returns them (out laid out as ``empty(B, N, Hq, D).transpose(1, 2)``).
     ``persistent``: the grid, ``forward_persistent(p)`` unless given (the
-    benchmarks and tests)."""
+    benchmarks and tests). With a mask, ``key_table`` is a block mask's key
+    table for it (built here when None, as the portable forward builds it)."""
     B, Hq, N = p.B, p.Hq, p.N
     out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    args, meta, programs = kernel_args(p, q, k, v, out, lse, persistent)
+    if p.mask is not None and key_table is None:
+        from .mask_ranges import mask_tables
+
+        key_table, _ = mask_tables(p.mask, p.N, p.M, p.band(), fills=False, queries=False)
+    args, meta, programs = kernel_args(p, q, k, v, out, lse, persistent, key_table)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
         kernel()[(programs, )](*args, **meta)
@@ -450,41 +522,39 @@ def hopper_forward(p: AttentionProblem, q, k, v, persistent: bool | None = None
 # The backward: dK/dV per key tile, then dQ per query tile
 # ---------------------------------------------------------------------------
 
-def backward_problem_refusal(p: AttentionProblem, grad_out, *, dropout_p: float, softcap, mask_grad: bool,
-                             tables: bool) -> str | None:
+def backward_problem_refusal(p: AttentionProblem, grad_out, *, dropout_p: float, softcap,
+                             mask_grad: bool) -> str | None:
     """Why the Hopper backward does not suit this problem, from what a
     trace knows too (None: it does). The forward's reasons (sinks need
     nothing here: the forward's lse includes them) with the backward's
-    crossover, plus dO's dtype; a block mask's tables mean a mask."""
-    if tables:
-        return "a mask tensor"
+    crossover and mask rule (``mask_refusal``), plus a mask's gradient and
+    dO's dtype."""
     if mask_grad:
         return "a mask gradient"
-    why = problem_refusal(p, dropout_p, softcap, None, min_keys=BWD_MIN_KEYS)
+    why = problem_refusal(p, dropout_p, softcap, None, min_keys=BWD_MIN_KEYS, backward=True)
     if why is None and grad_out.dtype != p.dtype:
         return f"grad_out dtype {grad_out.dtype} differs from the inputs' {p.dtype}"
     return why
 
 
-def backward_refusal(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float, softcap, mask_grad: bool = False,
-                     tables: bool = False) -> str | None:
+def backward_refusal(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float, softcap,
+                     mask_grad: bool = False) -> str | None:
     """Why the Hopper backward kernels do not run this backward (None: they
     do): ``backward_problem_refusal``, then the copy engine's layout rule
     for q, k, v and dO (the gradients are allocated in a layout it takes).
     The one rule the dispatch (``kernels._backward_route``), ``explain``
     and the benchmarks ask."""
-    why = backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad,
-                                   tables=tables)
+    why = backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad)
     return _tensor_refusal(why, (q, k, v, grad_out),
                            "the backward records flashfuse::_hopper_backward instead: traced_backward_takes")
 
 
 def traced_backward_takes(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float, softcap,
-                          mask_grad: bool = False, tables: bool = False) -> bool:
+                          mask_grad: bool = False) -> bool:
     """Whether a traced backward records ``flashfuse::_hopper_backward``: the
     problem suits the kernels (the layout is checked when it runs)."""
     return _traced_suits(p, (q, k, v, grad_out), lambda: backward_problem_refusal(
-        p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad, tables=tables))
+        p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad))
 
 
 def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dk, dv, dq_acc=None) -> tuple[tuple, dict]:
@@ -566,15 +636,24 @@ def backward_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq,
 
 
 def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how: str,
-                      persistent: bool | None = None) -> tuple:
+                      persistent: bool | None = None, query_table: torch.Tensor | None = None) -> tuple:
     """``(args, meta, programs)`` of ``_hopper_attn_bwd_fused``; ``dq_acc``
     float32 (B, Hq, N, D), unit stride along D; ``how``: "atomic" or "tma";
-    ``persistent``: the grid, ``backward_persistent(p)`` unless given."""
+    ``persistent``: the grid, ``backward_persistent(p)`` unless given. With
+    a mask, ``query_table`` is its query table (``mask_ranges``, for ``p``'s
+    band, no fill)."""
+    from .mask_ranges import COL_GROUP, table_strides
+
     if persistent is None:
         persistent = backward_persistent(p)
     args, meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv, dq_acc)
-    meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1)
-    return args, meta, backward_programs(p, persistent)
+    if p.mask is not None:
+        mask_args = (p.mask, query_table, *p.mask_strides, *table_strides(query_table))
+    else:
+        mask_args = (q, lse, 0, 0, 0, 0, 0, 0)  # never read
+    meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1,
+                MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP)
+    return (*args, *mask_args), meta, backward_programs(p, persistent)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -621,15 +700,18 @@ def _backward_inputs(lse, delta):
     return lse, delta
 
 
-def hopper_backward(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple[torch.Tensor, ...]:
+def hopper_backward(p: AttentionProblem, grad_out, q, k, v, lse, delta, key_table=None,
+                    query_table=None) -> tuple[torch.Tensor, ...]:
     """``(dq, dk, dv)`` on the Hopper kernels, from the forward's ``lse``
     and ``delta = rowsum(dO * O)`` (minus ``grad_lse`` where lse has a
     gradient), both (B, Hq, N) float32: the schedule ``backward_path``
-    names."""
+    names. With a mask (the fused schedule), a block mask's tables for it
+    when it has them."""
     how = backward_path()
     if how == "separate":
         return hopper_backward_separate(p, grad_out, q, k, v, lse, delta)
-    return hopper_backward_fused(p, grad_out, q, k, v, lse, delta, how=how)
+    return hopper_backward_fused(p, grad_out, q, k, v, lse, delta, how=how, key_table=key_table,
+                                 query_table=query_table)
 
 
 def hopper_backward_separate(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple[torch.Tensor, ...]:
@@ -651,18 +733,28 @@ def hopper_backward_separate(p: AttentionProblem, grad_out, q, k, v, lse, delta)
 
 
 def hopper_backward_fused(p: AttentionProblem, grad_out, q, k, v, lse, delta, *,
-                          how: str = "tma", persistent: bool | None = None) -> tuple[torch.Tensor, ...]:
+                          how: str = "tma", persistent: bool | None = None, key_table=None,
+                          query_table=None) -> tuple[torch.Tensor, ...]:
     """The fused kernel (dK, dV and the float32 sum of dS·K; ``how``:
     "atomic" or "tma"), then the convert kernel (dq = scale * sum), with the
     gradients laid out as ``hopper_backward_separate`` lays them out. dQ's
     last bits depend on the order the adds land in. ``persistent``: the
-    grid, ``backward_persistent(p)`` unless given (the benchmarks and tests)."""
+    grid, ``backward_persistent(p)`` unless given (the benchmarks and tests).
+    With a mask, its query table is a block mask's (``query_table``) or
+    built here as the portable backward builds it (from the key table for a
+    float mask, whose averaging rows it marks)."""
     from . import hopper_gluon
 
     lse, delta = _backward_inputs(lse, delta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros((p.B, p.Hq, p.N, p.D), dtype=torch.float32, device=q.device)
-    args, meta, programs = fused_kernel_args(p, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how, persistent)
+    if p.mask is not None and query_table is None:
+        from .mask_ranges import mask_tables
+
+        _, query_table = mask_tables(p.mask, p.N, p.M, p.band(), fills=False, key_table=key_table,
+                                     keys=p.mask_kind == MASK_FLOAT, unread=lse)
+    args, meta, programs = fused_kernel_args(p, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how, persistent,
+                                             query_table)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
         hopper_gluon._hopper_attn_bwd_fused[(programs, )](*args, **meta)

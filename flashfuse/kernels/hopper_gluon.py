@@ -13,6 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+LOG2E = gl.constexpr(1.4426950408889634)
+
 
 @gluon.jit
 def _mask_scores(s, start_n, m0, key_end, diag_off, window_left, window_right,
@@ -156,6 +158,88 @@ def _round_tile(r):
     return r * P + gl.where(r % 2 == 0, p, P - 1 - p)
 
 
+# Mask tensors (MASK_KIND 1: bool read as bytes, nonzero takes part; 2:
+# float, added to the scores) reach the forward with the key table of
+# ``mask_ranges`` (one entry per GROUP query rows: the keys some row lets
+# take part, and those every row sees through a neutral value). Both
+# partitions narrow a tile's key blocks to the table's range; a consumer
+# reads the mask only in the blocks its rows do not all see as neutral.
+_INT_MAX = gl.constexpr(2147483647)
+FLT_MAX = gl.constexpr(3.4028234663852886e38)
+# The float-mask conventions of the portable kernels (common.py): rows whose
+# largest base-2 score is at or below AVERAGE_AT_BASE2 average their keys,
+# and their lse is a marker holding the key count.
+AVERAGE_AT_BASE2 = gl.constexpr(-774541002.0)
+LSE_MARK_UNIT = gl.constexpr(2.028240960365167e31)
+LSE_MARK_MAX_KEYS = gl.constexpr(8388607.0)
+
+
+@gluon.jit
+def _table_reduce(Table, tab_off, first, end, GROUPS: gl.constexpr, GROUP: gl.constexpr, ENTRY: gl.constexpr,
+                  WARPS: gl.constexpr):
+    """A mask table's entries (``ENTRY`` int32 each, the first four
+    ``(lo, hi, free_lo, free_hi)``) for ``first .. first + GROUPS * GROUP -
+    1`` (query rows in the key table, keys in the query table), reduced over
+    the groups holding one below ``end``: the union of the ranges that take
+    part and the intersection of the neutral ones (none below ``end``:
+    nothing takes part, all is neutral)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    g = gl.arange(0, GROUPS, layout=layout)
+    real = first + g * GROUP < end
+    e = Table + tab_off + (first // GROUP + g) * ENTRY
+    r_lo = gl.min(gl.load(e, mask=real, other=_INT_MAX), axis=0)
+    r_hi = gl.max(gl.load(e + 1, mask=real, other=0), axis=0)
+    f_lo = gl.max(gl.load(e + 2, mask=real, other=0), axis=0)
+    f_hi = gl.min(gl.load(e + 3, mask=real, other=_INT_MAX), axis=0)
+    return r_lo, r_hi, f_lo, f_hi
+
+
+@gluon.jit
+def _free_blocks(f_lo, f_hi, BLOCK_N: gl.constexpr):
+    """``[free_lo, free_hi)``: the key blocks lying wholly inside the
+    neutral keys ``[f_lo, f_hi)``."""
+    return gl.cdiv(f_lo, BLOCK_N) * BLOCK_N, (gl.maximum(f_hi, 0) // BLOCK_N) * BLOCK_N
+
+
+@gluon.jit
+def _masked_scores(s, mask_base, r0, start_n, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr,
+                   ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Base-2 scores ``s`` of rows ``r0 ..`` and keys ``start_n ..`` with the
+    mask applied as the portable forward applies it: a bool mask hides
+    (-inf) where it is zero; a float mask is added in base 2, values at or
+    below -1e38 as they are (a row they hide entirely then averages its keys,
+    and -inf stays -inf). ``mask_base`` points at the (batch, head)'s mask;
+    the pointers are formed here, in the blocks that read it (kept across
+    the loop they cost the D = 128 kernel spills)."""
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    ok = gl.expand_dims(rows < N, 1) & gl.expand_dims(cols < M, 0)
+    ptrs = (mask_base + gl.expand_dims(rows.to(gl.int64) * stride_mask_q, 1)
+            + gl.expand_dims(cols.to(gl.int64) * stride_mask_k, 0))
+    return _with_mask_values(s, gl.load(ptrs, mask=ok, other=0), MASK_KIND)
+
+
+@gluon.jit
+def _with_mask_values(s, mv, MASK_KIND: gl.constexpr):
+    """Base-2 scores with the loaded mask values applied (``_masked_scores``)."""
+    if MASK_KIND == 1:
+        s = gl.where(mv != 0, s, float("-inf"))
+    else:
+        x = mv.to(gl.float32)
+        s = s + gl.where(x > -1.0e38, gl.maximum(x, -1.0e38) * LOG2E, x)
+    return s
+
+
+@gluon.jit
+def _masked_scores_t(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr):
+    """``_masked_scores`` for the backward's transposed scores: keys ``kj``
+    ([keys, 1]) by query rows ``qi`` ([queries], the columns' layout)."""
+    i2 = gl.expand_dims(qi, 0)
+    ok = (kj < M) & (i2 < N)
+    ptrs = mask_base + kj.to(gl.int64) * stride_mask_k + i2.to(gl.int64) * stride_mask_q
+    return _with_mask_values(st, gl.load(ptrs, mask=ok, other=0), MASK_KIND)
+
+
 @gluon.jit
 def _fwd_tile(r, n_m, Hq, BLOCK_M: gl.constexpr):
     """The query tile program p takes in its round ``r``: ``(m0, h, b)``
@@ -171,12 +255,19 @@ def _fwd_tile(r, n_m, Hq, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
-                HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                KeyTable, tab_off, HAS_TABLE: gl.constexpr, GROUP: gl.constexpr, WARPS: gl.constexpr):
     """A tile's key blocks as both partitions stream them: ``(lo, n_blocks,
-    key_end)``. A tile that sees no key still streams block 0, all of it
-    masked (``key_end = 0``), so that its rows get out 0 and lse +inf."""
+    key_end)``, the band's blocks narrowed with HAS_TABLE to the keys the
+    mask lets some row of the tile see. A tile that sees no key still
+    streams block 0, all of it masked (``key_end = 0``), so that its rows
+    get out 0 and lse +inf."""
     lo, hi = _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M,
                         BLOCK_N)
+    if HAS_TABLE:
+        r_lo, r_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, m0, N, BLOCK_M // GROUP, GROUP, 5, WARPS)
+        lo = gl.maximum(lo, (gl.minimum(r_lo, M) // BLOCK_N) * BLOCK_N)
+        hi = gl.minimum(hi, r_hi)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N)
     none_visible = n_blocks <= 0
     key_end = gl.where(none_visible, 0, M)
@@ -205,10 +296,32 @@ def _load_ring_pair(a_desc, b_desc, a_smem, b_smem, a_ready, a_empty, b_ready, b
 
 
 @gluon.jit
+def _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base, r0, N, M, stride_mask_q,
+                     stride_mask_k, MASK_KIND: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                     layout: gl.constexpr):
+    """``(scores, multiplier)`` of a forward block for the online softmax,
+    whose base-2 scores are ``scores * multiplier``: without a mask the raw
+    products and ``qk_scale`` (scaled inside exp2's argument, one FMA);
+    with one, the scaled scores with the mask applied
+    (``_masked_scores``) unless the block lies in the rows' neutral keys
+    ``[free_lo, free_hi)`` or the tile sees no key (``key_end`` 0), and 1."""
+    if MASK_KIND == 0:
+        sc = qk_scale
+    else:
+        s = s * qk_scale
+        if ((start_n < free_lo) | (start_n + BLOCK_N > free_hi)) & (key_end > 0):
+            s = _masked_scores(s, mask_base, r0, start_n, N, M, stride_mask_q, stride_mask_k, MASK_KIND, ROWS,
+                               BLOCK_N, layout)
+        sc = 1.0
+    return s, sc
+
+
+@gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right,
-                HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable, stride_tab_b,
+                stride_tab_h, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_TABLE: gl.constexpr,
+                GROUP: gl.constexpr):
     """The copy warp: for each of the program's tiles, q's two halves (each
     once its consumer has issued the last product that reads the previous
     tile's), then the tile's K and V blocks into the ring of slots, whose
@@ -219,8 +332,10 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
     for r in range(_program_rounds(n_tiles)):
         m0, h, b = _fwd_tile(r, n_m, Hq, 2 * HALF_M)
         hk = h // (Hq // Hkv)
+        tab_off = b.to(gl.int64) * stride_tab_b + h.to(gl.int64) * stride_tab_h
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                            HAS_WINDOW_RIGHT, 2 * HALF_M, BLOCK_N)
+                                            HAS_WINDOW_RIGHT, 2 * HALF_M, BLOCK_N, KeyTable, tab_off, HAS_TABLE,
+                                            GROUP, 1)
         for half in gl.static_range(2):
             mbarrier.wait(q_empty.index(half), (n_done & 1) ^ 1)  # a fresh barrier's previous phase counts as done
             mbarrier.expect(q_ready.index(half), q_bytes)
@@ -236,8 +351,11 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 @gluon.jit
 def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                  Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                  stride_tab_h,
                   HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  MASK_KIND: gl.constexpr, GROUP: gl.constexpr):
     """One warp group: 64 query rows of each of the program's tiles, the
     whole online softmax for them. Iteration j issues S_j = q·K_jᵀ and
     O += P_{j-1}·V_{j-1} together and computes the softmax of S_j while the
@@ -261,13 +379,24 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
     n_done = 0
     for r in range(_program_rounds(n_tiles)):
         m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)
+        tab_off = b.to(gl.int64) * stride_tab_b + h.to(gl.int64) * stride_tab_h
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                            HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+                                            HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N, KeyTable, tab_off, MASK_KIND != 0,
+                                            GROUP, 4)
         r0 = m0 + HALF * HALF_M
         last_row = gl.minimum(r0 + HALF_M, N) - 1
         full_end = key_end - BLOCK_N
         right_edge = r0 + diag_off + window_right - BLOCK_N + 1
         left_edge = last_row + diag_off - window_left
+        if MASK_KIND != 0:
+            # The blocks this group's rows all see as neutral.
+            unused_lo, unused_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, r0, N, HALF_M // GROUP, GROUP, 5, 4)
+            free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_N)
+            mask_base = Mask + b.to(gl.int64) * stride_mask_b + h.to(gl.int64) * stride_mask_h
+        else:
+            free_lo = 0
+            free_hi = 0
+            mask_base = Mask
 
         slot = c % STAGES
         mbarrier.wait(q_ready.index(HALF), n_done & 1)
@@ -277,9 +406,11 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         mbarrier.arrive(k_empty.index(slot))
         s = _mask_if_crossing(s, lo, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
                               window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
-        m_i = gl.max(s, axis=1) * qk_scale
+        s, sc = _consumer_scores(s, qk_scale, lo, free_lo, free_hi, key_end, mask_base, r0, N, M, stride_mask_q,
+                                 stride_mask_k, MASK_KIND, HALF_M, BLOCK_N, s_layout)
+        m_i = gl.max(s, axis=1) * sc
         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        p = gl.exp2(s * sc - gl.expand_dims(m_use, 1))
         l_i = gl.sum(p, axis=1)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
 
@@ -297,10 +428,12 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
             mbarrier.arrive(k_empty.index(slot))
             s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
                                   window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            s, sc = _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base, r0, N, M,
+                                     stride_mask_q, stride_mask_k, MASK_KIND, HALF_M, BLOCK_N, s_layout)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+            p = gl.exp2(s * sc - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
@@ -324,6 +457,11 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
         out = acc * gl.expand_dims(inv_l, 1)
         lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+        if MASK_KIND == 2:
+            # Rows a finite mask value hides entirely: the marker holding l
+            # (m + log2(l) would round to m).
+            marked = (m_o <= AVERAGE_AT_BASE2) & (l_o > 0.0)
+            lse = gl.where(marked, -FLT_MAX + gl.minimum(l_o, LSE_MARK_MAX_KEYS) * LSE_MARK_UNIT, lse)
         m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)  # recomputed: fewer registers live across the loop
         r0 = m0 + HALF * HALF_M
         rows = r0 + gl.arange(0, HALF_M, layout=row_o)
@@ -351,21 +489,26 @@ def _heads_4d(base, B, H, rows, stride_b, stride_h, stride_row, BLOCK_ROWS: gl.c
 
 @gluon.jit
 def _hopper_attn_fwd(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, Mask, KeyTable,
     stride_q_b, stride_q_h, stride_q_n,
     stride_k_b, stride_k_h, stride_k_n,
     stride_v_b, stride_v_h, stride_v_n,
     stride_o_b, stride_o_h, stride_o_n,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    stride_tab_b, stride_tab_h,
     B, Hq, Hkv, N, M,
     qk_scale, diag_off, window_left, window_right,
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    MASK_KIND: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The forward over tiles of BLOCK_M query rows of one (batch, head),
     P programs taking one tile per round (``_fwd_tile``): one program per
     tile when P is the tile count, a persistent grid when P is at most the
-    SM count (the launcher's plan)."""
+    SM count (the launcher's plan). With a mask (MASK_KIND 1 bool as bytes,
+    2 float; read through its (B, Hq, N, M) strides, 0 where it broadcasts)
+    ``KeyTable`` is its key table (``mask_ranges``, one entry per GROUP
+    rows, strides 0 where it broadcasts); without, both are unread."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF_M: gl.constexpr = BLOCK_M // 2
     n_m = gl.cdiv(N, BLOCK_M)
@@ -393,13 +536,18 @@ def _hopper_attn_fwd(
     gl.warp_specialize([
         (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
-                         0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+                         Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                         stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                         MASK_KIND, GROUP)),
         (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
-                         1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+                         Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                         stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                         MASK_KIND, GROUP)),
         (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                       HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES)),
+                       v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
+                       stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM,
+                       STAGES, MASK_KIND != 0, GROUP)),
     ], [4, 1], [240, 24])
 
 
@@ -409,7 +557,6 @@ def _hopper_attn_fwd(
 # blocks of the band; dQ per 128-query tile, as the forward streams K and V.
 # Both deterministic (no atomics), the lse and delta the portable backward
 # reads.
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -783,8 +930,31 @@ def _prefetch_stats(Lse, Delta, stat_smem, t, stat_b, stride_stat_h, N, h0, lo_m
 
 
 @gluon.jit
-def _bwd_tile(r, n_n, G, Hkv, N, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
-              HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _probabilities_t(st, lse, real, MASK_KIND: gl.constexpr):
+    """The recomputed probabilities of base-2 scores ``st`` (keys by query
+    rows) from the forward's natural-log ``lse`` per row (``real``: rows
+    below N), as the portable backward recomputes them (common._lse_shift):
+    exp2(s - lse * log2(e)), 0 for rows that saw no key (lse +inf); with a
+    float mask, a row whose lse is the marker (it averages l keys hidden by
+    a finite value) gets 1 / l at each of them: its shift is -FLT_MAX,
+    under which every finite score exceeds 1, and the cap is 1 / l."""
+    lse = gl.where(lse == float("-inf"), float("inf"), lse)  # no key seen, as some producers write it
+    if MASK_KIND == 2:
+        marked = lse <= -1.0e38
+        shift = gl.where(real, gl.where(marked, -FLT_MAX, lse * LOG2E), float("inf"))
+        cap = gl.where(marked, 1.0 / gl.where(marked, (lse + FLT_MAX) * (1.0 / LSE_MARK_UNIT), 1.0), 1.0)
+        pt = gl.minimum(gl.exp2(st - gl.expand_dims(shift, 0)), gl.expand_dims(cap, 0))
+    else:
+        shift = gl.where(real, lse * LOG2E, float("inf"))
+        pt = gl.exp2(st - gl.expand_dims(shift, 0))
+    return pt
+
+
+@gluon.jit
+def _bwd_tile(r, n_n, G, Hkv, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: gl.constexpr,
+              HAS_WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              QueryTable, stride_qtab_b, stride_qtab_h, HAS_TABLE: gl.constexpr, COL_GROUP: gl.constexpr,
+              WARPS: gl.constexpr):
     """The key tile program p takes in its round ``r`` and the query blocks
     it streams: ``(n0, hk, b, h0, lo_m, n_m, n_iters)``, ``h0`` the first
     of the ``G`` query heads of key/value head ``hk``, the rest
@@ -798,14 +968,27 @@ def _bwd_tile(r, n_n, G, Hkv, N, diag_off, window_left, window_right, HAS_WINDOW
     n0, hk, b = (t % n_n) * BLOCK_N, bh % Hkv, bh // Hkv
     lo_m, n_m, n_iters = _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
                                       HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    if HAS_TABLE:
+        # The band's query blocks narrowed to the rows the mask lets take
+        # part for some key of the tile (the table of its first query head:
+        # the launcher takes only masks alike for the group's heads).
+        tab_off = b.to(gl.int64) * stride_qtab_b + (hk * G).to(gl.int64) * stride_qtab_h
+        r_lo, r_hi, f_lo, f_hi = _table_reduce(QueryTable, tab_off, n0, M, BLOCK_N // COL_GROUP, COL_GROUP, 4, WARPS)
+        hi_m = gl.minimum(lo_m + (n_iters // G) * BLOCK_M, r_hi)
+        lo_m = gl.maximum(lo_m, (gl.minimum(r_lo, N) // BLOCK_M) * BLOCK_M)
+        blocks = gl.cdiv(gl.maximum(hi_m - lo_m, 0), BLOCK_M)
+        n_m = gl.maximum(blocks, 1)
+        n_iters = G * blocks
     return n0, hk, b, hk * G, lo_m, n_m, n_iters
 
 
 @gluon.jit
 def _fused_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, q_ready,
-                  q_empty, do_ready, do_empty, Hq, Hkv, N, n_n, n_tiles, diag_off, window_left, window_right,
+                  q_empty, do_ready, do_empty, Hq, Hkv, N, M, n_n, n_tiles, diag_off, window_left, window_right,
+                  QueryTable, stride_qtab_b, stride_qtab_h,
                   HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_N: gl.constexpr,
-                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_TABLE: gl.constexpr,
+                  COL_GROUP: gl.constexpr):
     """The copy warp of the fused backward: for each of the program's key
     tiles, the first q/dO blocks (as the previous tile's last iterations
     free their slots), then the tile's K and V halves (once both consumers
@@ -816,8 +999,10 @@ def _fused_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
     c = 0
     n_done = 0
     for r in range(_program_rounds(n_tiles)):
-        n0, hk, b, h0, lo_m, n_m, n_iters = _bwd_tile(r, n_n, G, Hkv, N, diag_off, window_left, window_right,
-                                                      HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
+        n0, hk, b, h0, lo_m, n_m, n_iters = _bwd_tile(r, n_n, G, Hkv, N, M, diag_off, window_left, window_right,
+                                                      HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N,
+                                                      QueryTable, stride_qtab_b, stride_qtab_h, HAS_TABLE,
+                                                      COL_GROUP, 1)
         n_first = gl.minimum(n_iters, STAGES)
         for i in range(n_first):
             _load_ring_pair(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, do_ready, do_empty, c + i, b,
@@ -856,9 +1041,12 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
                     stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
                     stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
                     Hq, Hkv, N, M, n_n, n_tiles, qk_scale, scale, diag_off, window_left, window_right,
+                    Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_qtab_b,
+                    stride_qtab_h,
                     HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                     HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+                    DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr,
+                    COL_GROUP: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -887,14 +1075,22 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
     c = 0
     n_done = 0
     for r in range(_program_rounds(n_tiles)):
-        n0, hk, b, h0, lo_m, n_m, n_iters = _bwd_tile(r, n_n, G, Hkv, N, diag_off, window_left, window_right,
-                                                      HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N)
+        n0, hk, b, h0, lo_m, n_m, n_iters = _bwd_tile(r, n_n, G, Hkv, N, M, diag_off, window_left, window_right,
+                                                      HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M, 2 * HALF_N,
+                                                      QueryTable, stride_qtab_b, stride_qtab_h, MASK_KIND != 0,
+                                                      COL_GROUP, 4)
         b64 = b.to(gl.int64)
         stat_b = b64 * stride_stat_b
         j0 = n0 + HALF * HALF_N
         kj = gl.expand_dims(j0 + gl.arange(0, HALF_N, layout=row), 1)
         right_from = j0 + HALF_N - 1 - diag_off - window_right
         left_to = j0 - diag_off + window_left - BLOCK_M + 1
+        if MASK_KIND != 0:
+            # The query blocks this group's keys all see as neutral.
+            qtab_off = b64 * stride_qtab_b + h0.to(gl.int64) * stride_qtab_h
+            unused_lo, unused_hi, f_lo, f_hi = _table_reduce(QueryTable, qtab_off, j0, M, HALF_N // COL_GROUP,
+                                                             COL_GROUP, 4, 4)
+            free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_M)
         dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
         # lse and delta go through shared memory, copied one iteration ahead:
@@ -926,11 +1122,21 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
             async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
             gl.thread_barrier()  # every thread's element, not only its own
             stats = stat_smem.index(2 * HALF + i % 2)
-            lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
+            if MASK_KIND == 0:
+                lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
+            else:
+                lse = stats.slice(0, BLOCK_M).load(col)
             delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
             st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left,
                                               window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            if MASK_KIND == 0:
+                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            else:
+                st = st * qk_scale
+                if (m0 < free_lo) | (m0 + BLOCK_M > free_hi):
+                    mask_base = Mask + b64 * stride_mask_b + head.to(gl.int64) * stride_mask_h
+                    st = _masked_scores_t(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND)
+                pt = _probabilities_t(st, lse, qi < N, MASK_KIND)
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             # dSᵀ to shared memory first: the other consumer waits for it.
@@ -999,9 +1205,11 @@ def _hopper_attn_bwd_fused(
     stride_stat_b, stride_stat_h,
     B, Hq, Hkv, N, M,
     qk_scale, scale, diag_off, window_left, window_right,
+    Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_qtab_b, stride_qtab_h,
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, num_warps: gl.constexpr,
+    DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr, COL_GROUP: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """dK, dV of 128-key tiles as ``_hopper_attn_bwd_dkdv`` computes them,
     and each tile's unscaled dS·K added into ``DQacc`` (zeroed float32, unit
@@ -1009,7 +1217,11 @@ def _hopper_attn_bwd_fused(
     engine's reduce. P programs take one tile per round (``_bwd_tile``): one
     program per tile when P is the tile count, a persistent grid when P is
     at most the SM count (the launcher's plan), where one tile's last blocks
-    and the next one's first q/dO loads overlap."""
+    and the next one's first q/dO loads overlap. With a mask (MASK_KIND 1
+    bool as bytes, 2 float; read through its (B, Hq, N, M) strides)
+    ``QueryTable`` is its query table (``mask_ranges``, one entry per
+    COL_GROUP keys), alike for the query heads of a key/value head; without,
+    both are unread."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -1048,16 +1260,21 @@ def _hopper_attn_bwd_fused(
                            stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
                            stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
                            Hq, Hkv, N, M, n_n, n_tiles, qk_scale, scale, diag_off, window_left, window_right,
+                           Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+                           stride_qtab_b, stride_qtab_h,
                            0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
-                           DQ_BUFFERS)),
+                           DQ_BUFFERS, MASK_KIND, COL_GROUP)),
         (_fused_consumer, (DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                            stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
                            stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
                            stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
                            Hq, Hkv, N, M, n_n, n_tiles, qk_scale, scale, diag_off, window_left, window_right,
+                           Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+                           stride_qtab_b, stride_qtab_h,
                            1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
-                           DQ_BUFFERS)),
+                           DQ_BUFFERS, MASK_KIND, COL_GROUP)),
         (_fused_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty,
-                         q_ready, q_empty, do_ready, do_empty, Hq, Hkv, N, n_n, n_tiles, diag_off, window_left,
-                         window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES)),
+                         q_ready, q_empty, do_ready, do_empty, Hq, Hkv, N, M, n_n, n_tiles, diag_off, window_left,
+                         window_right, QueryTable, stride_qtab_b, stride_qtab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,
+                         HALF_N, BLOCK_M, HEAD_DIM, STAGES, MASK_KIND != 0, COL_GROUP)),
     ], [4, 1], [240, 24])

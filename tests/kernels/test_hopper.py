@@ -86,10 +86,22 @@ def test_refusal_reasons(monkeypatch):
     q32 = q.float()
     p32 = _as_hopper_call(monkeypatch, _problem(q32, q32, q32))
     assert "dtype" in hopper.hopper_refusal(p32, q32, q32, q32, dropout_p=0.0, softcap=None, sinks=None)
+    # Masks: bool or float, read through their key table; not a bool mask
+    # whose hidden pairs take part (a mask_fill).
     mask = torch.ones(1024, 1024, dtype=torch.bool)
+    for m, fill in ((mask, None), (mask.float(), None), (mask, -1e4)):
+        pm = _as_hopper_call(monkeypatch, AttentionProblem.build(
+            q, k, v, m, dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False,
+            mask_fill=fill))
+        why = hopper.hopper_refusal(pm, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+        assert why == (None if fill is None else "a bool mask with a mask_fill")
     pm = _as_hopper_call(monkeypatch, AttentionProblem.build(
         q, k, v, mask, dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False))
-    assert hopper.hopper_refusal(pm, q, k, v, dropout_p=0.0, softcap=None, sinks=None) == "a mask tensor"
+    monkeypatch.setattr("flashfuse.kernels.forward.SKIP_HIDDEN_BLOCKS", False)
+    assert "without its tables" in hopper.hopper_refusal(pm, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    monkeypatch.undo()
+    monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(hopper, "gluon_available", lambda: True)
     odd = torch.randn(1, 2, 1024, 129, dtype=torch.bfloat16)[..., :128]  # rows 258 bytes apart
     assert "copy engine" in hopper.hopper_refusal(hp, odd, k, v, dropout_p=0.0, softcap=None, sinks=None)
     monkeypatch.setattr(hopper, "_capability", lambda index: (8, 0))
@@ -319,6 +331,200 @@ def test_gradients_through_the_op(monkeypatch, band, N, M):
         assert _rel(got.grad.cpu(), exp.grad) < 2e-2
 
 
+# ---------------------------------------------------------------------------
+# Mask tensors in the forward (GPU)
+# ---------------------------------------------------------------------------
+
+MASKS = ("bool_padding", "bool_blocks", "float_causal", "float_hidden_rows")
+
+
+def _mask(kind, B, Hq, N, M, dtype, seed):
+    """A mask of each kind the forward reads: a bool key-padding mask
+    (B, 1, 1, M) with one batch row seeing every key and one none; a bool
+    (B, Hq, N, M) mask per head of 16 x 32 blocks that are all visible, all
+    hidden or random (so tables skip, run without the mask and read it); a
+    float causal mask of 0 and the dtype's lowest as Hugging Face builds
+    them; and a float32 (1, 1, N, M) mask of random values with -inf blocks
+    and entries, rows hidden entirely by the lowest float32 (which average
+    their keys) and rows hidden entirely by -inf (which give 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "bool_padding":
+        lens = torch.randint(0, M + 1, (B,), generator=gen)
+        lens[0] = M
+        if B > 1:
+            lens[-1] = 0
+        return (torch.arange(M)[None] < lens[:, None])[:, None, None, :].cuda()
+    if kind == "bool_blocks":
+        coarse = torch.randint(0, 3, (B, Hq, -(-N // 16), -(-M // 32)), generator=gen)
+        full = coarse.repeat_interleave(16, 2)[:, :, :N].repeat_interleave(32, 3)[..., :M]
+        rand = torch.rand(B, Hq, N, M, generator=gen) < 0.5
+        return torch.where(full == 0, True, torch.where(full == 1, False, rand)).cuda()
+    if kind == "float_causal":
+        low = torch.finfo(dtype).min
+        return torch.full((N, M), low, dtype=dtype).triu(1)[None, None].expand(B, 1, N, M).cuda()
+    m = torch.randn(1, 1, N, M, generator=gen) * 2
+    m[torch.rand(1, 1, N, M, generator=gen) < 0.1] = float("-inf")
+    blocks = (torch.rand(1, 1, -(-N // 16), -(-M // 128), generator=gen) < 0.3)
+    m[blocks.repeat_interleave(16, 2)[:, :, :N].repeat_interleave(128, 3)[..., :M]] = float("-inf")
+    m[..., 3:8, :] = torch.finfo(torch.float32).min
+    m[..., 10:13, :] = float("-inf")
+    return m.cuda()
+
+
+def _portable_forward(q, k, v, mask, **kw):
+    from flashfuse.kernels import forward
+
+    return forward.attention_forward(q, k, v, mask, None, dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
+                                     window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["persistent", "three_programs"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("band", ["none", "causal", "two_sided_bottom_right"])
+@pytest.mark.parametrize("B,Hq,Hkv,N,M", [(2, 4, 2, 1000, 1000), (3, 2, 2, 300, 777), (1, 2, 1, 129, 4097)])
+def test_masked_forward_against_reference(monkeypatch, grid, D, kind, band, B, Hq, Hkv, N, M):
+    """The forward reading a mask through its key table: the output against
+    the float64 reference (rows that see no key 0), the lse against the
+    portable kernel's (the same conventions: +inf for rows that see no key,
+    the marker holding the key count for rows a finite value hides)."""
+    _require_hopper()
+    poison_empty(monkeypatch)
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(D * 7919 + N * 31 + M)
+    q, k, v = _inputs(B, Hq, Hkv, N, M, D, dtype, "nan_padded", gen)
+    mask = _mask(kind, B, Hq, N, M, dtype, seed=N + M + D)
+    kw = BANDS[band]
+    p = AttentionProblem.build(q, k, v, mask, dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
+                               window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
+    why = hopper.hopper_refusal(p, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+    assert why is None or "visible keys" in why, why
+    out, lse = hopper.hopper_forward(p, q, k, v, _grid(monkeypatch, grid))
+    want = ref.reference_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), scale=0.125, **kw)
+    p_out, p_lse = _portable_forward(q, k, v, mask, **kw)
+    assert not out.isnan().any() and not lse.isnan().any()
+    seen = torch.isfinite(p_lse.cpu())
+    assert _rel(out.cpu()[seen], want[seen]) < REL_TOL[dtype]
+    assert (out.cpu()[~seen] == 0).all()  # rows that see no key are 0
+    assert torch.equal(torch.isinf(lse), torch.isinf(p_lse))
+    marked, count = ref.lse_marked_keys(lse.cpu())
+    p_marked, p_count = ref.lse_marked_keys(p_lse.cpu())
+    assert torch.equal(marked, p_marked) and torch.equal(count[marked], p_count[marked])
+    if kind == "float_hidden_rows":
+        assert marked.any()
+    elif kind.startswith("bool"):
+        assert not marked.any()  # (a float causal mask against a shifted band may hide rows entirely)
+    fin = seen & ~marked
+    torch.testing.assert_close(lse.cpu()[fin], p_lse.cpu()[fin], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bool_padding", "float_causal"])
+def test_masked_forward_through_the_op(monkeypatch, kind):
+    """``flashfuse.attention`` with a mask takes the Hopper forward (eager,
+    with a block mask's tables, and compiled), all with the same bits, and
+    its gradients (the portable backward, from the Hopper forward's lse)
+    match the float64 reference."""
+    _require_hopper()
+    calls = []
+    real = hopper.hopper_forward
+    monkeypatch.setattr(hopper, "hopper_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    B, Hq, Hkv, N, D = 2, 8, 2, 1536, 128
+    q, k, v = _inputs(B, Hq, Hkv, N, N, D, torch.bfloat16, "bnhd", gen)
+    mask = _mask(kind, B, Hq, N, N, torch.bfloat16, seed=3)
+    assert flashfuse.ops.forward_kernel(q, k, v, attn_mask=mask, enable_gqa=True) == "hopper"
+
+    def f(q, k, v, m):
+        return flashfuse.attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    outs = []
+    for fn, m in ((f, mask), (f, flashfuse.block_mask(mask, N, N)), (torch.compile(f, fullgraph=True), mask)):
+        calls.clear()
+        with torch.no_grad():
+            outs.append(fn(q, k, v, m))
+        assert calls, "the Hopper forward did not run"
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = f(*leaves, mask)
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+    out.backward(dout)
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want = ref.reference_attention(*ref_leaves, mask.cpu(), scale=D ** -0.5)
+    want.backward(dout.cpu().double())
+    assert _rel(out.detach().cpu(), want.detach()) < 1e-2
+    for got, exp in zip(leaves, ref_leaves):
+        assert not got.grad.isnan().any()
+        assert _rel(got.grad.cpu(), exp.grad) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["tiles", "persistent"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("band", ["none", "causal", "two_sided_bottom_right"])
+@pytest.mark.parametrize("B,Hq,Hkv,N,M", [(2, 4, 4, 1000, 1000), (3, 4, 1, 300, 777), (1, 2, 2, 1100, 4097)])
+def test_masked_backward_against_reference(monkeypatch, grid, D, kind, band, B, Hq, Hkv, N, M):
+    """The op's gradients with a mask tensor on the Hopper kernels (the
+    forward and the fused backward reading the mask's tables) against the
+    float64 reference: rows that see no key give zero gradients, rows a
+    finite value hides entirely average their keys. A mask that differs
+    between the query heads of one key/value head takes the portable
+    backward, which must agree as well."""
+    _require_hopper()
+    poison_empty(monkeypatch)
+    persistent = _grid(monkeypatch, grid)
+    # Every kernel variant, whatever the rule's crossovers (speed, not results).
+    monkeypatch.setattr(hopper, "BWD_MASK_MIN_KEYS", {64: 0, 128: 0})
+    monkeypatch.setattr(hopper, "BWD_FLOAT_MASK_DIMS", (64, 128))
+    calls = []
+    real = hopper.hopper_backward_fused
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **dict(kw, persistent=persistent))
+
+    monkeypatch.setattr(hopper, "hopper_backward_fused", counted)
+    gen = torch.Generator(device="cuda").manual_seed(D * 131 + N + M)
+    q, k, v = _inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, "contiguous", gen)
+    mask = _mask(kind, B, Hq, N, M, torch.bfloat16, seed=N * 3 + M + D)
+    kw = BANDS[band]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashfuse.attention(*leaves, attn_mask=mask, scale=0.125, enable_gqa=True,
+                              window_left=kw.get("window_left"), window_right=kw.get("window_right"),
+                              alignment="bottom_right" if kw.get("bottom_right") else "top_left")
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+    out.backward(dout)
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want = ref.reference_attention(*ref_leaves, mask.cpu(), scale=0.125, **kw)
+    want.backward(dout.cpu().double())
+    named = flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True,
+                                          window_left=kw.get("window_left"), window_right=kw.get("window_right"),
+                                          alignment="bottom_right" if kw.get("bottom_right") else "top_left")
+    assert bool(calls) == (named == "hopper"), named
+    if mask.shape[1] > 1 and Hq != Hkv:
+        assert "query heads" in named
+    elif band == "none" and N >= 1000:
+        assert named == "hopper"  # so that every mask kind runs on the Hopper backward somewhere
+    assert _rel(out.detach().cpu(), want.detach()) < 1e-2
+    for got, exp in zip(leaves, ref_leaves):
+        assert not got.grad.isnan().any()
+        assert _rel(got.grad.cpu(), exp.grad) < 2e-2
+
+
+def test_hopper_forward_op_fake_layout_with_a_mask():
+    """The opaque op with a mask and a block mask's key table traces."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 300, 128, dtype=torch.bfloat16)
+        mask = torch.empty(2, 1, 1, 300, dtype=torch.bool)
+        table = torch.empty(2, 1, 19, 5, dtype=torch.int32)
+        out, lse = torch.ops.flashfuse._hopper_forward(q, q, q, 0.1, None, None, False, mask, table)
+    assert out.shape == (2, 8, 300, 128) and lse.shape == (2, 8, 300)
+
+
 def test_mean_visible_keys_and_crossover_rule():
     # No band: every key; causal top-left at N = M: about half; bottom-right
     # with more keys than queries: the extra keys too; a window: its width.
@@ -427,7 +633,7 @@ def test_dispatch_routes_through_the_one_rule(monkeypatch):
         assert out.stride() == (2048 * 4 * 128, 128, 4 * 128, 1) and lse.shape == (1, 4, 2048)
     calls = []
     monkeypatch.setattr(kernels, "_route", lambda *a: ("hopper", "problem", None))
-    monkeypatch.setattr(hopper, "hopper_forward", lambda p, q, k, v: calls.append(p) or ("out", "lse"))
+    monkeypatch.setattr(hopper, "hopper_forward", lambda p, q, k, v, key_table=None: calls.append(p) or ("out", "lse"))
     cq = torch.randn(1, 2, 8, 64)
     assert kernels.attention_forward(cq, cq, cq, None, None, **band) == ("out", "lse") and calls == ["problem"]
 
@@ -452,15 +658,32 @@ def test_backward_refusal_reasons(monkeypatch):
     assert hopper.backward_refusal(hp, go, q, k, v, **rule) is None
     assert hopper.backward_refusal(hp, go, q, k, v, dropout_p=0.1, softcap=None) == "dropout"
     assert "soft-cap" in hopper.backward_refusal(hp, go, q, k, v, dropout_p=0.0, softcap=20.0)
-    assert hopper.backward_refusal(hp, go, q, k, v, **rule, tables=True) == "a mask tensor"
     assert hopper.backward_refusal(hp, go, q, k, v, **rule, mask_grad=True) == "a mask gradient"
     assert "grad_out dtype" in hopper.backward_refusal(hp, go.half(), q, k, v, **rule)
     # ``out.sum().backward()`` hands the backward an expanded dO (strides 0).
     ones = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16).expand_as(q)
     assert "copy engine" in hopper.backward_refusal(hp, ones, q, k, v, **rule)
+    # Masks: read through their query table, unless they differ between the
+    # query heads of a key/value head, or deterministic algorithms are asked.
     mask = torch.ones(1024, 1024, dtype=torch.bool)
     pm = _as_hopper_call(monkeypatch, _bwd_problem(q, k, v, mask))
-    assert hopper.backward_refusal(pm, go, q, k, v, **rule) == "a mask tensor"
+    assert f"reads masks from {hopper.BWD_MASK_MIN_KEYS[128]}" in hopper.backward_refusal(pm, go, q, k, v, **rule)
+    pf = _as_hopper_call(monkeypatch, _bwd_problem(q, k, v, mask.float()))
+    assert "a float mask at D = 128" in hopper.backward_refusal(pf, go, q, k, v, **rule)
+    monkeypatch.setattr(hopper, "BWD_MASK_MIN_KEYS", {64: 0, 128: 0})
+    assert hopper.backward_refusal(pm, go, q, k, v, **rule) is None
+    assert hopper.backward_refusal(pm, go, q, k, v, **rule, mask_grad=True) == "a mask gradient"
+    with _deterministic():
+        assert "deterministic" in hopper.backward_refusal(pm, go, q, k, v, **rule)
+    kv = k[:, :1]
+    per_head = _as_hopper_call(monkeypatch, _bwd_problem(q, kv, kv, torch.ones(1, 2, 1024, 1024, dtype=torch.bool)))
+    assert "query heads" in hopper.backward_refusal(per_head, go, q, kv, kv, **rule)
+    shared = _as_hopper_call(monkeypatch, _bwd_problem(q, kv, kv, torch.ones(1, 1, 1024, 1024, dtype=torch.bool)))
+    assert hopper.backward_refusal(shared, go, q, kv, kv, **rule) is None
+    filled = _as_hopper_call(monkeypatch, AttentionProblem.build(
+        q, k, v, mask, dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False,
+        mask_fill=-1e4, backward=True))
+    assert hopper.backward_refusal(filled, go, q, k, v, **rule) == "a bool mask with a mask_fill"
     monkeypatch.setenv("FLASHFUSE_HOPPER", "0")
     assert hopper.backward_refusal(hp, go, q, k, v, **rule) == "FLASHFUSE_HOPPER=0"
     monkeypatch.delenv("FLASHFUSE_HOPPER")
@@ -504,7 +727,7 @@ def test_backward_dispatch_routes_through_the_one_rule(monkeypatch):
     monkeypatch.setattr(kernels, "_backward_route", lambda *a: ("hopper", "problem", None))
     monkeypatch.setattr(backward, "row_delta", lambda p, out, go, lse, grad_lse: ("delta", None))
     monkeypatch.setattr(hopper, "hopper_backward",
-                        lambda p, go, q, k, v, lse, delta: calls.append((p, delta)) or ("dq", "dk", "dv"))
+                        lambda p, go, q, k, v, lse, delta, kt, qt: calls.append((p, delta)) or ("dq", "dk", "dv"))
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     cq = torch.randn(1, 2, 8, 64)
     got = kernels.attention_backward(cq, cq, cq, cq, None, None, cq, cq[..., 0], **band)

@@ -1,0 +1,120 @@
+"""Time per generated token of ``generate()``, one implementation per
+process, and what the machinery around it did.
+
+``bench_generate.py`` times both implementations in one process, in
+alternating order, on one model. This probe runs one implementation per
+process (``--impl``, or ``both`` to alternate as the benchmark does) on
+``bench_generate.py``'s model, so that neither implementation's compiled
+graphs, CUDA graphs or allocator state weigh on the other's, and reports:
+
+* the time per token, as the median of each window of 32 tokens (a logits
+  processor stamps every token after a synchronisation), so that a cost
+  growing with the cache shows as a trend;
+* with the dynamic cache: the allocator's cudaMalloc / cudaFree calls and
+  retries over the timed calls (a fragmenting allocator shows there);
+* with the static cache (which transformers compiles with CUDA graphs): the
+  cudagraph tree's functions, recorded graphs and re-recordings (a new
+  static cache at a new address makes the tree record again), and the CUDA
+  graphs Inductor skipped.
+
+    python bench/generate_probe.py --cache dynamic --impl ffuse --batch 8 --prompt 8192
+    python bench/generate_probe.py --cache static --impl both --batch 1 --prompt 512 --new 64
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import common
+import torch
+
+import bench_generate
+
+
+def parse_args():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
+    p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"])
+    p.add_argument("--impl", default="ffuse", choices=["sdpa", "ffuse", "both"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=8192)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--reps", type=int, default=2, help="timed generate() calls per implementation")
+    return p.parse_args()
+
+
+def _token_times(model, impl: str, ids, new: int, cache: str) -> list[float]:
+    """ms per token of one generate() call, median of each 32-token window."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            torch.cuda.synchronize()
+            self.t.append(time.perf_counter())
+            return scores
+
+    import flashfuse.hf
+
+    stamp = Stamp()
+    model.set_attn_implementation(flashfuse.hf.ATTN_IMPLEMENTATION if impl == "ffuse" else impl)
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([stamp]), **kwargs)
+    d = [(b - a) * 1e3 for a, b in zip(stamp.t, stamp.t[1:])]
+    return [statistics.median(d[i:i + 32]) for i in range(0, len(d), 32)]
+
+
+def _cudagraph_tree() -> str:
+    """Functions, recorded graphs and re-recordings of the current device's tree."""
+    import torch._inductor.cudagraph_trees as trees
+
+    mgr = trees.get_container(torch.cuda.current_device()).tree_manager
+    if mgr is None:
+        return "no cudagraph tree"
+
+    def count(nodes) -> int:
+        return sum(1 + count(child.children) for group in nodes.values() for child in group)
+
+    rerecords = sum(sum(v.values()) for v in mgr.num_rerecord.values())
+    return f"cudagraph tree: {len(mgr.ids_to_funcs)} functions, {count(mgr.roots)} graphs, {rerecords} re-recordings"
+
+
+def main():
+    args = parse_args()
+    common.quiet_warnings()
+    device = common.pick_device(args)
+    if device.type != "cuda":
+        print("generate_probe.py times generate() on the GPU; nothing to do without CUDA")
+        return
+    from torch._dynamo.utils import counters
+
+    impls = ["sdpa", "ffuse"] if args.impl == "both" else [args.impl]
+    cfg = bench_generate.config(False, args.prompt + args.new + 64)
+    model = bench_generate.build(cfg, torch.bfloat16, device)
+    ids = torch.randint(1, cfg.vocab_size, (args.batch, args.prompt), device=device)
+    print(f"generate(), {args.cache} cache, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
+          f"{common.env_info(device)}", flush=True)
+    for impl in impls:  # warm-up: compiles a static cache
+        _token_times(model, impl, ids, args.new, args.cache)
+    before = torch.cuda.memory_stats()
+    for rep in range(args.reps):
+        for impl in (impls if rep % 2 == 0 else impls[::-1]):
+            windows = _token_times(model, impl, ids, args.new, args.cache)
+            print(f"{impl:5s} call {rep}: ms per token by 32-token window: "
+                  + " ".join(f"{w:.2f}" for w in windows), flush=True)
+    after = torch.cuda.memory_stats()
+    print("allocator over the timed calls: "
+          + ", ".join(f"{name} {after[key] - before[key]}" for name, key in
+                      (("cudaMalloc", "num_device_alloc"), ("cudaFree", "num_device_free"),
+                       ("retries", "num_alloc_retries"))), flush=True)
+    if args.cache == "static":
+        print(f"{_cudagraph_tree()}; CUDA graphs skipped: {counters['inductor'].get('cudagraph_skips', 0)}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

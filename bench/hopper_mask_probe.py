@@ -1,0 +1,95 @@
+"""Forward+backward with a mask tensor: the Hopper backward reading the mask
+through its query table against the portable backward, and SDPA.
+
+Both flashfuse variants run the forward on the Hopper kernel (which reads
+the mask through its key table); the portable backward is forced by making
+``hopper.mask_refusal`` refuse the backward. Each shape times, in one
+process, the Hopper backward, the portable backward, the Hopper backward
+again (the spread between the two is the noise) and SDPA's default with the
+same mask: ``triton.testing.do_bench`` medians of a step that returns the
+gradients of q, k and v. Masks: a key-padding bool mask (B, 1, 1, N) that
+hides the last quarter of the keys, and a causal mask as a bf16 (B, 1, N, N)
+tensor of 0 and the dtype's lowest (as Hugging Face builds it). The last
+column names the backward kernel the op takes by default.
+
+    python bench/hopper_mask_probe.py
+"""
+
+from __future__ import annotations
+
+import common
+import torch
+import torch.nn.functional as F
+
+# (D, B, H, N, mask): the attention benchmark's D = 128 feature shape,
+# GPT-2's and a BERT-style layer, and D = 64 at 4k.
+SHAPES = [(128, 4, 16, 4096, "padding"), (128, 4, 16, 4096, "causal"), (64, 8, 12, 1024, "causal"),
+          (64, 16, 12, 512, "padding"), (64, 4, 32, 4096, "padding"), (64, 4, 32, 4096, "causal"),
+          (128, 16, 16, 1024, "causal")]
+VARIANTS = ("hopper bwd", "portable bwd", "hopper bwd again", "sdpa")
+
+
+def _mask(kind: str, B: int, N: int, device) -> torch.Tensor:
+    if kind == "padding":
+        mask = torch.ones(B, 1, 1, N, dtype=torch.bool, device=device)
+        mask[..., 3 * N // 4:] = False
+        return mask
+    low = torch.finfo(torch.bfloat16).min
+    return torch.full((N, N), low, device=device, dtype=torch.bfloat16).triu(1)[None, None].expand(B, 1, N, N)
+
+
+def main():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
+    args = p.parse_args()
+    common.quiet_warnings()
+    device = common.pick_device(args)
+    if device.type != "cuda":
+        print("hopper_mask_probe.py times the Hopper kernels; nothing to do without CUDA")
+        return
+    import triton
+
+    import flashfuse
+    from flashfuse.kernels import hopper
+
+    real_refusal = hopper.mask_refusal
+
+    def portable_backward(p, backward=False):
+        return "forced: the portable backward" if backward else real_refusal(p, backward)
+
+    print(common.env_info(device), flush=True)
+    rows = []
+    for D, B, H, N, kind in SHAPES:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        g = torch.randn_like(q)
+        mask = _mask(kind, B, N, device)
+        times = {}
+        try:
+            for name in VARIANTS:
+                hopper.mask_refusal = portable_backward if name == "portable bwd" else real_refusal
+                if name == "sdpa":
+                    def fn():
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                else:
+                    def fn():
+                        return flashfuse.attention(q, k, v, attn_mask=mask)
+
+                def step():
+                    return torch.autograd.grad(fn(), (q, k, v), g)
+
+                step()
+                torch.cuda.synchronize()
+                times[name] = triton.testing.do_bench(step, warmup=25, rep=100) * 1e3
+        finally:
+            hopper.mask_refusal = real_refusal
+        named = flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask)
+        rows.append([D, B, H, N, kind, *(f"{times[n]:.1f}" for n in VARIANTS), named])
+        print(" ".join(str(x) for x in rows[-1]), flush=True)
+    common.tables_header()
+    common.print_table(rows, ["D", "B", "H", "N", "mask", *(f"{n} µs" for n in VARIANTS), "default backward"],
+                       title="forward+backward with a mask tensor, µs (do_bench medians)")
+
+
+if __name__ == "__main__":
+    main()

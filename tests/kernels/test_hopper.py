@@ -734,6 +734,48 @@ def test_backward_dispatch_routes_through_the_one_rule(monkeypatch):
     assert got == ("dq", "dk", "dv", None) and calls == [("problem", "delta")]
 
 
+def test_masked_calls_route_through_the_rule(monkeypatch):
+    """With a mask: a traced call the Hopper kernels suit records the opaque
+    ops with the mask and a block mask's tables (their schemas take them);
+    the backward's crossover for masks sends short rows to the portable
+    kernels; eager calls hand the block mask's tables to the launchers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashfuse import kernels
+    from flashfuse.kernels import backward  # before TRITON_INTERPRET is unset (see above)
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(hopper, "gluon_available", lambda: True)
+    band = dict(dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False)
+    long, short = hopper.BWD_MASK_MIN_KEYS[64], hopper.BWD_MASK_MIN_KEYS[64] // 2
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for N, takes in ((long, True), (short, False)):
+            q = torch.empty(1, 4, N, 64, dtype=torch.bfloat16, device="cuda")
+            mask = torch.empty(1, 1, 1, N, dtype=torch.bool, device="cuda")
+            kt = torch.empty(1, 1, N // 16, 5, dtype=torch.int32, device="cuda")
+            qt = torch.empty(1, 1, N // 32, 4, dtype=torch.int32, device="cuda")
+            assert kernels._route(q, q, q, mask, band)[0] == "hopper-op"
+            out, lse = kernels.attention_forward(q, q, q, mask, None, **band, key_table=kt)
+            assert out.shape == q.shape and lse.shape == (1, 4, N)
+            bwd = dict(band, mask_grad=False, key_table=kt, query_table=qt)
+            route, _, why = kernels._backward_route(q, q, q, q, mask, bwd)
+            assert route == ("hopper-op" if takes else "portable"), why
+            if takes:  # the opaque op's schema takes the mask and both tables
+                dq, dk, dv, _ = kernels.attention_backward(q, q, q, q, mask, None, out, lse, **bwd)
+                assert dq.shape == dk.shape == dv.shape == q.shape
+            else:
+                assert f"reads masks from {long}" in why
+            fmask = torch.empty(1, 1, N, N, dtype=torch.bfloat16, device="cuda")
+            assert kernels._route(q, q, q, fmask, band)[0] == "hopper-op"
+    got = []
+    monkeypatch.setattr(kernels, "_route", lambda *a: ("hopper", "problem", None))
+    monkeypatch.setattr(hopper, "hopper_forward", lambda p, q, k, v, key_table=None: got.append(key_table) or (1, 2))
+    cq = torch.randn(1, 2, 8, 64)
+    assert kernels.attention_forward(cq, cq, cq, cq[..., :1, :], None, **band, key_table="the table") == (1, 2)
+    assert got == ["the table"]
+
+
 def test_hopper_backward_op_fake_layout():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

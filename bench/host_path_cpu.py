@@ -25,6 +25,10 @@ the machine's speed). On this path a CPU tensor goes through one more
 dispatcher hop than a CUDA one (the opaque CPU op of
 ``attention_with_kvcache``), so its time is a little above a GPU host's.
 
+The last rows time the op on the Hopper route with its Gluon launches
+stubbed (``hopper_rows``): flashfuse's own Python there, without Triton's
+launcher.
+
     python bench/host_path_cpu.py
     python bench/host_path_cpu.py --smoke
 """
@@ -154,6 +158,61 @@ def decode_rows(loops: int, calls: int, smoke: bool) -> None:
               f"{best_us(fn, loops, calls):6.1f} us, {python_calls(fn):4d} calls/op", flush=True)
 
 
+def hopper_rows(loops: int, calls: int) -> None:
+    """Host time of the op on the Hopper route (forward, and forward+backward
+    on the fused backward), its Gluon launches stubbed: the problem built
+    as if on a Hopper GPU, every launch a stand-in that does nothing. What
+    remains is flashfuse's own Python on that route (the routing rules, the
+    problem, the launch arguments, allocations, the autograd function), not
+    Triton's launcher, which ``bench/host_step_probe.py`` measures with it
+    on a GPU host. The backward's float32 dQ buffer is zeroed by the CPU
+    here (a memset kernel on the GPU), so the shape keeps it small."""
+    import dataclasses
+
+    import flashfuse
+    from flashfuse import kernels
+    from flashfuse.kernels import hopper, hopper_gluon
+
+    class _StubGluon:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: _StubBinary()
+
+    stub = _StubGluon()
+    hopper._capability = lambda index: (9, 0)
+    hopper.gluon_available = lambda: True
+    hopper.kernel = lambda: stub
+    hopper_gluon._hopper_attn_bwd_fused = stub
+    hopper._dq_convert = stub
+    real_problem = kernels._problem
+
+    def on_hopper(*args, **kwargs):  # a CPU tensor's problem as a CUDA one's
+        return dataclasses.replace(real_problem(*args, **kwargs), device=torch.device("cuda", 0), interpret=False)
+
+    kernels._problem = on_hopper
+    B, H, N, D = 1, 1, 1024, 64
+    q = torch.randn(B, H, N, D, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn_like(q, requires_grad=True)
+    v = torch.randn_like(q, requires_grad=True)
+    g = torch.randn_like(q)
+    taken = []
+    real_fwd, real_bwd = hopper.hopper_forward, hopper.hopper_backward
+    hopper.hopper_forward = lambda *a, **kw: taken.append("fwd") or real_fwd(*a, **kw)
+    hopper.hopper_backward = lambda *a, **kw: taken.append("bwd") or real_bwd(*a, **kw)
+
+    def fwd():
+        with torch.no_grad():
+            flashfuse.attention(q, k, v, is_causal=True)
+
+    def fwd_bwd():
+        torch.autograd.grad(flashfuse.attention(q, k, v, is_causal=True), (q, k, v), g)
+
+    fwd_bwd()
+    assert taken == ["fwd", "bwd"], taken  # the Hopper route, both ways
+    for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+        print(f"hopper route, B={B} H={H} N={N} D={D} causal bf16, Gluon launches stubbed, {name:>16}: "
+              f"{best_us(fn, loops, calls):6.1f} us, {python_calls(fn):4d} calls/op", flush=True)
+
+
 def _growing(hook, k, calls: int):
     """``hook`` on a dynamic cache: one key more at every call, each length
     a fresh contiguous (B, Hkv, M, D) tensor as ``torch.cat`` leaves it (all
@@ -220,6 +279,7 @@ def main():
           f"fwd {best_us(fwd, loops, calls):.1f} us, fwd+bwd {best_us(fwd_bwd, loops, calls):.1f} us "
           f"(best of {loops} loops of {calls} calls)", flush=True)
     decode_rows(loops, calls, args.smoke)
+    hopper_rows(loops, calls)
 
 
 if __name__ == "__main__":

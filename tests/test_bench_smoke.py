@@ -159,6 +159,7 @@ def test_backward_schedules_smoke(tmp_path):
 def test_host_path_cpu_smoke(tmp_path):
     out = run_script("host_path_cpu.py", tmp_path)
     assert "launches stubbed: fwd" in out and "fwd+bwd" in out
+    assert "hopper route" in out and "forward+backward" in out  # both ways on the Hopper route
 
 
 def test_kernel_times_smoke(tmp_path):

@@ -43,10 +43,8 @@ def main():
     p.add_argument("--layers", type=int, default=12, help="layers sharing one block mask (GPT-2, BERT: 12)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
-    common.quiet_warnings()
-    device = common.pick_device(args)
-    if device.type != "cuda":
-        print("block_mask_times.py times GPU kernels; nothing to do without CUDA")
+    device = common.gpu_device(args, "times GPU kernels")
+    if device is None:
         return
     import flashfuse
 
@@ -63,8 +61,7 @@ def main():
 
     for name, (B, H, N, D, p_drop, kind) in CASES.items():
         torch.manual_seed(0)
-        q, k, v = (torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
         g = torch.randn_like(q)
         mask = common.hf_mask(B, N, kind, device)
         causal = kind == "causal"

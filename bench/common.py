@@ -115,6 +115,18 @@ def pick_device(args) -> torch.device:
     return dev
 
 
+def gpu_device(args, what: str) -> torch.device | None:
+    """For a script that only times GPU work: warnings quieted, then the
+    device ``pick_device`` gives, or None after saying that the script (it
+    ``what``) has nothing to do without CUDA (a CPU or smoke run)."""
+    quiet_warnings()
+    device = pick_device(args)
+    if device.type != "cuda":
+        print(f"{os.path.basename(sys.argv[0])} {what}; nothing to do without CUDA")
+        return None
+    return device
+
+
 def env_info(device: torch.device) -> dict:
     """Columns that every CSV row carries: what ran, on which versions, when."""
     if device.type == "cuda":

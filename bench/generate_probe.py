@@ -85,10 +85,8 @@ def _cudagraph_tree() -> str:
 
 def main():
     args = parse_args()
-    common.quiet_warnings()
-    device = common.pick_device(args)
-    if device.type != "cuda":
-        print("generate_probe.py times generate() on the GPU; nothing to do without CUDA")
+    device = common.gpu_device(args, "times generate() on the GPU")
+    if device is None:
         return
     from torch._dynamo.utils import counters
 

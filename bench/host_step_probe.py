@@ -40,10 +40,8 @@ def _host_ms(step, steps: int = 20, loops: int = 3) -> float:
 def main():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
     args = p.parse_args()
-    common.quiet_warnings()
-    device = common.pick_device(args)
-    if device.type != "cuda":
-        print("host_step_probe.py times CUDA launches; nothing to do without CUDA")
+    device = common.gpu_device(args, "times CUDA launches")
+    if device is None:
         return
     import triton
 
@@ -53,8 +51,7 @@ def main():
     rows = []
     for D, B, H, N, causal in SHAPES:
         torch.manual_seed(0)
-        q, k, v = (torch.randn(B, H, N, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
         g = torch.randn_like(q)
         for name in ("flashfuse", "sdpa"):
             if name == "flashfuse":

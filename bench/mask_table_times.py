@@ -29,10 +29,8 @@ SHAPES = {"gpt2 causal": (8, 1024, "causal"), "llama causal": (4, 2048, "causal"
 
 def main():
     args = common.base_parser(__doc__.splitlines()[0], budget_s=0).parse_args()
-    common.quiet_warnings()
-    device = common.pick_device(args)
-    if device.type != "cuda":
-        print("mask_table_times.py times GPU kernels; nothing to do without CUDA")
+    device = common.gpu_device(args, "times GPU kernels")
+    if device is None:
         return
     from flashfuse.kernels import mask_ranges as mr
 

@@ -634,9 +634,8 @@ _lib.define("_hopper_forward(Tensor q, Tensor k, Tensor v, float scale, SymInt? 
 
 
 def _hopper_forward(q, k, v, scale, window_left, window_right, bottom_right, attn_mask=None, mask_key_table=None):
-    tables = {"key_table": mask_key_table} if mask_key_table is not None else {}
     return _kernels.attention_forward(q, k, v, attn_mask, None, dropout_p=0.0, scale=scale, window_left=window_left,
-                                      window_right=window_right, bottom_right=bottom_right, **tables)
+                                      window_right=window_right, bottom_right=bottom_right, key_table=mask_key_table)
 
 
 def _hopper_forward_fake(q, k, v, scale, window_left, window_right, bottom_right, attn_mask=None,

@@ -222,12 +222,12 @@ def mean_visible_keys(N: int, M: int, diag_off: int, window_left: int, window_ri
     return total / len(rows)
 
 
-def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, min_keys: dict = MIN_KEYS,
-                    backward: bool = False) -> str | None:
+def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, backward: bool = False) -> str | None:
     """The reasons that depend on the problem alone (also known in a trace,
-    where the tensors have no address to check the layout on). ``min_keys``:
-    the crossover of the kernel asked about (``MIN_KEYS`` for the forward,
-    ``BWD_MIN_KEYS`` for the backward, ``backward``)."""
+    where the tensors have no address to check the layout on), for the
+    forward or the ``backward`` kernels: each has its own crossover with the
+    portable kernels (``MIN_KEYS``, ``BWD_MIN_KEYS``; with a mask the
+    backward's is ``BWD_MASK_MIN_KEYS``) and mask rule (``mask_refusal``)."""
     if config.hopper() == "0":
         return "FLASHFUSE_HOPPER=0"
     if p.interpret or p.device.type != "cuda":
@@ -258,8 +258,12 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, min_k
         return "an empty sequence"
     keys = mean_visible_keys(p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
                              p.has_window_right)
+    min_keys = BWD_MIN_KEYS if backward else MIN_KEYS
     if keys < min_keys[p.D]:
         return f"{keys:.0f} visible keys per query row on average (fewer than {min_keys[p.D]} at D = {p.D})"
+    if backward and p.mask is not None and keys < BWD_MASK_MIN_KEYS[p.D]:
+        return (f"a mask tensor with {keys:.0f} visible keys per query row on average (the Hopper backward "
+                f"reads masks from {BWD_MASK_MIN_KEYS[p.D]} at D = {p.D})")
     return None
 
 
@@ -270,10 +274,10 @@ def mask_refusal(p: AttentionProblem, backward: bool = False) -> str | None:
     take part), or the tables switched off; for the backward also a mask
     that differs between the query heads of one key/value head (its tiles
     stream them all over one range of query rows), deterministic
-    algorithms (the two-kernel schedule reads no mask), and where the
-    portable backward measured as fast: a float mask at D = 128
-    (``BWD_FLOAT_MASK_DIMS``), rows of fewer than ``BWD_MASK_MIN_KEYS``
-    visible keys on average."""
+    algorithms (the two-kernel schedule reads no mask), and a float mask at
+    D = 128, where the portable backward measured as fast
+    (``BWD_FLOAT_MASK_DIMS``). The masked backward's crossover,
+    ``BWD_MASK_MIN_KEYS``, is ``problem_refusal``'s."""
     from . import backward as portable_backward
     from . import forward as portable_forward
 
@@ -290,12 +294,6 @@ def mask_refusal(p: AttentionProblem, backward: bool = False) -> str | None:
         return "a mask tensor under the deterministic backward (its two kernels read no mask)"
     if p.mask_kind == MASK_FLOAT and p.D not in BWD_FLOAT_MASK_DIMS:
         return f"a float mask at D = {p.D} (measured no faster than the portable backward: BWD_FLOAT_MASK_DIMS)"
-    if isinstance(p.N, int) and isinstance(p.M, int) and isinstance(p.diag_off, int):
-        keys = mean_visible_keys(p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
-                                 p.has_window_right)
-        if keys < BWD_MASK_MIN_KEYS[p.D]:
-            return (f"a mask tensor with {keys:.0f} visible keys per query row on average (the Hopper backward "
-                    f"reads masks from {BWD_MASK_MIN_KEYS[p.D]} at D = {p.D})")
     return None
 
 
@@ -468,24 +466,34 @@ def _descriptor_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(st if size > 1 else d for size, st, d in zip((B, H, L), t.stride()[:3], dense))
 
 
+def _mask_operands(p: AttentionProblem, table, unread: tuple) -> tuple:
+    """``(mask, table, strides)`` as both Hopper kernels take them: the
+    mask as the kernels read it and its table (the key table for the
+    forward, the query table for the backward), then the mask's four
+    strides and the table's batch and head strides; without a mask,
+    ``unread`` (two tensors never read) and zero strides."""
+    if p.mask is None:
+        return (*unread, (0, ) * 6)
+    from .mask_ranges import table_strides
+
+    return p.mask, table, (*p.mask_strides, *table_strides(table))
+
+
 def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None = None,
                 key_table: torch.Tensor | None = None) -> tuple[tuple, dict, int]:
     """The kernel's positional arguments, launch options and program count
     (``persistent``: ``forward_persistent(p)`` unless given). With a mask,
     ``key_table`` is its key table (``mask_ranges.mask_key_table`` for
     ``p``'s band, no fill)."""
-    from .mask_ranges import ROW_GROUP, table_strides
+    from .mask_ranges import ROW_GROUP
 
     if persistent is None:
         persistent = forward_persistent(p)
-    if p.mask is not None:
-        mask, table, tab_strides = p.mask, key_table, table_strides(key_table)
-    else:
-        mask, table, tab_strides = q, lse, (0, 0)  # never read
+    mask, table, mask_strides = _mask_operands(p, key_table, (q, lse))
     args = (
         q, k, v, out, lse, mask, table,
         *_descriptor_strides(q), *_descriptor_strides(k), *_descriptor_strides(v), *_descriptor_strides(out),
-        *p.mask_strides, *tab_strides,
+        *mask_strides,
         p.B, p.Hq, p.Hkv, p.N, p.M,
         p.qk_scale, p.diag_off, p.window_left, p.window_right,
     )
@@ -531,7 +539,7 @@ def backward_problem_refusal(p: AttentionProblem, grad_out, *, dropout_p: float,
     dO's dtype."""
     if mask_grad:
         return "a mask gradient"
-    why = problem_refusal(p, dropout_p, softcap, None, min_keys=BWD_MIN_KEYS, backward=True)
+    why = problem_refusal(p, dropout_p, softcap, None, backward=True)
     if why is None and grad_out.dtype != p.dtype:
         return f"grad_out dtype {grad_out.dtype} differs from the inputs' {p.dtype}"
     return why
@@ -642,18 +650,15 @@ def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc
     ``persistent``: the grid, ``backward_persistent(p)`` unless given. With
     a mask, ``query_table`` is its query table (``mask_ranges``, for ``p``'s
     band, no fill)."""
-    from .mask_ranges import COL_GROUP, table_strides
+    from .mask_ranges import COL_GROUP
 
     if persistent is None:
         persistent = backward_persistent(p)
     args, meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv, dq_acc)
-    if p.mask is not None:
-        mask_args = (p.mask, query_table, *p.mask_strides, *table_strides(query_table))
-    else:
-        mask_args = (q, lse, 0, 0, 0, 0, 0, 0)  # never read
+    mask, table, mask_strides = _mask_operands(p, query_table, (q, lse))
     meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1,
                 MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP)
-    return (*args, *mask_args), meta, backward_programs(p, persistent)
+    return (*args, mask, table, *mask_strides), meta, backward_programs(p, persistent)
 
 
 @triton.jit(do_not_specialize=["N"])

@@ -533,6 +533,9 @@ def _hopper_attn_fwd(
         mbarrier.init(q_empty.index(i), count=1)
     unused, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES)
 
+    # The consumers' argument lists differ only in HALF but are written out
+    # in full: a tuple built once and concatenated ((HALF, ) + rest) reaches
+    # the partition with its constexprs turned into tensors (Gluon 3.6).
     gl.warp_specialize([
         (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
@@ -1254,6 +1257,7 @@ def _hopper_attn_bwd_fused(
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ halves
     mbarrier.init(kv_empty, count=2)
     kv_ready, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
+    # Both consumers' arguments written out, as in _hopper_attn_fwd (why there).
     gl.warp_specialize([
         (_fused_consumer, (DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                            stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,

@@ -158,6 +158,13 @@ BWD_MIN_KEYS = {128: 384, 64: 512}
 # layer even, a BERT-style one 0.88x), where eager steps are host-bound.
 BWD_MASK_MIN_KEYS = {128: 2048, 64: 2048}
 BWD_FLOAT_MASK_DIMS = (64,)
+# Inside a compiled graph the masked backward would run through the opaque
+# flashfuse::_hopper_backward, whose mask path was added after the session's
+# GPU time: it ran eager and through the fake implementation, never in a
+# compiled graph on a GPU (the compile matrix; bench/NOTES.md run 26). Until
+# it has, traced backwards with a mask keep the portable kernels (the
+# forward's traced mask path ran compiled on the GPU).
+TRACED_MASKED_BACKWARD = False
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
@@ -531,14 +538,17 @@ def hopper_forward(p: AttentionProblem, q, k, v, persistent: bool | None = None,
 # ---------------------------------------------------------------------------
 
 def backward_problem_refusal(p: AttentionProblem, grad_out, *, dropout_p: float, softcap,
-                             mask_grad: bool) -> str | None:
+                             mask_grad: bool, traced: bool = False) -> str | None:
     """Why the Hopper backward does not suit this problem, from what a
     trace knows too (None: it does). The forward's reasons (sinks need
     nothing here: the forward's lse includes them) with the backward's
-    crossover and mask rule (``mask_refusal``), plus a mask's gradient and
-    dO's dtype."""
+    crossover and mask rule (``mask_refusal``), plus a mask's gradient,
+    a mask in a ``traced`` graph (``TRACED_MASKED_BACKWARD``) and dO's
+    dtype."""
     if mask_grad:
         return "a mask gradient"
+    if traced and p.mask is not None and not TRACED_MASKED_BACKWARD:
+        return "a mask tensor in a traced graph (not yet run compiled on a GPU: TRACED_MASKED_BACKWARD)"
     why = problem_refusal(p, dropout_p, softcap, None, backward=True)
     if why is None and grad_out.dtype != p.dtype:
         return f"grad_out dtype {grad_out.dtype} differs from the inputs' {p.dtype}"
@@ -552,7 +562,8 @@ def backward_refusal(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: float
     for q, k, v and dO (the gradients are allocated in a layout it takes).
     The one rule the dispatch (``kernels._backward_route``), ``explain``
     and the benchmarks ask."""
-    why = backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad)
+    why = backward_problem_refusal(p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad,
+                                   traced=_traced((q, k, v, grad_out)))
     return _tensor_refusal(why, (q, k, v, grad_out),
                            "the backward records flashfuse::_hopper_backward instead: traced_backward_takes")
 
@@ -562,7 +573,7 @@ def traced_backward_takes(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: 
     """Whether a traced backward records ``flashfuse::_hopper_backward``: the
     problem suits the kernels (the layout is checked when it runs)."""
     return _traced_suits(p, (q, k, v, grad_out), lambda: backward_problem_refusal(
-        p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad))
+        p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad, traced=True))
 
 
 def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dk, dv, dq_acc=None) -> tuple[tuple, dict]:

@@ -736,7 +736,8 @@ def test_backward_dispatch_routes_through_the_one_rule(monkeypatch):
 
 def test_masked_calls_route_through_the_rule(monkeypatch):
     """With a mask: a traced call the Hopper kernels suit records the opaque
-    ops with the mask and a block mask's tables (their schemas take them);
+    ops with the mask and a block mask's tables (their schemas take them;
+    the backward's only where TRACED_MASKED_BACKWARD allows it);
     the backward's crossover for masks sends short rows to the portable
     kernels; eager calls hand the block mask's tables to the launchers."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -760,12 +761,18 @@ def test_masked_calls_route_through_the_rule(monkeypatch):
             assert out.shape == q.shape and lse.shape == (1, 4, N)
             bwd = dict(band, mask_grad=False, key_table=kt, query_table=qt)
             route, _, why = kernels._backward_route(q, q, q, q, mask, bwd)
+            # Traced, a masked backward keeps the portable kernels until its
+            # opaque op has run compiled on a GPU (TRACED_MASKED_BACKWARD).
+            assert route == "portable" and "traced graph" in why, why
+            monkeypatch.setattr(hopper, "TRACED_MASKED_BACKWARD", True)
+            route, _, why = kernels._backward_route(q, q, q, q, mask, bwd)
             assert route == ("hopper-op" if takes else "portable"), why
             if takes:  # the opaque op's schema takes the mask and both tables
                 dq, dk, dv, _ = kernels.attention_backward(q, q, q, q, mask, None, out, lse, **bwd)
                 assert dq.shape == dk.shape == dv.shape == q.shape
             else:
                 assert f"reads masks from {long}" in why
+            monkeypatch.setattr(hopper, "TRACED_MASKED_BACKWARD", False)
             fmask = torch.empty(1, 1, N, N, dtype=torch.bfloat16, device="cuda")
             assert kernels._route(q, q, q, fmask, band)[0] == "hopper-op"
     got = []

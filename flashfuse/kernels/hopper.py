@@ -80,7 +80,8 @@ import triton
 import triton.language as tl
 
 from .common import MASK_FLOAT
-from .launch import _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator, multiprocessors
+from .launch import (DirectLaunch, _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator,
+                     multiprocessors)
 from .problem import AttentionProblem
 from .. import config
 
@@ -461,6 +462,25 @@ def kernel():
     return hopper_gluon._hopper_attn_fwd
 
 
+_DIRECT: dict = {}  # id(kernel) -> (kernel, its DirectLaunch)
+
+
+def _direct(name: str) -> DirectLaunch:
+    """The direct launcher of a Hopper kernel (``hopper_gluon.<name>``) or
+    of the convert kernel (``"_dq_convert"``), one per kernel object (tests
+    stand kernels in)."""
+    if name == "_dq_convert":
+        fn = _dq_convert
+    else:
+        from . import hopper_gluon
+
+        fn = getattr(hopper_gluon, name)
+    entry = _DIRECT.get(id(fn))
+    if entry is None or entry[0] is not fn:
+        entry = _DIRECT[id(fn)] = (fn, DirectLaunch(fn))
+    return entry[1]
+
+
 def _descriptor_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """The batch, head and row strides of a (B, H, L, D) tensor for a
     descriptor over all of it (the forward) or over one batch's stacked
@@ -529,7 +549,7 @@ def hopper_forward(p: AttentionProblem, q, k, v, persistent: bool | None = None,
     args, meta, programs = kernel_args(p, q, k, v, out, lse, persistent, key_table)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
-        kernel()[(programs, )](*args, **meta)
+        _direct("_hopper_attn_fwd")((programs, ), args, meta)
     return out, lse
 
 
@@ -691,8 +711,9 @@ def _dq_convert(Acc, DQ, stride_a_b, stride_a_h, stride_a_n, stride_q_b, stride_
 def convert_dq(p: AttentionProblem, dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
     """``dq[...] = p.scale * dq_acc`` rounded to dq's dtype (both (B, Hq, N,
     D), unit stride along D)."""
-    _dq_convert[(cdiv(p.N, BWD_CONVERT_ROWS), p.Hq, p.B)](
-        dq_acc, dq, *dq_acc.stride()[:3], *dq.stride()[:3], p.N, p.scale, HEAD_DIM=p.D, BLOCK=BWD_CONVERT_ROWS)
+    _direct("_dq_convert")((cdiv(p.N, BWD_CONVERT_ROWS), p.Hq, p.B),
+                           (dq_acc, dq, *dq_acc.stride()[:3], *dq.stride()[:3], p.N, p.scale),
+                           dict(HEAD_DIM=p.D, BLOCK=BWD_CONVERT_ROWS))
 
 
 def backward_path() -> str:
@@ -733,8 +754,6 @@ def hopper_backward(p: AttentionProblem, grad_out, q, k, v, lse, delta, key_tabl
 def hopper_backward_separate(p: AttentionProblem, grad_out, q, k, v, lse, delta) -> tuple[torch.Tensor, ...]:
     """The two kernels, dK/dV then dQ. Deterministic: each gradient element
     is written by one program, no atomics."""
-    from . import hopper_gluon
-
     lse, delta = _backward_inputs(lse, delta)
     # empty_like, as the portable backward and the traced op's fake give:
     # strides of a dense input (multiples of its 128- or 256-byte rows) or
@@ -743,8 +762,8 @@ def hopper_backward_separate(p: AttentionProblem, grad_out, q, k, v, lse, delta)
     dkdv_args, dkdv_meta, dq_args, dq_meta = backward_kernel_args(p, grad_out, q, k, v, lse, delta, dq, dk, dv)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
-        hopper_gluon._hopper_attn_bwd_dkdv[(cdiv(p.M, BWD_BLOCK_N), p.Hkv, p.B)](*dkdv_args, **dkdv_meta)
-        hopper_gluon._hopper_attn_bwd_dq[(cdiv(p.N, BWD_DQ_BLOCK_M), p.Hq, p.B)](*dq_args, **dq_meta)
+        _direct("_hopper_attn_bwd_dkdv")((cdiv(p.M, BWD_BLOCK_N), p.Hkv, p.B), dkdv_args, dkdv_meta)
+        _direct("_hopper_attn_bwd_dq")((cdiv(p.N, BWD_DQ_BLOCK_M), p.Hq, p.B), dq_args, dq_meta)
     return dq, dk, dv
 
 
@@ -759,8 +778,6 @@ def hopper_backward_fused(p: AttentionProblem, grad_out, q, k, v, lse, delta, *,
     With a mask, its query table is a block mask's (``query_table``) or
     built here as the portable backward builds it (from the key table for a
     float mask, whose averaging rows it marks)."""
-    from . import hopper_gluon
-
     lse, delta = _backward_inputs(lse, delta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros((p.B, p.Hq, p.N, p.D), dtype=torch.float32, device=q.device)
@@ -773,6 +790,6 @@ def hopper_backward_fused(p: AttentionProblem, grad_out, q, k, v, lse, delta, *,
                                              query_table)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
-        hopper_gluon._hopper_attn_bwd_fused[(programs, )](*args, **meta)
+        _direct("_hopper_attn_bwd_fused")((programs, ), args, meta)
         convert_dq(p, dq_acc, dq)
     return dq, dk, dv

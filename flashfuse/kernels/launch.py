@@ -285,6 +285,58 @@ class ConfigLauncher:
                    _current_stream())
 
 
+class DirectLaunch:
+    """A kernel launched through Triton's own path once per signature and
+    directly through the compiled binary after that (``run_binary``), for
+    kernels launched with one fixed config (the Hopper kernels and their
+    convert kernel). Triton's ``kernel[grid](...)`` binds and specialises
+    every argument in Python at each call, about as long as the rest of an
+    eager call's host work together (bench/NOTES.md run 26).
+
+    ``__call__(grid, args, meta)``: ``args`` the positional arguments,
+    ``meta`` the keyword ones (constexprs and launch options such as
+    ``num_warps`` / ``maxnreg``). The binary is kept per device and per
+    (specialisation fingerprint of ``args``, ``meta``), which fixes every
+    compile-time choice, so a launch never takes a binary compiled for
+    other arguments."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        fn = getattr(kernel, "fn", None)  # None: a stand-in (tests), always launched as given
+        self._params = list(inspect.signature(fn).parameters.values()) if fn is not None else None
+        self._binaries: dict = {}
+
+    def forget(self) -> None:
+        self._binaries.clear()
+
+    def __call__(self, grid: tuple, args: tuple, meta: dict) -> None:
+        if self._params is None or _interpreting(args[0]):
+            self.kernel[grid](*args, **meta)
+            return
+        device = torch.cuda.current_device()
+        key = (device, _fingerprint(args), tuple(meta.items()))
+        cached = self._binaries.get(key)
+        if cached is None:
+            binary = self.kernel[grid](*args, **meta)
+            if binary is not None and hasattr(binary, "packed_metadata"):
+                self._binaries[key] = (binary, self._tail(args, meta))
+            return
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        run_binary(cached[0], cached[1], grid3, args, _device_stream(device))
+
+    def _tail(self, args: tuple, meta: dict) -> tuple:
+        """The values of the parameters after ``args`` (``run_binary``'s tail)."""
+        tail = []
+        for p in self._params[len(args):]:
+            if p.name in meta:
+                tail.append(meta[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:  # Triton's own launch would have refused this already
+                raise TypeError(f"flashfuse: kernel argument {p.name!r} not given")
+        return tuple(tail)
+
+
 def run_binary(binary, tail, grid3, args, stream) -> None:
     """Launch a compiled binary on ``grid3`` (three ints) with the runtime
     ``args``; ``tail`` the parameters after them (``ConfigLauncher.binary``)."""

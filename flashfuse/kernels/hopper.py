@@ -159,13 +159,13 @@ BWD_MIN_KEYS = {128: 384, 64: 512}
 # layer even, a BERT-style one 0.88x), where eager steps are host-bound.
 BWD_MASK_MIN_KEYS = {128: 2048, 64: 2048}
 BWD_FLOAT_MASK_DIMS = (64,)
-# Inside a compiled graph the masked backward would run through the opaque
-# flashfuse::_hopper_backward, whose mask path was added after the session's
-# GPU time: it ran eager and through the fake implementation, never in a
-# compiled graph on a GPU (the compile matrix; bench/NOTES.md run 26). Until
-# it has, traced backwards with a mask keep the portable kernels (the
-# forward's traced mask path ran compiled on the GPU).
-TRACED_MASKED_BACKWARD = False
+# Inside a compiled graph the masked backward runs through the opaque
+# flashfuse::_hopper_backward with the mask and a block mask's tables: run
+# compiled on a GPU in run 27 (the op compiled whole and an eager spelling
+# the backend rewrote, bool and float masks, D = 64 and 128: the gradients
+# of the eager op and of float64; gpu_tests_run27_compiled_masked.log).
+# False sends traced masked backwards to the portable kernels.
+TRACED_MASKED_BACKWARD = True
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
@@ -568,7 +568,7 @@ def backward_problem_refusal(p: AttentionProblem, grad_out, *, dropout_p: float,
     if mask_grad:
         return "a mask gradient"
     if traced and p.mask is not None and not TRACED_MASKED_BACKWARD:
-        return "a mask tensor in a traced graph (not yet run compiled on a GPU: TRACED_MASKED_BACKWARD)"
+        return "a mask tensor in a traced graph (hopper.TRACED_MASKED_BACKWARD is off)"
     why = problem_refusal(p, dropout_p, softcap, None, backward=True)
     if why is None and grad_out.dtype != p.dtype:
         return f"grad_out dtype {grad_out.dtype} differs from the inputs' {p.dtype}"

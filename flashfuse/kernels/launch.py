@@ -18,6 +18,7 @@ import os
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import config
 
@@ -541,9 +542,11 @@ def descriptor_loads(*tensors: torch.Tensor, faster: bool = True) -> bool:
 def copy_engine_layout(t: torch.Tensor) -> bool:
     """Whether the copy engine can read the (B, H, L, D) tensor ``t`` row by
     row: unit last stride, 16-byte rows, a 16-byte aligned base and, for each
-    dimension of more than one element, a positive stride of whole 16 bytes."""
+    dimension of more than one element, a positive stride of whole 16 bytes.
+    A fake tensor (a trace) has no address: its base counts as aligned, and
+    the opaque op that runs the trace checks the real tensor again."""
     elt = t.element_size()
-    if t.stride(3) != 1 or (t.shape[3] * elt) % 16 or t.data_ptr() % 16:
+    if t.stride(3) != 1 or (t.shape[3] * elt) % 16 or (not isinstance(t, FakeTensor) and t.data_ptr() % 16):
         return False
     return not any(size > 1 and (st <= 0 or (st * elt) % 16) for size, st in zip(t.shape[:3], t.stride()[:3]))
 

@@ -513,6 +513,61 @@ def test_masked_backward_against_reference(monkeypatch, grid, D, kind, band, B, 
         assert _rel(got.grad.cpu(), exp.grad) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,D", [("bool_padding", 128), ("float_causal", 64), ("bool_blocks", 64)])
+@pytest.mark.parametrize("how", ["compiled_op", "backend_rewrite"])
+def test_masked_backward_in_a_compiled_graph(monkeypatch, kind, D, how):
+    """Inside a compiled graph a masked backward runs on the fused Hopper
+    kernel through ``flashfuse::_hopper_backward`` (its mask and both
+    tables): the op compiled whole, and an eager spelling (scores, mask,
+    softmax, ·v) that the backend rewrites. The compiled gradients match
+    the eager op's (dQ is summed in a different order, so not bit for bit)
+    and the float64 reference."""
+    _require_hopper()
+    calls = []
+    real = hopper.hopper_backward
+    monkeypatch.setattr(hopper, "hopper_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(D + len(kind))
+    B, Hq, Hkv, N = 2, 4, 4, 2304  # past BWD_MASK_MIN_KEYS at both head dims
+    q, k, v = _inputs(B, Hq, Hkv, N, N, D, torch.bfloat16, "contiguous", gen)
+    mask = _mask(kind, B, Hq, N, N, torch.bfloat16, seed=N + D)
+    if kind == "bool_padding":  # every row sees some keys, so the rule's visible-key count stays high
+        mask = mask.clone()
+        mask[..., : N - 100] = True
+    scale = D ** -0.5
+
+    def op(q, k, v, m):
+        return flashfuse.attention(q, k, v, attn_mask=m, scale=scale)
+
+    def spelled(q, k, v, m):
+        s = (q @ k.transpose(-2, -1)) * scale
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+    assert flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask, scale=scale) == "hopper"
+    torch._dynamo.reset()
+    compiled = (torch.compile(op, fullgraph=True) if how == "compiled_op"
+                else torch.compile(spelled, backend=flashfuse.backend))
+    dout = torch.randn(B, Hq, N, D, generator=gen, device="cuda").to(torch.bfloat16)
+    results = []
+    for fn in (op, compiled):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        calls.clear()
+        out = fn(*leaves, mask)
+        out.backward(dout)
+        assert calls, f"the Hopper backward did not run ({'eager' if fn is op else how})"
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want = ref.reference_attention(*ref_leaves, mask.cpu(), scale=scale)
+    want.backward(dout.cpu().double())
+    (eo, *eg), (co, *cg) = results
+    assert _rel(co.cpu(), want.detach()) < 1e-2
+    for e, c, exp in zip(eg, cg, ref_leaves):
+        assert not c.isnan().any()
+        assert _rel(c.cpu(), exp.grad) < 2e-2
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+
+
 def test_hopper_forward_op_fake_layout_with_a_mask():
     """The opaque op with a mask and a block mask's key table traces."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -737,7 +792,7 @@ def test_backward_dispatch_routes_through_the_one_rule(monkeypatch):
 def test_masked_calls_route_through_the_rule(monkeypatch):
     """With a mask: a traced call the Hopper kernels suit records the opaque
     ops with the mask and a block mask's tables (their schemas take them;
-    the backward's only where TRACED_MASKED_BACKWARD allows it);
+    the backward's too, unless TRACED_MASKED_BACKWARD is off);
     the backward's crossover for masks sends short rows to the portable
     kernels; eager calls hand the block mask's tables to the launchers."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -761,18 +816,17 @@ def test_masked_calls_route_through_the_rule(monkeypatch):
             assert out.shape == q.shape and lse.shape == (1, 4, N)
             bwd = dict(band, mask_grad=False, key_table=kt, query_table=qt)
             route, _, why = kernels._backward_route(q, q, q, q, mask, bwd)
-            # Traced, a masked backward keeps the portable kernels until its
-            # opaque op has run compiled on a GPU (TRACED_MASKED_BACKWARD).
-            assert route == "portable" and "traced graph" in why, why
-            monkeypatch.setattr(hopper, "TRACED_MASKED_BACKWARD", True)
-            route, _, why = kernels._backward_route(q, q, q, q, mask, bwd)
             assert route == ("hopper-op" if takes else "portable"), why
             if takes:  # the opaque op's schema takes the mask and both tables
                 dq, dk, dv, _ = kernels.attention_backward(q, q, q, q, mask, None, out, lse, **bwd)
                 assert dq.shape == dk.shape == dv.shape == q.shape
             else:
                 assert f"reads masks from {long}" in why
+            # Turned off, a traced masked backward keeps the portable kernels.
             monkeypatch.setattr(hopper, "TRACED_MASKED_BACKWARD", False)
+            route, _, why = kernels._backward_route(q, q, q, q, mask, bwd)
+            assert route == "portable" and "traced graph" in why, why
+            monkeypatch.setattr(hopper, "TRACED_MASKED_BACKWARD", True)
             fmask = torch.empty(1, 1, N, N, dtype=torch.bfloat16, device="cuda")
             assert kernels._route(q, q, q, fmask, band)[0] == "hopper-op"
     got = []

@@ -489,8 +489,8 @@ def _descriptor_strides(t: torch.Tensor) -> tuple[int, int, int]:
     bytes, so such a dimension gets the stride of the dimensions after it
     laid out densely (its index is always 0, so the value is never used)."""
     B, H, L, D = t.shape
-    dense = (max(1, H) * max(1, L) * D, max(1, L) * D, D)
-    return tuple(st if size > 1 else d for size, st, d in zip((B, H, L), t.stride()[:3], dense))
+    sb, sh, sl = t.stride()[:3]
+    return (sb if B > 1 else max(1, H) * max(1, L) * D, sh if H > 1 else max(1, L) * D, sl if L > 1 else D)
 
 
 def _mask_operands(p: AttentionProblem, table, unread: tuple) -> tuple:

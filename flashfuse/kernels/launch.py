@@ -546,9 +546,15 @@ def copy_engine_layout(t: torch.Tensor) -> bool:
     A fake tensor (a trace) has no address: its base counts as aligned, and
     the opaque op that runs the trace checks the real tensor again."""
     elt = t.element_size()
-    if t.stride(3) != 1 or (t.shape[3] * elt) % 16 or (not isinstance(t, FakeTensor) and t.data_ptr() % 16):
+    shape, strides = t.shape, t.stride()
+    if strides[3] != 1 or (shape[3] * elt) % 16 or (not isinstance(t, FakeTensor) and t.data_ptr() % 16):
         return False
-    return not any(size > 1 and (st <= 0 or (st * elt) % 16) for size, st in zip(t.shape[:3], t.stride()[:3]))
+    # Written out (no generator): called for every tensor of every eager call.
+    for i in (0, 1, 2):
+        st = strides[i]
+        if shape[i] > 1 and (st <= 0 or (st * elt) % 16):
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)

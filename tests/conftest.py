@@ -6,6 +6,7 @@ imported. Tests that want the fast blockwise CPU path instead set
 TRITON_INTERPRET=0 for their duration (the op re-reads it at call time).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -45,22 +46,31 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """With FLASHFUSE_GPU_MEMORY_LOG=FILE, append each GPU test's peak CUDA
-    allocation to FILE as ``<MiB> <test id>`` (one line per test; workers of
-    pytest-xdist append to the same file), so that the tests that need most
-    memory, and make others fail on allocation when they run side by side,
-    can be found."""
-    path = os.environ.get("FLASHFUSE_GPU_MEMORY_LOG")
-    if not (path and _has_cuda and "gpu" in item.keywords):
+    """GPU tests under pytest-xdist take turns (``tests/gpu_turns.py``): a
+    ``gpu_alone`` test runs while no other GPU test does, and each GPU test
+    hands its cached memory back to the driver when done, so that the
+    workers beside it can allocate. With FLASHFUSE_GPU_MEMORY_LOG=FILE,
+    each GPU test's peak CUDA allocation is appended to FILE as ``<MiB>
+    <test id>`` (one line per test; workers append to the same file), so
+    that the tests that need most memory can be found and marked."""
+    if not (_has_cuda and "gpu" in item.keywords):
         yield
         return
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        yield
-    finally:
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        with open(path, "a") as f:
-            f.write(f"{peak:.0f} {item.nodeid}\n")
+    from tests.gpu_turns import gpu_turn
+
+    path = os.environ.get("FLASHFUSE_GPU_MEMORY_LOG")
+    shared = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    with gpu_turn("gpu_alone" in item.keywords) if shared else contextlib.nullcontext():
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            if path:
+                peak = torch.cuda.max_memory_allocated() / 2**20
+                with open(path, "a") as f:
+                    f.write(f"{peak:.0f} {item.nodeid}\n")
+            if shared:
+                torch.cuda.empty_cache()
 
 
 @pytest.fixture

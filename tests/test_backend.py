@@ -129,6 +129,7 @@ def test_a_failure_that_is_not_flashfuses_is_still_raised():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 def test_gpu_symbolic_head_dims_and_head_counts_recompile_instead_of_failing():
     """The sequence users hit with automatic dynamic shapes: new batch and
     length (sizes become symbolic), then new heads and head dim; and

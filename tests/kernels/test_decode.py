@@ -460,7 +460,8 @@ def test_gpu_fused_combine_against_the_combine_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,N,M", [(1, 1, 4096), (8, 1, 32768), (2, 16, 65536), (3, 4, 1000)])
+@pytest.mark.parametrize("B,N,M", [(1, 1, 4096), pytest.param(8, 1, 32768, marks=pytest.mark.gpu_alone),
+                                   pytest.param(2, 16, 65536, marks=pytest.mark.gpu_alone), (3, 4, 1000)])
 def test_gpu_real_sizes(B, N, M):
     torch.manual_seed(4)
     q = torch.randn(B, 32, N, 128, device="cuda", dtype=torch.bfloat16)
@@ -616,7 +617,8 @@ def test_op_with_bool_mask_takes_decode_path_and_its_gradients(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,M,filled", [(1, 4096, 3072), (8, 32768, 20000), (2, 1000, 0)])
+@pytest.mark.parametrize("B,M,filled", [(1, 4096, 3072), pytest.param(8, 32768, 20000, marks=pytest.mark.gpu_alone),
+                                        (2, 1000, 0)])
 def test_gpu_static_cache_mask(B, M, filled):
     """A static cache's bool mask (B, 1, 1, M), first ``filled`` slots (row 0
     of the batch sees one slot fewer), through the op as the Hugging Face

@@ -583,6 +583,7 @@ def test_gpu_fp32_tf32():
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.gpu_alone
 def test_gpu_long_sequence_int64_offsets():
     # B=1, H=16, N=2M tokens, D=128 in (B, N, H, D) layout: row offsets pass
     # 2**31 elements. A sliding window keeps the work small; check a sample

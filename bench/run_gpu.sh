@@ -35,18 +35,19 @@ trap 'rm -rf "$TMP"' EXIT
 : > "$LOG"
 STATUS=()
 
-# step NAME SECONDS COMMAND...: run under timeout (SIGTERM, then SIGKILL 20 s
-# later), output to the log and to $TMP/NAME.out for the final summary.
+# step NAME SECONDS COMMAND...: run under timeout (SIGINT, then SIGKILL 20 s
+# later: interrupted, pytest still prints which tests failed and why),
+# output to the log and to $TMP/NAME.out for the final summary.
 step() {
     local name="$1" limit="$2"
     shift 2
     echo "===== $name: $* (limit ${limit}s) =====" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout -k 20 "$limit" "$@" > "$TMP/$name.out" 2>&1
+    timeout -s INT -k 20 "$limit" "$@" > "$TMP/$name.out" 2>&1
     local rc=$?
     cat "$TMP/$name.out" >> "$LOG"
     local how="rc=$rc"
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then how="timed out (rc=$rc)"; fi
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ] || [ $rc -eq 130 ]; then how="timed out (rc=$rc)"; fi
     echo "===== $name: $how after $((SECONDS - t0)) s =====" | tee -a "$LOG"
     STATUS+=("$name: $how, $((SECONDS - t0)) s")
 }
@@ -60,7 +61,7 @@ step() {
 
 # shellcheck disable=SC2086  # *_ARGS are meant to split into words
 [ "${SKIP_TESTS:-0}" = 1 ] || step tests "${T_TESTS:-300}" \
-    "$PY" -m pytest -m gpu -q -p no:cacheprovider ${TESTS_ARGS:-}
+    "$PY" -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider ${TESTS_ARGS:-}
 [ "${SKIP_ATTENTION:-0}" = 1 ] || step attention "${T_ATTENTION:-230}" \
     "$PY" bench/bench_attention.py --out "$OUT" ${ATTENTION_ARGS:-}
 [ "${SKIP_HOST:-0}" = 1 ] || step host_overhead "${T_HOST:-90}" \

@@ -55,6 +55,21 @@ class _Modules(NamedTuple):
 _MODULES: tuple = ()  # a _Modules, imported at the first call
 
 
+class Route(NamedTuple):
+    """Which kernels take a call (``_route``, ``_backward_route``).
+
+    ``kernel``: ``"decode"`` (the split-KV kernels; forward only, no
+    problem built), ``"hopper"`` (the Gluon kernels, eager), ``"hopper-op"``
+    (a traced call they suit: the trace records the opaque op, whose layout
+    is checked when it runs) or ``"portable"``; ``problem``: the call's
+    ``AttentionProblem``; ``why``: for the portable kernels, why not the
+    Hopper ones (None otherwise)."""
+
+    kernel: str
+    problem: Any
+    why: str | None
+
+
 def modules() -> _Modules:
     """The kernel modules, imported at the first call (they import Triton;
     a call then pays no import statement), their kernels defined as this
@@ -70,18 +85,15 @@ def modules() -> _Modules:
     return _MODULES
 
 
-def _route(q, k, v, attn_mask, kwargs) -> tuple:
+def _route(q, k, v, attn_mask, kwargs) -> Route:
     """The one rule for which forward kernel takes a call, asked both to run
-    it (``attention_forward``) and to name it (``forward_kernel``):
-    ``(route, problem, why)``, route ``"decode"`` (few queries: the split-KV
-    kernels; no problem built), ``"hopper"`` (the Hopper kernel, eager),
-    ``"hopper-op"`` (a traced call the Hopper kernel suits, whose layout is
-    checked when it runs) or ``"portable"`` (``why``: not the Hopper kernel)."""
+    it (``attention_forward``) and to name it (``forward_kernel``); few
+    queries against many keys take the split-KV decoding kernels."""
     hopper, decode = modules()[:2]
     if decode.decode_suits(decode.DecodeCall(q, k, attn_mask, kwargs["dropout_p"], kwargs["window_left"],
                                              kwargs["window_right"], kwargs["bottom_right"], kwargs.get("mask_fill"),
                                              kwargs.get("softcap"), kwargs.get("sinks"))):
-        return "decode", None, None
+        return Route("decode", None, None)
     p = _problem(q, k, v, attn_mask, kwargs, backward=False)
     rule = dict(dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"), sinks=kwargs.get("sinks"))
     return _hopper_or_portable(p, lambda: hopper.traced_takes(p, q, k, v, **rule),
@@ -97,16 +109,16 @@ def _problem(q, k, v, attn_mask, kwargs, backward: bool):
                                   softcap=kwargs.get("softcap"), backward=backward)
 
 
-def _hopper_or_portable(p, traced_takes, refusal) -> tuple:
+def _hopper_or_portable(p, traced_takes, refusal) -> Route:
     """The part of ``_route`` and ``_backward_route`` past the problem:
     the CPU case before any other check, then a trace the Hopper kernels
     suit (``traced_takes()``), then ``refusal()`` (None: the Hopper kernels)."""
     if p.interpret or p.device.type != "cuda":
-        return "portable", p, "not a CUDA tensor (Gluon kernels do not run in Triton's interpreter)"
+        return Route("portable", p, "not a CUDA tensor (Gluon kernels do not run in Triton's interpreter)")
     if traced_takes():
-        return "hopper-op", p, None
+        return Route("hopper-op", p, None)
     why = refusal()
-    return ("hopper" if why is None else "portable"), p, why
+    return Route("hopper" if why is None else "portable", p, why)
 
 
 def attention_forward(q, k, v, attn_mask, seed, **kwargs):
@@ -146,13 +158,11 @@ def forward_kernel(q, k, v, attn_mask, seed, dropout_p: float, scale: float, win
     return {"decode": "split-KV decode", "hopper": "hopper", "hopper-op": "hopper"}.get(route, f"portable: {why}")
 
 
-def _backward_route(grad_out, q, k, v, attn_mask, kwargs) -> tuple:
+def _backward_route(grad_out, q, k, v, attn_mask, kwargs) -> Route:
     """The one rule for which backward kernels take a call, asked both to
     run it (``attention_backward``) and to name it (``backward_kernel``):
-    ``(route, problem, why)``, route ``"hopper"`` (the Hopper kernels,
-    eager), ``"hopper-op"`` (a traced call they suit, whose layout is
-    checked when it runs) or ``"portable"`` (``why``: not the Hopper
-    kernels). The arguments are ``backward.attention_backward``'s."""
+    a ``Route`` other than ``"decode"``. The arguments are
+    ``backward.attention_backward``'s."""
     hopper = modules().hopper
     p = _problem(q, k, v, attn_mask, kwargs, backward=True)
     rule = dict(dropout_p=kwargs["dropout_p"], softcap=kwargs.get("softcap"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import sys
 
 import pytest
@@ -269,6 +270,18 @@ def test_profile_generate_smoke(tmp_path):
     out = run_script("profile_generate.py", tmp_path)
     assert "== ffuse" in out and "== sdpa" in out
     assert (tmp_path / "profile_generate_smoke.txt").exists()
+
+
+def test_static_cache_inputs_smoke(tmp_path):
+    """Both implementations compile a prefill and a decoding graph whose
+    parameters and buffers are static inputs."""
+    pytest.importorskip("transformers")
+    out = run_script("static_cache_inputs.py", tmp_path)
+    for impl in ("sdpa", "ffuse"):
+        section = out.split(f"== {impl}:")[1].split("==")[0]
+        assert "graphs over two generate() calls" in section
+        assert "graph 0:" in section and "graph 1:" in section
+        assert all(int(n) > 0 for n in re.findall(r"(\d+) static;", section))  # the weights, at least
 
 
 def test_decode_configs_smoke(tmp_path):

@@ -180,7 +180,6 @@ def hopper_rows(loops: int, calls: int) -> None:
     stub = _StubGluon()
     hopper._capability = lambda index: (9, 0)
     hopper.gluon_available = lambda: True
-    hopper.kernel = lambda: stub
     hopper_gluon._hopper_attn_fwd = stub
     hopper_gluon._hopper_attn_bwd_fused = stub
     hopper._dq_convert = stub

@@ -455,13 +455,6 @@ def _balanced_grid(per_tile: torch.Tensor, sms: int, fixed: float) -> tuple[int,
     return best, best_work
 
 
-def kernel():
-    """The Gluon kernel, imported on first use."""
-    from . import hopper_gluon
-
-    return hopper_gluon._hopper_attn_fwd
-
-
 _DIRECT: dict = {}  # id(kernel) -> (kernel, its DirectLaunch)
 
 

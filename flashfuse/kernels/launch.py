@@ -234,22 +234,6 @@ class ConfigLauncher:
 
         return self.timer(run)
 
-    def _tail(self, cfg, args, kwargs) -> tuple:
-        """Values of the parameters after the positional ones: keyword
-        arguments, then the config's meta-parameters, then defaults. They are
-        fixed by the fingerprint, so they are computed once per binary."""
-        tail = []
-        for p in self._params[len(args):]:
-            if p.name in kwargs:
-                tail.append(kwargs[p.name])
-            elif p.name in cfg.kwargs:
-                tail.append(cfg.kwargs[p.name])
-            elif p.default is not inspect.Parameter.empty:
-                tail.append(p.default)
-            else:  # Triton's own launch would have refused this already
-                raise TypeError(f"flashfuse: kernel argument {p.name!r} not given")
-        return tuple(tail)
-
     @staticmethod
     def timer(run) -> float:
         """Median milliseconds of ``run()`` on the GPU."""
@@ -278,12 +262,12 @@ class ConfigLauncher:
         if cached is None:
             binary = self._launch(cfg, grid, args, kwargs)
             if binary is not None and hasattr(binary, "packed_metadata"):
-                self._binaries[fp] = (binary, self._tail(cfg, args, kwargs))
+                # Keyword arguments, then the config's meta-parameters: fixed by
+                # the fingerprint, so computed once per binary.
+                self._binaries[fp] = (binary, _param_tail(self._params, args, kwargs, cfg.kwargs))
             return
         binary, tail = cached
-        g = grid(cfg.kwargs)
-        run_binary(binary, tail, (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1), args,
-                   _current_stream())
+        run_binary(binary, tail, _grid3(grid(cfg.kwargs)), args, _current_stream())
 
 
 class DirectLaunch:
@@ -307,9 +291,6 @@ class DirectLaunch:
         self._params = list(inspect.signature(fn).parameters.values()) if fn is not None else None
         self._binaries: dict = {}
 
-    def forget(self) -> None:
-        self._binaries.clear()
-
     def __call__(self, grid: tuple, args: tuple, meta: dict) -> None:
         if self._params is None or _interpreting(args[0]):
             self.kernel[grid](*args, **meta)
@@ -320,22 +301,31 @@ class DirectLaunch:
         if cached is None:
             binary = self.kernel[grid](*args, **meta)
             if binary is not None and hasattr(binary, "packed_metadata"):
-                self._binaries[key] = (binary, self._tail(args, meta))
+                self._binaries[key] = (binary, _param_tail(self._params, args, meta))
             return
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        run_binary(cached[0], cached[1], grid3, args, _device_stream(device))
+        run_binary(cached[0], cached[1], _grid3(grid), args, _device_stream(device))
 
-    def _tail(self, args: tuple, meta: dict) -> tuple:
-        """The values of the parameters after ``args`` (``run_binary``'s tail)."""
-        tail = []
-        for p in self._params[len(args):]:
-            if p.name in meta:
-                tail.append(meta[p.name])
-            elif p.default is not inspect.Parameter.empty:
-                tail.append(p.default)
-            else:  # Triton's own launch would have refused this already
+
+def _param_tail(params, args: tuple, *sources: dict) -> tuple:
+    """The values of the kernel parameters ``params`` after the positional
+    ``args`` (``run_binary``'s tail): each from the first of ``sources``
+    that names it, else its default."""
+    tail = []
+    for p in params[len(args):]:
+        for source in sources:
+            if p.name in source:
+                tail.append(source[p.name])
+                break
+        else:
+            if p.default is inspect.Parameter.empty:  # Triton's own launch would have refused this already
                 raise TypeError(f"flashfuse: kernel argument {p.name!r} not given")
-        return tuple(tail)
+            tail.append(p.default)
+    return tuple(tail)
+
+
+def _grid3(grid: tuple) -> tuple[int, int, int]:
+    """A launch grid of one to three sizes as the three a binary takes."""
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
 
 
 def run_binary(binary, tail, grid3, args, stream) -> None:

@@ -48,6 +48,19 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _assert_float64_close(out, grads, q, k, v, dout, mask=None, scale=0.125, **band):
+    """``out`` and the gradients of q, k, v (``grads``) of a 16-bit call
+    against the float64 reference on the same inputs: no NaN, relative
+    errors below 1e-2 (output) and 2e-2 (gradients)."""
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want = ref.reference_attention(*leaves, None if mask is None else mask.cpu(), scale=scale, **band)
+    want.backward(dout.cpu().double())
+    assert _rel(out.detach().cpu(), want.detach()) < 1e-2
+    for got, exp in zip(grads, leaves):
+        assert not got.isnan().any()
+        assert _rel(got.cpu(), exp.grad) < 2e-2
+
+
 def _inputs(B, Hq, Hkv, N, M, D, dtype, layout, gen):
     def make(H, L):
         if layout == "bnhd":  # (B, L, H, D) transposed, as projections leave it
@@ -321,14 +334,8 @@ def test_gradients_through_the_op(monkeypatch, band, N, M):
                               alignment="bottom_right" if kw.get("bottom_right") else "top_left")
     dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
     out.backward(dout)
-    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    want = ref.reference_attention(*ref_leaves, scale=0.125, **kw)
-    want.backward(dout.cpu().double())
-    assert _rel(out.detach().cpu(), want.detach()) < 1e-2
     assert calls, "the Hopper backward did not run"
-    for got, exp in zip(leaves, ref_leaves):
-        assert not got.grad.isnan().any()
-        assert _rel(got.grad.cpu(), exp.grad) < 2e-2
+    _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -450,13 +457,7 @@ def test_masked_forward_through_the_op(monkeypatch, kind):
     out = f(*leaves, mask)
     dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
     out.backward(dout)
-    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    want = ref.reference_attention(*ref_leaves, mask.cpu(), scale=D ** -0.5)
-    want.backward(dout.cpu().double())
-    assert _rel(out.detach().cpu(), want.detach()) < 1e-2
-    for got, exp in zip(leaves, ref_leaves):
-        assert not got.grad.isnan().any()
-        assert _rel(got.grad.cpu(), exp.grad) < 2e-2
+    _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, mask, scale=D ** -0.5)
 
 
 @pytest.mark.gpu
@@ -496,9 +497,6 @@ def test_masked_backward_against_reference(monkeypatch, grid, D, kind, band, B, 
                               alignment="bottom_right" if kw.get("bottom_right") else "top_left")
     dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
     out.backward(dout)
-    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    want = ref.reference_attention(*ref_leaves, mask.cpu(), scale=0.125, **kw)
-    want.backward(dout.cpu().double())
     named = flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True,
                                           window_left=kw.get("window_left"), window_right=kw.get("window_right"),
                                           alignment="bottom_right" if kw.get("bottom_right") else "top_left")
@@ -507,10 +505,7 @@ def test_masked_backward_against_reference(monkeypatch, grid, D, kind, band, B, 
         assert "query heads" in named
     elif band == "none" and N >= 1000:
         assert named == "hopper"  # so that every mask kind runs on the Hopper backward somewhere
-    assert _rel(out.detach().cpu(), want.detach()) < 1e-2
-    for got, exp in zip(leaves, ref_leaves):
-        assert not got.grad.isnan().any()
-        assert _rel(got.grad.cpu(), exp.grad) < 2e-2
+    _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, mask, **kw)
 
 
 @pytest.mark.gpu
@@ -557,14 +552,9 @@ def test_masked_backward_in_a_compiled_graph(monkeypatch, kind, D, how):
         out.backward(dout)
         assert calls, f"the Hopper backward did not run ({'eager' if fn is op else how})"
         results.append((out.detach(), *(t.grad for t in leaves)))
-    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    want = ref.reference_attention(*ref_leaves, mask.cpu(), scale=scale)
-    want.backward(dout.cpu().double())
     (eo, *eg), (co, *cg) = results
-    assert _rel(co.cpu(), want.detach()) < 1e-2
-    for e, c, exp in zip(eg, cg, ref_leaves):
-        assert not c.isnan().any()
-        assert _rel(c.cpu(), exp.grad) < 2e-2
+    _assert_float64_close(co, cg, q, k, v, dout, mask, scale=scale)
+    for e, c in zip(eg, cg):
         torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
 
 

@@ -795,13 +795,17 @@ def build_attention(provider: str, case: AttnCase, mask, device: torch.device, g
     raise ValueError(f"unknown provider {provider!r}; choose from {ATTENTION_PROVIDERS}")
 
 
-def attention_step(fn, q, k, v, mode: str):
+def attention_step(fn, q, k, v, mode: str, grads: bool = False):
     """The callable to time for ``mode`` and the tensors whose gradients must
     be reset between calls.
 
     fwd: forward with inputs that require grad (as in training).
     bwd: backward alone, through a graph built once and kept (retain_graph).
     fwd+bwd: forward then backward.
+
+    ``grads``: the backward returns the gradients of q, k and v
+    (``torch.autograd.grad``) instead of accumulating them into ``.grad``,
+    so nothing needs resetting (the second result is then None).
     """
     inputs = [q, k, v]
     if mode == "fwd":
@@ -809,9 +813,13 @@ def attention_step(fn, q, k, v, mode: str):
     out = fn(q, k, v)
     dout = torch.randn_like(out)
     if mode == "bwd":
+        if grads:
+            return (lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)), None
         return (lambda: out.backward(dout, retain_graph=True)), inputs
     if mode == "fwd+bwd":
         del out
+        if grads:
+            return (lambda: torch.autograd.grad(fn(q, k, v), inputs, dout)), None
         return (lambda: fn(q, k, v).backward(dout)), inputs
     raise ValueError(f"unknown mode {mode!r}")
 

@@ -54,21 +54,16 @@ def main():
     for D, B, H, N, kind in SHAPES:
         torch.manual_seed(0)
         q, k, v, mask = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D, mask=MASKS[kind]), device)
-        g = torch.randn_like(q)
         times = {}
         try:
             for name in VARIANTS:
                 hopper.mask_refusal = portable_backward if name == "portable bwd" else real_refusal
-                if name == "sdpa":
-                    def fn():
-                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                else:
-                    def fn():
-                        return flashfuse.attention(q, k, v, attn_mask=mask)
+                attention = F.scaled_dot_product_attention if name == "sdpa" else flashfuse.attention
 
-                def step():
-                    return torch.autograd.grad(fn(), (q, k, v), g)
+                def fn(q, k, v):
+                    return attention(q, k, v, attn_mask=mask)
 
+                step, _ = common.attention_step(fn, q, k, v, "fwd+bwd", grads=True)
                 step()
                 torch.cuda.synchronize()
                 times[name] = triton.testing.do_bench(step, warmup=25, rep=100) * 1e3

@@ -52,26 +52,15 @@ def main():
     for D, B, H, N, causal in SHAPES:
         torch.manual_seed(0)
         q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
-        g = torch.randn_like(q)
         for name in ("flashfuse", "sdpa"):
-            if name == "flashfuse":
-                def fn():
-                    return flashfuse.attention(q, k, v, is_causal=causal)
-            else:
-                def fn():
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            attention = flashfuse.attention if name == "flashfuse" else F.scaled_dot_product_attention
+
+            def fn(q, k, v):
+                return attention(q, k, v, is_causal=causal)
+
             row = [D, B, H, N, causal, name]
             for mode in ("fwd", "bwd", "fwd+bwd"):
-                if mode == "fwd":
-                    step = fn
-                elif mode == "bwd":
-                    out = fn()
-
-                    def step(out=out):
-                        return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-                else:
-                    def step():
-                        return torch.autograd.grad(fn(), (q, k, v), g)
+                step, _ = common.attention_step(fn, q, k, v, mode, grads=True)
                 for _ in range(3):
                     step()
                 torch.cuda.synchronize()

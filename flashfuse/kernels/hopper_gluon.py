@@ -13,6 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from . import mask_ranges
+
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -165,6 +167,9 @@ def _round_tile(r):
 # partitions narrow a tile's key blocks to the table's range; a consumer
 # reads the mask only in the blocks its rows do not all see as neutral.
 _INT_MAX = gl.constexpr(2147483647)
+# int32 values per entry of the key and query tables (``mask_ranges``).
+KEY_ENTRY = gl.constexpr(mask_ranges.KEY_ENTRY)
+QUERY_ENTRY = gl.constexpr(mask_ranges.QUERY_ENTRY)
 FLT_MAX = gl.constexpr(3.4028234663852886e38)
 # The float-mask conventions of the portable kernels (common.py): rows whose
 # largest base-2 score is at or below AVERAGE_AT_BASE2 average their keys,
@@ -265,7 +270,7 @@ def _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: 
     lo, hi = _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, BLOCK_M,
                         BLOCK_N)
     if HAS_TABLE:
-        r_lo, r_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, m0, N, BLOCK_M // GROUP, GROUP, 5, WARPS)
+        r_lo, r_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, m0, N, BLOCK_M // GROUP, GROUP, KEY_ENTRY, WARPS)
         lo = gl.maximum(lo, (gl.minimum(r_lo, M) // BLOCK_N) * BLOCK_N)
         hi = gl.minimum(hi, r_hi)
     n_blocks = gl.cdiv(hi - lo, BLOCK_N)
@@ -390,7 +395,8 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         left_edge = last_row + diag_off - window_left
         if MASK_KIND != 0:
             # The blocks this group's rows all see as neutral.
-            unused_lo, unused_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, r0, N, HALF_M // GROUP, GROUP, 5, 4)
+            unused_lo, unused_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, r0, N, HALF_M // GROUP, GROUP, KEY_ENTRY,
+                                                             4)
             free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_N)
             mask_base = Mask + b.to(gl.int64) * stride_mask_b + h.to(gl.int64) * stride_mask_h
         else:
@@ -976,7 +982,8 @@ def _bwd_tile(r, n_n, G, Hkv, N, M, diag_off, window_left, window_right, HAS_WIN
         # part for some key of the tile (the table of its first query head:
         # the launcher takes only masks alike for the group's heads).
         tab_off = b.to(gl.int64) * stride_qtab_b + (hk * G).to(gl.int64) * stride_qtab_h
-        r_lo, r_hi, f_lo, f_hi = _table_reduce(QueryTable, tab_off, n0, M, BLOCK_N // COL_GROUP, COL_GROUP, 4, WARPS)
+        r_lo, r_hi, f_lo, f_hi = _table_reduce(QueryTable, tab_off, n0, M, BLOCK_N // COL_GROUP, COL_GROUP, QUERY_ENTRY,
+                                               WARPS)
         hi_m = gl.minimum(lo_m + (n_iters // G) * BLOCK_M, r_hi)
         lo_m = gl.maximum(lo_m, (gl.minimum(r_lo, N) // BLOCK_M) * BLOCK_M)
         blocks = gl.cdiv(gl.maximum(hi_m - lo_m, 0), BLOCK_M)
@@ -1092,7 +1099,7 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
             # The query blocks this group's keys all see as neutral.
             qtab_off = b64 * stride_qtab_b + h0.to(gl.int64) * stride_qtab_h
             unused_lo, unused_hi, f_lo, f_hi = _table_reduce(QueryTable, qtab_off, j0, M, HALF_N // COL_GROUP,
-                                                             COL_GROUP, 4, 4)
+                                                             COL_GROUP, QUERY_ENTRY, 4)
             free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_M)
         dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)

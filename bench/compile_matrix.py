@@ -47,6 +47,7 @@ import csv
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -326,7 +327,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="two small cells on the CPU")
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: CPU count - 2)")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting cells after this long")
-    p.add_argument("--only", default="", help="comma-separated key=value filters, e.g. dtype=fp32,mode=train")
+    p.add_argument("--only", default="", help="comma-separated key=value filters, '|' between alternatives, e.g. dtype=fp16|bf16,mode=train")
     p.add_argument("--resume", default=None,
                    help="an earlier compile_matrix.csv: run only its cells that did not run, keep its other rows")
     p.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)
@@ -342,8 +343,8 @@ def main() -> int:
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     cells = smoke_cells() if args.smoke else all_cells()
     for item in filter(None, args.only.split(",")):
-        key, val = item.split("=")
-        cells = [c for c in cells if str(c[key]) == val]
+        key, vals = item.split("=")
+        cells = [c for c in cells if str(c[key]) in vals.split("|")]
     kept_rows = []
     if args.resume:
         key_of = lambda r: tuple(str(r[k]) for k in ("head_dim", "dtype", "mode", "dynamic", "variant"))  # noqa: E731
@@ -356,7 +357,9 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="compile_matrix_")
     deadline = time.time() + args.budget_s
     procs = []
-    # Round-robin over a list sorted so that each worker gets a mix of kinds.
+    # A fixed shuffle, so that a run its budget cuts short has sampled every
+    # head dim and variant (and --resume runs the rest), round-robin over the workers.
+    random.Random(0).shuffle(cells)
     for w in range(workers):
         part = cells[w::workers]
         spec_path = os.path.join(tmp, f"cells{w}.json")

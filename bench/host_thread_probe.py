@@ -14,6 +14,7 @@ without the GPU asleep. Then a CPU-side ``torch.profiler`` table of
 flashfuse's backward and forward+backward steps.
 
     python bench/host_thread_probe.py
+    python bench/host_thread_probe.py --smoke   # tiny shape on the CPU (a test)
 """
 
 from __future__ import annotations
@@ -26,42 +27,52 @@ import torch
 import torch.nn.functional as F
 
 SHAPE = (8, 12, 1024, 64)  # B, H, N, D
+SMOKE_SHAPE = (1, 2, 64, 16)
 SLEEP_CYCLES = 200_000_000  # about 0.1 s of GPU time queued ahead of the timed launches
 
 
-def _host_ms(step, steps: int = 20, loops: int = 3) -> float:
+def _sleep_gpu(device) -> None:
+    if device.type == "cuda":
+        torch.cuda._sleep(SLEEP_CYCLES)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_ms(step, device, steps: int = 20, loops: int = 3) -> float:
     best = float("inf")
     for _ in range(loops):
-        torch.cuda._sleep(SLEEP_CYCLES)
+        _sleep_gpu(device)
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         best = min(best, (time.perf_counter() - t0) / steps * 1e3)
-        torch.cuda.synchronize()
+        _sync(device)
     return best
 
 
-def _awake_ms(step, steps: int = 20) -> float:
+def _awake_ms(step, device, steps: int = 20) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    torch.cuda.synchronize()
+    _sync(device)
     return ms
 
 
 def main():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
     args = p.parse_args()
-    device = common.gpu_device(args, "times CUDA launches")
-    if device is None:
-        return
+    common.quiet_warnings()
+    device = common.pick_device(args)
     from torch.profiler import ProfilerActivity, profile
 
     import flashfuse
 
     print(common.env_info(device), flush=True)
-    B, H, N, D = SHAPE
+    B, H, N, D = SMOKE_SHAPE if args.smoke else SHAPE
     torch.manual_seed(0)
     q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
     rows = []
@@ -75,32 +86,32 @@ def main():
             step, _ = common.attention_step(fn, q, k, v, mode, grads=True)
             for _ in range(5):
                 step()
-            torch.cuda.synchronize()
-            default = _host_ms(step)
+            _sync(device)
+            default = _host_ms(step, device)
             torch.autograd.set_multithreading_enabled(False)
             try:
-                calling_thread = _host_ms(step)
+                calling_thread = _host_ms(step, device)
             finally:
                 torch.autograd.set_multithreading_enabled(True)
             gc.disable()
             try:
-                gc_off = _host_ms(step)
+                gc_off = _host_ms(step, device)
             finally:
                 gc.enable()
             rows.append([impl, mode, f"{default:.3f}", f"{calling_thread:.3f}", f"{gc_off:.3f}",
-                         f"{_awake_ms(step):.3f}"])
+                         f"{_awake_ms(step, device):.3f}"])
             print(" ".join(rows[-1]), flush=True)
     for mode in ("bwd", "fwd+bwd"):
         step, _ = common.attention_step(lambda q, k, v: flashfuse.attention(q, k, v, is_causal=True), q, k, v, mode,
                                         grads=True)
         for _ in range(5):
             step()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
+        _sync(device)
+        _sleep_gpu(device)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(20):
                 step()
-        torch.cuda.synchronize()
+        _sync(device)
         print(f"===== flashfuse {mode}: 20 steps, CPU activities, GPU asleep")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
     common.tables_header()

@@ -163,6 +163,15 @@ def test_host_path_cpu_smoke(tmp_path):
     assert "hopper route" in out and "forward+backward" in out  # both ways on the Hopper route
 
 
+def test_host_thread_probe_smoke(tmp_path):
+    out = run_script("host_thread_probe.py", tmp_path)
+    # Every implementation and step, each timed four ways, then the two profiles.
+    for impl in ("flashfuse", "sdpa"):
+        for mode in ("fwd", "bwd", "fwd+bwd"):
+            assert re.search(rf"\| {impl} +\| {re.escape(mode)} +\|( +[0-9.]+ +\|){{4}}", out), (impl, mode)
+    assert out.count("===== flashfuse") == 2 and "_EagerAttentionBackward" in out
+
+
 def test_kernel_times_smoke(tmp_path):
     out = run_script("kernel_times.py", tmp_path, "--one-pass")
     assert "tiny drop: fwd candidates" in out and "tiny drop: dkdv_dq candidates" in out

@@ -12,6 +12,13 @@ kernel's share goes to ``block_mask_kernels.csv`` and a second table.
 
     python bench/block_mask_times.py
     python bench/block_mask_times.py --layers 12 --reps 20
+    python bench/block_mask_times.py --hopper-backward-everywhere
+
+``--hopper-backward-everywhere`` lifts the masked Hopper backward's
+crossover and head-dim rule (``hopper.BWD_MASK_MIN_KEYS``,
+``BWD_FLOAT_MASK_DIMS``) so that these 512- and 1k-key masked layers take
+it: their kernel sums against the default rule's say where the crossover
+belongs (bench/NOTES.md runs 26 and 28).
 """
 
 from __future__ import annotations
@@ -42,14 +49,24 @@ def main():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
     p.add_argument("--layers", type=int, default=12, help="layers sharing one block mask (GPT-2, BERT: 12)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--hopper-backward-everywhere", action="store_true",
+                   help="masked backwards take the Hopper kernels at every key count and head dim")
     args = p.parse_args()
     device = common.gpu_device(args, "times GPU kernels")
     if device is None:
         return
     import flashfuse
 
-    res = common.Results(args.out, "block_mask_times.csv", common.env_info(device))
-    per_kernel = common.Results(args.out, "block_mask_kernels.csv", common.env_info(device))
+    if args.hopper_backward_everywhere:
+        from flashfuse.kernels import hopper
+
+        hopper.BWD_MASK_MIN_KEYS = {d: 0 for d in hopper.BWD_MASK_MIN_KEYS}
+        hopper.BWD_FLOAT_MASK_DIMS = tuple(hopper.BWD_MASK_MIN_KEYS)
+
+    env = dict(common.env_info(device),
+               backward_rule="hopper everywhere" if args.hopper_backward_everywhere else "default")
+    res = common.Results(args.out, "block_mask_times.csv", env)
+    per_kernel = common.Results(args.out, "block_mask_kernels.csv", env)
     summary, breakdown = [], {}
 
     def record_kernels(case, variant, times, layers):

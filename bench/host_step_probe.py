@@ -78,22 +78,24 @@ def main():
 
 def _cases(masked: bool, device, flashfuse):
     """(D, B, H, N, the mask as given, implementation, fn(q, k, v), q, k, v) per row."""
+    sdpa = F.scaled_dot_product_attention
     if not masked:
         for D, B, H, N, causal in SHAPES:
             torch.manual_seed(0)
             q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
-            yield D, B, H, N, causal, "flashfuse", lambda q, k, v, c=causal: flashfuse.attention(q, k, v, is_causal=c), q, k, v
-            yield D, B, H, N, causal, "sdpa", lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c), q, k, v
+            given = "is_causal" if causal else "none"
+            for name, attention in (("flashfuse", flashfuse.attention), ("sdpa", sdpa)):
+                yield D, B, H, N, given, name, lambda q, k, v, f=attention, c=causal: f(q, k, v, is_causal=c), q, k, v
         return
     for D, B, H, N, kind in MASKED_SHAPES:
         torch.manual_seed(0)
         q, k, v, mask = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D, mask=kind), device)
-        bm = flashfuse.block_mask(mask, N, N)
-        if kind == "causal_float":
-            yield D, B, H, N, "is_causal", "flashfuse", lambda q, k, v: flashfuse.attention(q, k, v, is_causal=True), q, k, v
-        yield D, B, H, N, kind, "flashfuse", lambda q, k, v, m=mask: flashfuse.attention(q, k, v, attn_mask=m), q, k, v
-        yield D, B, H, N, "block mask", "flashfuse", lambda q, k, v, m=bm: flashfuse.attention(q, k, v, attn_mask=m), q, k, v
-        yield D, B, H, N, kind, "sdpa", lambda q, k, v, m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m), q, k, v
+        rows = [("is_causal", "flashfuse", flashfuse.attention, dict(is_causal=True))] if kind == "causal_float" else []
+        rows += [(kind, "flashfuse", flashfuse.attention, dict(attn_mask=mask)),
+                 ("block mask", "flashfuse", flashfuse.attention, dict(attn_mask=flashfuse.block_mask(mask, N, N))),
+                 (kind, "sdpa", sdpa, dict(attn_mask=mask))]
+        for given, name, attention, kw in rows:
+            yield D, B, H, N, given, name, lambda q, k, v, f=attention, kw=kw: f(q, k, v, **kw), q, k, v
 
 
 if __name__ == "__main__":

@@ -535,10 +535,10 @@ def hopper_forward(p: AttentionProblem, q, k, v, persistent: bool | None = None,
     B, Hq, N = p.B, p.Hq, p.N
     out = torch.empty_strided((B, Hq, N, p.Dv), (N * Hq * p.Dv, p.Dv, Hq * p.Dv, 1), dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    if p.mask is not None and key_table is None:
+    if p.mask is not None:  # a block mask's key table, else built here
         from .mask_ranges import mask_tables
 
-        key_table, _ = mask_tables(p.mask, p.N, p.M, p.band(), fills=False, queries=False)
+        key_table, _ = mask_tables(p.mask, p.N, p.M, p.band(), fills=False, key_table=key_table, queries=False)
     args, meta, programs = kernel_args(p, q, k, v, out, lse, persistent, key_table)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):

@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from . import mask_ranges
+from . import common, mask_ranges
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -170,13 +170,13 @@ _INT_MAX = gl.constexpr(2147483647)
 # int32 values per entry of the key and query tables (``mask_ranges``).
 KEY_ENTRY = gl.constexpr(mask_ranges.KEY_ENTRY)
 QUERY_ENTRY = gl.constexpr(mask_ranges.QUERY_ENTRY)
-FLT_MAX = gl.constexpr(3.4028234663852886e38)
-# The float-mask conventions of the portable kernels (common.py): rows whose
-# largest base-2 score is at or below AVERAGE_AT_BASE2 average their keys,
-# and their lse is a marker holding the key count.
-AVERAGE_AT_BASE2 = gl.constexpr(-774541002.0)
-LSE_MARK_UNIT = gl.constexpr(2.028240960365167e31)
-LSE_MARK_MAX_KEYS = gl.constexpr(8388607.0)
+# The float-mask conventions of the portable kernels, theirs (common.py):
+# rows whose largest base-2 score is at or below AVERAGE_AT_BASE2 average
+# their keys, and their lse is a marker holding the key count.
+AVERAGE_AT_BASE2 = common.AVERAGE_AT_BASE2
+FLT_MAX = common.FLT_MAX
+LSE_MARK_UNIT = common.LSE_MARK_UNIT
+LSE_MARK_MAX_KEYS = common.LSE_MARK_MAX_KEYS
 
 
 @gluon.jit

@@ -38,10 +38,21 @@ BANDS = {
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def _problem(q, k, v, **band):
-    return AttentionProblem.build(q, k, v, None, dropout_p=0.0, scale=0.125,
-                                  window_left=band.get("window_left"), window_right=band.get("window_right"),
-                                  bottom_right=band.get("bottom_right", False))
+def _kernel_band(band: dict) -> dict:
+    """A ``BANDS`` entry as the launchers and ``AttentionProblem.build`` take it."""
+    return dict(window_left=band.get("window_left"), window_right=band.get("window_right"),
+                bottom_right=band.get("bottom_right", False))
+
+
+def _op_band(band: dict) -> dict:
+    """A ``BANDS`` entry as ``flashfuse.attention`` takes it."""
+    return dict(window_left=band.get("window_left"), window_right=band.get("window_right"),
+                alignment="bottom_right" if band.get("bottom_right") else "top_left")
+
+
+def _problem(q, k, v, mask=None, *, mask_fill=None, backward=False, **band):
+    return AttentionProblem.build(q, k, v, mask, dropout_p=0.0, scale=0.125, mask_fill=mask_fill,
+                                  backward=backward, **_kernel_band(band))
 
 
 def _rel(a, b):
@@ -103,13 +114,10 @@ def test_refusal_reasons(monkeypatch):
     # whose hidden pairs take part (a mask_fill).
     mask = torch.ones(1024, 1024, dtype=torch.bool)
     for m, fill in ((mask, None), (mask.float(), None), (mask, -1e4)):
-        pm = _as_hopper_call(monkeypatch, AttentionProblem.build(
-            q, k, v, m, dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False,
-            mask_fill=fill))
+        pm = _as_hopper_call(monkeypatch, _problem(q, k, v, m, mask_fill=fill))
         why = hopper.hopper_refusal(pm, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
         assert why == (None if fill is None else "a bool mask with a mask_fill")
-    pm = _as_hopper_call(monkeypatch, AttentionProblem.build(
-        q, k, v, mask, dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False))
+    pm = _as_hopper_call(monkeypatch, _problem(q, k, v, mask))
     monkeypatch.setattr("flashfuse.kernels.forward.SKIP_HIDDEN_BLOCKS", False)
     assert "without its tables" in hopper.hopper_refusal(pm, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
     monkeypatch.undo()
@@ -214,8 +222,7 @@ def test_backward_plan_counts_the_kernels_blocks(N, M, band):
     the band to the last, give or take a block at the band's edge."""
     q, k = torch.randn(1, 1, N, 64), torch.randn(1, 1, M, 64)
     p = _problem(q, k, k, **band)
-    seen = ref.visibility_mask(N, M, window_left=band.get("window_left"), window_right=band.get("window_right"),
-                               bottom_right=band.get("bottom_right", False))
+    seen = ref.visibility_mask(N, M, **_kernel_band(band))
     if seen is None:
         seen = torch.ones(N, M, dtype=torch.bool)
     blocks = hopper._key_tile_blocks(N, M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
@@ -381,8 +388,7 @@ def _mask(kind, B, Hq, N, M, dtype, seed):
 def _portable_forward(q, k, v, mask, **kw):
     from flashfuse.kernels import forward
 
-    return forward.attention_forward(q, k, v, mask, None, dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
-                                     window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
+    return forward.attention_forward(q, k, v, mask, None, dropout_p=0.0, scale=0.125, **_kernel_band(kw))
 
 
 @pytest.mark.gpu
@@ -403,8 +409,7 @@ def test_masked_forward_against_reference(monkeypatch, grid, D, kind, band, B, H
     q, k, v = _inputs(B, Hq, Hkv, N, M, D, dtype, "nan_padded", gen)
     mask = _mask(kind, B, Hq, N, M, dtype, seed=N + M + D)
     kw = BANDS[band]
-    p = AttentionProblem.build(q, k, v, mask, dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
-                               window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
+    p = _problem(q, k, v, mask, **kw)
     why = hopper.hopper_refusal(p, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
     assert why is None or "visible keys" in why, why
     out, lse = hopper.hopper_forward(p, q, k, v, _grid(monkeypatch, grid))
@@ -492,14 +497,10 @@ def test_masked_backward_against_reference(monkeypatch, grid, D, kind, band, B, 
     mask = _mask(kind, B, Hq, N, M, torch.bfloat16, seed=N * 3 + M + D)
     kw = BANDS[band]
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flashfuse.attention(*leaves, attn_mask=mask, scale=0.125, enable_gqa=True,
-                              window_left=kw.get("window_left"), window_right=kw.get("window_right"),
-                              alignment="bottom_right" if kw.get("bottom_right") else "top_left")
+    out = flashfuse.attention(*leaves, attn_mask=mask, scale=0.125, enable_gqa=True, **_op_band(kw))
     dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
     out.backward(dout)
-    named = flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True,
-                                          window_left=kw.get("window_left"), window_right=kw.get("window_right"),
-                                          alignment="bottom_right" if kw.get("bottom_right") else "top_left")
+    named = flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True, **_op_band(kw))
     assert bool(calls) == (named == "hopper"), named
     if mask.shape[1] > 1 and Hq != Hkv:
         assert "query heads" in named
@@ -677,7 +678,7 @@ def test_dispatch_routes_through_the_one_rule(monkeypatch):
         out, lse = kernels.attention_forward(q, k, v, None, None, **band)
         assert out.stride() == (2048 * 4 * 128, 128, 4 * 128, 1) and lse.shape == (1, 4, 2048)
     calls = []
-    monkeypatch.setattr(kernels, "_route", lambda *a: ("hopper", "problem", None))
+    monkeypatch.setattr(kernels, "_route", lambda *a: kernels.Route("hopper", "problem", None))
     monkeypatch.setattr(hopper, "hopper_forward", lambda p, q, k, v, key_table=None: calls.append(p) or ("out", "lse"))
     cq = torch.randn(1, 2, 8, 64)
     assert kernels.attention_forward(cq, cq, cq, None, None, **band) == ("out", "lse") and calls == ["problem"]
@@ -688,9 +689,7 @@ def test_dispatch_routes_through_the_one_rule(monkeypatch):
 # ---------------------------------------------------------------------------
 
 def _bwd_problem(q, k, v, mask=None, **band):
-    return AttentionProblem.build(q, k, v, mask, dropout_p=0.0, scale=0.125,
-                                  window_left=band.get("window_left"), window_right=band.get("window_right"),
-                                  bottom_right=band.get("bottom_right", False), backward=True)
+    return _problem(q, k, v, mask, backward=True, **band)
 
 
 def test_backward_refusal_reasons(monkeypatch):
@@ -725,9 +724,7 @@ def test_backward_refusal_reasons(monkeypatch):
     assert "query heads" in hopper.backward_refusal(per_head, go, q, kv, kv, **rule)
     shared = _as_hopper_call(monkeypatch, _bwd_problem(q, kv, kv, torch.ones(1, 1, 1024, 1024, dtype=torch.bool)))
     assert hopper.backward_refusal(shared, go, q, kv, kv, **rule) is None
-    filled = _as_hopper_call(monkeypatch, AttentionProblem.build(
-        q, k, v, mask, dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False,
-        mask_fill=-1e4, backward=True))
+    filled = _as_hopper_call(monkeypatch, _bwd_problem(q, k, v, mask, mask_fill=-1e4))
     assert hopper.backward_refusal(filled, go, q, k, v, **rule) == "a bool mask with a mask_fill"
     monkeypatch.setenv("FLASHFUSE_HOPPER", "0")
     assert hopper.backward_refusal(hp, go, q, k, v, **rule) == "FLASHFUSE_HOPPER=0"
@@ -820,7 +817,7 @@ def test_masked_calls_route_through_the_rule(monkeypatch):
             fmask = torch.empty(1, 1, N, N, dtype=torch.bfloat16, device="cuda")
             assert kernels._route(q, q, q, fmask, band)[0] == "hopper-op"
     got = []
-    monkeypatch.setattr(kernels, "_route", lambda *a: ("hopper", "problem", None))
+    monkeypatch.setattr(kernels, "_route", lambda *a: kernels.Route("hopper", "problem", None))
     monkeypatch.setattr(hopper, "hopper_forward", lambda p, q, k, v, key_table=None: got.append(key_table) or (1, 2))
     cq = torch.randn(1, 2, 8, 64)
     assert kernels.attention_forward(cq, cq, cq, cq[..., :1, :], None, **band, key_table="the table") == (1, 2)
@@ -949,8 +946,7 @@ def _hopper_grads(q, k, v, dout, kw, grad_lse=None, path=None, persistent=None):
     given), or None (``hopper_backward``'s own choice)."""
     from flashfuse.kernels import attention_forward, backward
 
-    band = dict(dropout_p=0.0, scale=0.125, window_left=kw.get("window_left"),
-                window_right=kw.get("window_right"), bottom_right=kw.get("bottom_right", False))
+    band = dict(dropout_p=0.0, scale=0.125, **_kernel_band(kw))
     out, lse = attention_forward(q, k, v, None, None, **band)
     p = _bwd_problem(q, k, v, **kw)
     delta, _ = backward.row_delta(p, out, dout, lse, grad_lse)

@@ -65,14 +65,18 @@ def build(cfg, dtype, device):
     return model.to(device, dtype).eval()
 
 
-def generate(model, impl: str, ids, new: int, cache: str):
+def generate(model, impl: str, ids, new: int, cache: str, **generate_kwargs):
+    """Greedy ``generate()`` of exactly ``new`` tokens with ``impl``'s
+    attention and ``cache`` ("dynamic" or "static"); ``generate_kwargs``
+    go to ``model.generate`` (e.g. a logits processor)."""
     import flashfuse.hf
 
     model.set_attn_implementation(flashfuse.hf.ATTN_IMPLEMENTATION if impl == "ffuse" else impl)
-    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    if cache == "static":
+        generate_kwargs["cache_implementation"] = "static"
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
+                              min_new_tokens=new, do_sample=False, pad_token_id=0, **generate_kwargs)
 
 
 def tokens_match(cfg, device, cache: str) -> bool:

@@ -228,6 +228,31 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# About 0.1 s of GPU time, queued ahead of launches whose host time is measured.
+HOST_SLEEP_CYCLES = 200_000_000
+
+
+def sleep_gpu(device: torch.device) -> None:
+    """Queue ``HOST_SLEEP_CYCLES`` of GPU sleep (nothing on the CPU), so that
+    launches issued next wait on the device and no device time is timed."""
+    if device.type == "cuda":
+        torch.cuda._sleep(HOST_SLEEP_CYCLES)
+
+
+def host_ms(step, device: torch.device, steps: int = 20, loops: int = 3) -> float:
+    """Host milliseconds per call of ``step``: ``steps`` calls issued while
+    the GPU sleeps (``sleep_gpu``), the best of ``loops`` loops."""
+    best = float("inf")
+    for _ in range(loops):
+        sleep_gpu(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+        sync(device)
+    return best
+
+
 def alternating(variants: tuple, round_index: int) -> tuple:
     """``variants`` in the order of round ``round_index``: as given in even
     rounds (and the warm-up round -1), reversed in odd ones, so that a

@@ -56,14 +56,8 @@ def _token_times(model, impl: str, ids, new: int, cache: str) -> list[float]:
             self.t.append(time.perf_counter())
             return scores
 
-    import flashfuse.hf
-
     stamp = Stamp()
-    model.set_attn_implementation(flashfuse.hf.ATTN_IMPLEMENTATION if impl == "ffuse" else impl)
-    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([stamp]), **kwargs)
+    bench_generate.generate(model, impl, ids, new, cache, logits_processor=LogitsProcessorList([stamp]))
     d = [(b - a) * 1e3 for a, b in zip(stamp.t, stamp.t[1:])]
     return [statistics.median(d[i:i + 32]) for i in range(0, len(d), 32)]
 

@@ -20,8 +20,6 @@ call) and as a ``flashfuse.block_mask`` built once; SDPA with the tensor.
 
 from __future__ import annotations
 
-import time
-
 import common
 import torch
 import torch.nn.functional as F
@@ -30,19 +28,6 @@ import torch.nn.functional as F
 SHAPES = [(64, 16, 32, 1024, True), (128, 16, 16, 1024, True), (128, 4, 16, 4096, True), (64, 4, 32, 4096, False)]
 # (D, B, H, N, mask kind) for --masked; common.make_inputs' masks.
 MASKED_SHAPES = [(64, 8, 12, 1024, "causal_float"), (64, 16, 12, 512, "bool_pad")]
-SLEEP_CYCLES = 200_000_000  # about 0.1 s of GPU time queued ahead of the timed launches
-
-
-def _host_ms(step, steps: int = 20, loops: int = 3) -> float:
-    best = float("inf")
-    for _ in range(loops):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
-        torch.cuda.synchronize()
-    return best
 
 
 def main():
@@ -65,7 +50,7 @@ def main():
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-            host = _host_ms(step)
+            host = common.host_ms(step, device)
             bench = triton.testing.do_bench(step, warmup=25, rep=100)
             row += [f"{host:.3f}", f"{bench:.3f}"]
         rows.append(row)

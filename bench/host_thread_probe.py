@@ -28,37 +28,15 @@ import torch.nn.functional as F
 
 SHAPE = (8, 12, 1024, 64)  # B, H, N, D
 SMOKE_SHAPE = (1, 2, 64, 16)
-SLEEP_CYCLES = 200_000_000  # about 0.1 s of GPU time queued ahead of the timed launches
-
-
-def _sleep_gpu(device) -> None:
-    if device.type == "cuda":
-        torch.cuda._sleep(SLEEP_CYCLES)
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _host_ms(step, device, steps: int = 20, loops: int = 3) -> float:
-    best = float("inf")
-    for _ in range(loops):
-        _sleep_gpu(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
-        _sync(device)
-    return best
 
 
 def _awake_ms(step, device, steps: int = 20) -> float:
+    """Host milliseconds per call of ``step`` without the GPU asleep."""
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    _sync(device)
+    common.sync(device)
     return ms
 
 
@@ -86,16 +64,16 @@ def main():
             step, _ = common.attention_step(fn, q, k, v, mode, grads=True)
             for _ in range(5):
                 step()
-            _sync(device)
-            default = _host_ms(step, device)
+            common.sync(device)
+            default = common.host_ms(step, device)
             torch.autograd.set_multithreading_enabled(False)
             try:
-                calling_thread = _host_ms(step, device)
+                calling_thread = common.host_ms(step, device)
             finally:
                 torch.autograd.set_multithreading_enabled(True)
             gc.disable()
             try:
-                gc_off = _host_ms(step, device)
+                gc_off = common.host_ms(step, device)
             finally:
                 gc.enable()
             rows.append([impl, mode, f"{default:.3f}", f"{calling_thread:.3f}", f"{gc_off:.3f}",
@@ -106,12 +84,12 @@ def main():
                                         grads=True)
         for _ in range(5):
             step()
-        _sync(device)
-        _sleep_gpu(device)
+        common.sync(device)
+        common.sleep_gpu(device)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(20):
                 step()
-        _sync(device)
+        common.sync(device)
         print(f"===== flashfuse {mode}: 20 steps, CPU activities, GPU asleep")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
     common.tables_header()

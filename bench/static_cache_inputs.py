@@ -26,12 +26,10 @@ import bench_generate
 def graph_inputs(impl: str, cfg, device, dtype, prompt: int, new: int) -> list[list[tuple]]:
     """Each compiled graph's inputs, ``(name, shape or value, static kind
     or None)``, over two ``generate()`` calls of ``impl``."""
-    import flashfuse.hf
     from torch._dynamo.utils import get_static_address_type
 
     torch._dynamo.reset()
     model = bench_generate.build(cfg, dtype, device)
-    model.set_attn_implementation(flashfuse.hf.ATTN_IMPLEMENTATION if impl == "ffuse" else impl)
     graphs = []
 
     def record(gm, example_inputs):
@@ -44,9 +42,7 @@ def graph_inputs(impl: str, cfg, device, dtype, prompt: int, new: int) -> list[l
     model.forward = torch.compile(model.forward, backend=record, dynamic=False)
     ids = torch.randint(1, cfg.vocab_size, (1, prompt), device=device)
     for _ in range(2):
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=0, cache_implementation="static")
+        bench_generate.generate(model, impl, ids, new, "static")
     return graphs
 
 

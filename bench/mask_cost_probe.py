@@ -1,0 +1,113 @@
+"""What a mask costs the Hopper kernels, split into its parts: the mask
+loads, and everything else the masked variant does (its tables, its wider
+per-element work, its registers).
+
+Each shape runs forward+backward with the Hopper forward and fused backward
+(the backward's crossover lifted, as ``block_mask_times.py
+--hopper-backward-everywhere`` does) in five ways, every mask through a
+block mask built once outside the timed step:
+
+* ``is_causal``: no mask;
+* ``float causal`` / ``bool causal``: the causal mask as a tensor (bf16 of 0
+  and the lowest value, as Hugging Face builds it; or bool), the diagonal
+  blocks read from it;
+* ``float neutral`` / ``bool neutral``: a mask that hides nothing (zeros;
+  all True) with ``is_causal``: the masked kernels with their tables, but
+  every block neutral, so no mask load runs.
+
+``neutral - is_causal`` is the masked variant's fixed cost, ``causal -
+neutral`` its loads. Device time per step from the CUDA profiler, split
+into the forward kernel and the rest (the backward's kernels).
+
+    python bench/mask_cost_probe.py
+    python bench/mask_cost_probe.py --mask-loads coalesced   # where the kernels offer it
+"""
+
+from __future__ import annotations
+
+import common
+import torch
+from kernel_times import profile_kernels
+
+# (D, B, H, N): GPT-2's layer, and the attention benchmark's 4k shapes.
+SHAPES = [(64, 8, 12, 1024), (64, 4, 32, 4096), (128, 4, 16, 4096)]
+VARIANTS = ("is_causal", "float causal", "bool causal", "float neutral", "bool neutral")
+TABLE_KERNELS = ("_mask_key_table", "_mask_query_table")
+
+
+def split(times: dict, reps: int) -> tuple[float, float]:
+    """(forward kernel, every other kernel) µs per step."""
+    fwd = sum(sum(t) for n, t in times.items() if "attn_fwd" in n) / reps
+    rest = sum(sum(t) for n, t in times.items() if "attn_fwd" not in n and n not in TABLE_KERNELS) / reps
+    return fwd, rest
+
+
+def main():
+    p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--mask-loads", default=None,
+                   choices=("coalesced", "direct"),
+                   help="the fused backward's mask loads at every head dim (hopper.BWD_MASK_LOADS; default: its rule)")
+    args = p.parse_args()
+    device = common.gpu_device(args, "times the Hopper kernels")
+    if device is None:
+        return
+    import flashfuse
+    from flashfuse.kernels import hopper
+
+    hopper.BWD_MASK_MIN_KEYS = {d: 0 for d in hopper.BWD_MASK_MIN_KEYS}
+    hopper.BWD_FLOAT_MASK_DIMS = tuple(hopper.BWD_MASK_MIN_KEYS)
+    if args.mask_loads:
+        if not hasattr(hopper, "BWD_MASK_LOADS"):
+            raise SystemExit("--mask-loads: these kernels have one way to load a mask")
+        hopper.BWD_MASK_LOADS = {d: args.mask_loads for d in hopper.BWD_MASK_LOADS}
+    env = dict(common.env_info(device), backward_rule="hopper everywhere",
+               mask_loads=args.mask_loads or "default")
+    res = common.Results(args.out, "mask_cost_probe.csv", env)
+    print(env, flush=True)
+    rows = []
+    for D, B, H, N in SHAPES:
+        torch.manual_seed(0)
+        q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
+        g = torch.randn_like(q)
+        later = torch.ones(N, N, dtype=torch.bool, device=device).triu(1)
+        lowest = torch.finfo(torch.bfloat16).min
+        masks = {
+            "float causal": (torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device).masked_fill(later, lowest),
+                             False),
+            "bool causal": (~later[None, None].expand(B, 1, N, N).contiguous(), False),
+            "float neutral": (torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device), True),
+            "bool neutral": (torch.ones(B, 1, N, N, dtype=torch.bool, device=device), True),
+        }
+        # (the call's arguments, the same with the mask itself: what the
+        # kernel-naming rule takes)
+        calls = {"is_causal": (dict(is_causal=True), dict(is_causal=True))}
+        for name, (mask, causal) in masks.items():
+            calls[name] = (dict(attn_mask=flashfuse.block_mask(mask, N, N, is_causal=causal)),
+                           dict(attn_mask=mask, is_causal=causal))
+        out = {}
+        for name in VARIANTS:
+            kwargs, plain = calls[name]
+            kernel = flashfuse.ops.backward_kernel(q, k, v, **plain)
+
+            def step():
+                torch.autograd.grad(flashfuse.attention(q, k, v, **kwargs), (q, k, v), g)
+
+            fwd, bwd = split(profile_kernels(step, args.reps), args.reps)
+            out[name] = (fwd, bwd)
+            res.add(D=D, B=B, H=H, N=N, variant=name, fwd_us=fwd, bwd_us=bwd, backward_kernel=kernel)
+            print(f"D={D} N={N} {name:14s} fwd {fwd:8.1f}  bwd {bwd:8.1f}  ({kernel})", flush=True)
+        base = out["is_causal"]
+        for name in VARIANTS:
+            fwd, bwd = out[name]
+            rows.append([D, f"{B}x{H}x{N}", name, f"{fwd:.1f}", f"{bwd:.1f}", f"{fwd / base[0]:.2f}",
+                         f"{bwd / base[1]:.2f}"])
+    common.tables_header()
+    common.print_table(rows, ["D", "B x H x N", "variant", "fwd µs", "bwd µs", "fwd / is_causal",
+                              "bwd / is_causal"],
+                       title="the masked Hopper kernels' cost: loads (causal) against fixed cost (neutral)")
+    print(f"\n{len(res.rows)} rows -> {res.path}")
+
+
+if __name__ == "__main__":
+    main()

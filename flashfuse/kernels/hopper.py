@@ -260,6 +260,11 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, backw
         return "dropout"
     if softcap is not None or sinks is not None:
         return "soft-cap or sinks"
+    if not p.scale > 0.0:
+        # The kernels hide scores with -inf before they scale them (inside
+        # exp2): a scale of 0 would turn those into NaN, a negative one into
+        # +inf. Legal, rare, and the portable kernels scale first.
+        return f"scale {p.scale} (the Hopper kernels take scales above 0)"
     if not all(isinstance(x, int) for x in (p.N, p.M, p.diag_off)):
         return "symbolic sequence lengths (a graph traced with dynamic shapes)"
     if p.N == 0 or p.M == 0:

@@ -100,6 +100,10 @@ def test_refusal_reasons(monkeypatch):
     assert hopper.hopper_refusal(hp, q, k, v, dropout_p=0.0, softcap=None, sinks=None) is None
     assert hopper.hopper_refusal(hp, q, k, v, dropout_p=0.1, softcap=None, sinks=None) == "dropout"
     assert "soft-cap" in hopper.hopper_refusal(hp, q, k, v, dropout_p=0.0, softcap=30.0, sinks=None)
+    for scale in (0.0, -0.125):  # hidden scores are -inf before the kernels scale them
+        ps = dataclasses.replace(hp, scale=scale)
+        assert "scale" in hopper.hopper_refusal(ps, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
+        assert "scale" in hopper.problem_refusal(ps, 0.0, None, None, backward=True)
     monkeypatch.setenv("FLASHFUSE_HOPPER", "0")
     assert hopper.hopper_refusal(hp, q, k, v, dropout_p=0.0, softcap=None, sinks=None) == "FLASHFUSE_HOPPER=0"
     monkeypatch.delenv("FLASHFUSE_HOPPER")
@@ -343,6 +347,36 @@ def test_gradients_through_the_op(monkeypatch, band, N, M):
     out.backward(dout)
     assert calls, "the Hopper backward did not run"
     _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+def test_scales_at_or_below_zero_stay_exact(scale):
+    """A causal call with a scale of 0 or below, which the Hopper kernels
+    would turn into NaN or +inf (they hide scores with -inf before scaling
+    them), takes the portable kernels both ways and matches float64."""
+    _require_hopper()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = _inputs(2, 4, 4, 1024, 1024, 64, torch.bfloat16, "contiguous", gen)
+    for name in (flashfuse.ops.forward_kernel(q, k, v, is_causal=True, scale=scale),
+                 flashfuse.ops.backward_kernel(q, k, v, is_causal=True, scale=scale)):
+        assert name.startswith("portable") and "scale" in name, name
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashfuse.attention(*leaves, is_causal=True, scale=scale)
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+    out.backward(dout)
+    if scale < 0:
+        _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, scale=scale, window_right=0)
+        return
+    # Scale 0: every row averages its visible values, and q and k get no gradient.
+    dq, dk, dv = (t.grad for t in leaves)
+    assert not (dq.any() or dk.any())
+    vd = v.double().cpu()
+    visible = torch.ones(1024, 1024, dtype=torch.bool).tril()
+    want = (visible.double() / visible.sum(1, keepdim=True)) @ vd
+    assert _rel(out.detach().cpu(), want) < 1e-2
+    want_dv = (visible.double() / visible.sum(1, keepdim=True)).T @ dout.double().cpu()
+    assert _rel(dv.cpu(), want_dv) < 2e-2
 
 
 # ---------------------------------------------------------------------------

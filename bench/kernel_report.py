@@ -284,6 +284,8 @@ def main():
     p.add_argument("--hopper", action="store_true",
                    help="the Hopper (Gluon) kernels instead, as their launchers launch them (needs the Triton "
                         "version flashfuse's Gluon code is written for)")
+    p.add_argument("--ablate", choices=("tables", "mask-code", "all"),
+                   help="with --hopper: the masked kernels with stand-ins for a part (mask_ablations.py)")
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -321,6 +323,10 @@ def main():
 
         if not hopper.gluon_available():
             sys.exit(f"--hopper: the Gluon kernels are written for Triton {', '.join(hopper.SUPPORTED_TRITON)}")
+        if a.ablate:
+            import mask_ablations
+
+            print("stand-ins:", ", ".join(mask_ablations.apply(a.ablate)))
         for name, fn, args, meta in hopper_launches(a, dtype):
             kernel, opts = compile_gluon_sm90(fn, args, meta)
             row = report(kernel, opts)

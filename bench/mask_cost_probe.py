@@ -21,6 +21,13 @@ into the forward kernel and the rest (the backward's kernels).
 
     python bench/mask_cost_probe.py
     python bench/mask_cost_probe.py --mask-loads coalesced   # where the kernels offer it
+    python bench/mask_cost_probe.py --ablate tables           # mask_ablations.py
+
+``--ablate`` swaps stand-ins for parts of the masked kernels
+(``mask_ablations.py``: the table reads, the per-score mask code, or both)
+and runs only ``is_causal`` and the neutral rows, the ones the stand-ins
+leave exact: what the neutral rows lose against the same rows without
+``--ablate`` is what that part costs.
 """
 
 from __future__ import annotations
@@ -48,10 +55,18 @@ def main():
     p.add_argument("--mask-loads", default=None,
                    choices=("coalesced", "direct"),
                    help="the fused backward's mask loads at every head dim (hopper.BWD_MASK_LOADS; default: its rule)")
+    p.add_argument("--ablate", choices=("tables", "mask-code", "all"), default=None,
+                   help="swap stand-ins for parts of the masked kernels (mask_ablations.py); neutral rows only")
     args = p.parse_args()
     device = common.gpu_device(args, "times the Hopper kernels")
     if device is None:
         return
+    swapped = []
+    if args.ablate:
+        import mask_ablations  # Gluon: imported only where the kernels run
+
+        swapped = mask_ablations.apply(args.ablate)
+    variants = [v for v in VARIANTS if not args.ablate or v == "is_causal" or "neutral" in v]
     import flashfuse
     from flashfuse.kernels import hopper
 
@@ -62,7 +77,7 @@ def main():
             raise SystemExit("--mask-loads: these kernels have one way to load a mask")
         hopper.BWD_MASK_LOADS = {d: args.mask_loads for d in hopper.BWD_MASK_LOADS}
     env = dict(common.env_info(device), backward_rule="hopper everywhere",
-               mask_loads=args.mask_loads or "default")
+               mask_loads=args.mask_loads or "default", ablate="+".join(swapped) or "none")
     res = common.Results(args.out, "mask_cost_probe.csv", env)
     print(env, flush=True)
     rows = []
@@ -86,7 +101,7 @@ def main():
             calls[name] = (dict(attn_mask=flashfuse.block_mask(mask, N, N, is_causal=causal)),
                            dict(attn_mask=mask, is_causal=causal))
         out = {}
-        for name in VARIANTS:
+        for name in variants:
             kwargs, plain = calls[name]
             kernel = flashfuse.ops.backward_kernel(q, k, v, **plain)
 
@@ -98,7 +113,7 @@ def main():
             res.add(D=D, B=B, H=H, N=N, variant=name, fwd_us=fwd, bwd_us=bwd, backward_kernel=kernel)
             print(f"D={D} N={N} {name:14s} fwd {fwd:8.1f}  bwd {bwd:8.1f}  ({kernel})", flush=True)
         base = out["is_causal"]
-        for name in VARIANTS:
+        for name in variants:
             fwd, bwd = out[name]
             rows.append([D, f"{B}x{H}x{N}", name, f"{fwd:.1f}", f"{bwd:.1f}", f"{fwd / base[0]:.2f}",
                          f"{bwd / base[1]:.2f}"])

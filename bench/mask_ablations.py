@@ -1,0 +1,97 @@
+"""Stand-ins for parts of the masked Hopper kernels, to time what each part
+costs (``mask_cost_probe.py --ablate``) and to compile the kernels without
+it (``kernel_report.py --hopper --ablate``).
+
+A kernel built with a stand-in is right only for masks that hide nothing
+with a band on top (the probe's "neutral" rows): their tables say "the
+whole band takes part, every block neutral", which is what the table
+stand-in returns, and no block of theirs reads the mask, which is what the
+mask-code stand-ins drop. The probe runs nothing else under them.
+
+* ``tables``: ``_table_reduce`` loads no table entry and reduces nothing.
+* ``mask-code``: the per-score mask work goes: the forward's
+  ``_consumer_scores`` becomes the unmasked one (raw scores, the scale in
+  exp2's FMA), the backward's mask loads return the scores as they are and
+  its float cap is 1 (whichever of these helpers the kernels have).
+* ``all``: both.
+
+The stand-ins replace the helpers in ``hopper_gluon``'s namespace before
+the kernels first compile, so they must run in a fresh process.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+ABLATIONS = ("tables", "mask-code", "all")
+
+_INT_MAX = gl.constexpr(2147483647)
+
+
+@gluon.jit
+def _whole_band_table(Table, tab_off, first, end, GROUPS: gl.constexpr, GROUP: gl.constexpr, ENTRY: gl.constexpr,
+                      WARPS: gl.constexpr):
+    """``_table_reduce`` for a mask that hides nothing: every key (or query
+    row) takes part and is neutral; the band alone narrows the blocks."""
+    zero = first * 0
+    return zero, zero + _INT_MAX, zero, zero + _INT_MAX
+
+
+@gluon.jit
+def _unmasked_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base, r0, N, M, stride_mask_q,
+                     stride_mask_k, MASK_KIND: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                     layout: gl.constexpr):
+    """``_consumer_scores`` of the unmasked kernel."""
+    return s, qk_scale
+
+
+@gluon.jit
+def _scores_as_they_are_t(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr):
+    """The backward's direct mask loads, dropped."""
+    return st
+
+
+@gluon.jit
+def _scores_as_they_are_t_tiled(st, mask_base, q0, k0, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr,
+                                KEYS: gl.constexpr, QUERIES: gl.constexpr, layout: gl.constexpr):
+    """The backward's coalesced mask loads, dropped."""
+    return st
+
+
+@gluon.jit
+def _uncapped_probabilities_t(st, lse, real, MASK_KIND: gl.constexpr):
+    """The backward's probabilities (scores already scaled) without the
+    float mask's cap and marker handling."""
+    shift = gl.where(real, lse * 1.4426950408889634, float("inf"))
+    return gl.exp2(st - gl.expand_dims(shift, 0))
+
+
+@gluon.jit
+def _no_caps(lse):
+    """The float cap, 1 for every row."""
+    return gl.full(lse.shape, 1.0, gl.float32, lse.type.layout)
+
+
+def apply(name: str) -> list[str]:
+    """Swap the stand-ins of ablation ``name`` into ``hopper_gluon``;
+    returns the helpers replaced (those the kernels have)."""
+    if name not in ABLATIONS:
+        raise ValueError(f"ablation {name!r}: one of {ABLATIONS}")
+    from flashfuse.kernels import hopper_gluon
+
+    swaps = {}
+    if name in ("tables", "all"):
+        swaps["_table_reduce"] = _whole_band_table
+    if name in ("mask-code", "all"):
+        swaps.update(_consumer_scores=_unmasked_scores, _masked_scores_t_direct=_scores_as_they_are_t,
+                     _probabilities_t=_uncapped_probabilities_t, _marked_caps=_no_caps)
+        # The direct loads are ``_masked_scores_t`` where the kernels have no other.
+        tiled = hasattr(hopper_gluon, "_masked_scores_t_direct")
+        swaps["_masked_scores_t"] = _scores_as_they_are_t_tiled if tiled else _scores_as_they_are_t
+    done = []
+    for helper, stand_in in swaps.items():
+        if hasattr(hopper_gluon, helper):
+            setattr(hopper_gluon, helper, stand_in)
+            done.append(helper)
+    return done

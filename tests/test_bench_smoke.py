@@ -136,7 +136,9 @@ def test_compile_time_smoke(tmp_path):
 
 def test_profile_model_smoke(tmp_path):
     pytest.importorskip("transformers")
-    out = run_script("profile_model.py", tmp_path, "--variant", "ffuse-hook", "--steps", "1", "--top", "5")
+    # The op is among the first few rows by CPU time, but its rank moves with
+    # the machine's timing (five rows once missed it in CI): fifteen.
+    out = run_script("profile_model.py", tmp_path, "--variant", "ffuse-hook", "--steps", "1", "--top", "15")
     assert "ms per step" in out and "flashfuse::attention" in out
 
 

@@ -58,10 +58,7 @@ def main():
     import flashfuse
 
     if args.hopper_backward_everywhere:
-        from flashfuse.kernels import hopper
-
-        hopper.BWD_MASK_MIN_KEYS = {d: 0 for d in hopper.BWD_MASK_MIN_KEYS}
-        hopper.BWD_FLOAT_MASK_DIMS = tuple(hopper.BWD_MASK_MIN_KEYS)
+        common.hopper_backward_everywhere()
 
     env = dict(common.env_info(device),
                backward_rule="hopper everywhere" if args.hopper_backward_everywhere else "default")

@@ -239,18 +239,36 @@ def sleep_gpu(device: torch.device) -> None:
         torch.cuda._sleep(HOST_SLEEP_CYCLES)
 
 
-def host_ms(step, device: torch.device, steps: int = 20, loops: int = 3) -> float:
+def host_ms(step, device: torch.device, steps: int = 20, loops: int = 3, asleep: bool = True) -> float:
     """Host milliseconds per call of ``step``: ``steps`` calls issued while
-    the GPU sleeps (``sleep_gpu``), the best of ``loops`` loops."""
+    the GPU sleeps (``sleep_gpu``; ``asleep=False``: while it works), the
+    best of ``loops`` loops."""
     best = float("inf")
     for _ in range(loops):
-        sleep_gpu(device)
+        if asleep:
+            sleep_gpu(device)
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         best = min(best, (time.perf_counter() - t0) / steps * 1e3)
         sync(device)
     return best
+
+
+def hopper_backward_everywhere() -> None:
+    """For this process: masked backwards take the Hopper kernels at every
+    key count and head dim (``hopper.BWD_MASK_MIN_KEYS`` and
+    ``BWD_FLOAT_MASK_DIMS`` lifted), so probes time them where the default
+    rule would send them to the portable kernels."""
+    from flashfuse.kernels import hopper
+
+    hopper.BWD_MASK_MIN_KEYS = {d: 0 for d in hopper.BWD_MASK_MIN_KEYS}
+    hopper.BWD_FLOAT_MASK_DIMS = tuple(hopper.BWD_MASK_MIN_KEYS)
+
+
+# The stand-in sets of mask_ablations.py (here so that scripts can offer
+# them without importing Gluon).
+MASK_ABLATIONS = ("tables", "mask-code", "all")
 
 
 def alternating(variants: tuple, round_index: int) -> tuple:

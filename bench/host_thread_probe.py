@@ -20,7 +20,6 @@ flashfuse's backward and forward+backward steps.
 from __future__ import annotations
 
 import gc
-import time
 
 import common
 import torch
@@ -28,16 +27,6 @@ import torch.nn.functional as F
 
 SHAPE = (8, 12, 1024, 64)  # B, H, N, D
 SMOKE_SHAPE = (1, 2, 64, 16)
-
-
-def _awake_ms(step, device, steps: int = 20) -> float:
-    """Host milliseconds per call of ``step`` without the GPU asleep."""
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    ms = (time.perf_counter() - t0) / steps * 1e3
-    common.sync(device)
-    return ms
 
 
 def main():
@@ -77,7 +66,7 @@ def main():
             finally:
                 gc.enable()
             rows.append([impl, mode, f"{default:.3f}", f"{calling_thread:.3f}", f"{gc_off:.3f}",
-                         f"{_awake_ms(step, device):.3f}"])
+                         f"{common.host_ms(step, device, loops=1, asleep=False):.3f}"])
             print(" ".join(rows[-1]), flush=True)
     for mode in ("bwd", "fwd+bwd"):
         step, _ = common.attention_step(lambda q, k, v: flashfuse.attention(q, k, v, is_causal=True), q, k, v, mode,

@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 
+import common
 import torch
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
@@ -284,7 +285,7 @@ def main():
     p.add_argument("--hopper", action="store_true",
                    help="the Hopper (Gluon) kernels instead, as their launchers launch them (needs the Triton "
                         "version flashfuse's Gluon code is written for)")
-    p.add_argument("--ablate", choices=("tables", "mask-code", "all"),
+    p.add_argument("--ablate", choices=common.MASK_ABLATIONS,
                    help="with --hopper: the masked kernels with stand-ins for a part (mask_ablations.py)")
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")

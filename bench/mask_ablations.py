@@ -21,12 +21,11 @@ the kernels first compile, so they must run in a fresh process.
 
 from __future__ import annotations
 
+from common import MASK_ABLATIONS
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-ABLATIONS = ("tables", "mask-code", "all")
-
-_INT_MAX = gl.constexpr(2147483647)
+from flashfuse.kernels.hopper_gluon import _INT_MAX, LOG2E
 
 
 @gluon.jit
@@ -63,7 +62,7 @@ def _scores_as_they_are_t_tiled(st, mask_base, q0, k0, N, M, stride_mask_q, stri
 def _uncapped_probabilities_t(st, lse, real, MASK_KIND: gl.constexpr):
     """The backward's probabilities (scores already scaled) without the
     float mask's cap and marker handling."""
-    shift = gl.where(real, lse * 1.4426950408889634, float("inf"))
+    shift = gl.where(real, lse * LOG2E, float("inf"))
     return gl.exp2(st - gl.expand_dims(shift, 0))
 
 
@@ -76,8 +75,8 @@ def _no_caps(lse):
 def apply(name: str) -> list[str]:
     """Swap the stand-ins of ablation ``name`` into ``hopper_gluon``;
     returns the helpers replaced (those the kernels have)."""
-    if name not in ABLATIONS:
-        raise ValueError(f"ablation {name!r}: one of {ABLATIONS}")
+    if name not in MASK_ABLATIONS:
+        raise ValueError(f"ablation {name!r}: one of {MASK_ABLATIONS}")
     from flashfuse.kernels import hopper_gluon
 
     swaps = {}

@@ -20,7 +20,6 @@ neutral`` its loads. Device time per step from the CUDA profiler, split
 into the forward kernel and the rest (the backward's kernels).
 
     python bench/mask_cost_probe.py
-    python bench/mask_cost_probe.py --mask-loads coalesced   # where the kernels offer it
     python bench/mask_cost_probe.py --ablate tables           # mask_ablations.py
 
 ``--ablate`` swaps stand-ins for parts of the masked kernels
@@ -34,12 +33,12 @@ from __future__ import annotations
 
 import common
 import torch
+from block_mask_times import TABLE_KERNELS
 from kernel_times import profile_kernels
 
 # (D, B, H, N): GPT-2's layer, and the attention benchmark's 4k shapes.
 SHAPES = [(64, 8, 12, 1024), (64, 4, 32, 4096), (128, 4, 16, 4096)]
 VARIANTS = ("is_causal", "float causal", "bool causal", "float neutral", "bool neutral")
-TABLE_KERNELS = ("_mask_key_table", "_mask_query_table")
 
 
 def split(times: dict, reps: int) -> tuple[float, float]:
@@ -52,10 +51,7 @@ def split(times: dict, reps: int) -> tuple[float, float]:
 def main():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--mask-loads", default=None,
-                   choices=("coalesced", "direct"),
-                   help="the fused backward's mask loads at every head dim (hopper.BWD_MASK_LOADS; default: its rule)")
-    p.add_argument("--ablate", choices=("tables", "mask-code", "all"), default=None,
+    p.add_argument("--ablate", choices=common.MASK_ABLATIONS, default=None,
                    help="swap stand-ins for parts of the masked kernels (mask_ablations.py); neutral rows only")
     args = p.parse_args()
     device = common.gpu_device(args, "times the Hopper kernels")
@@ -68,16 +64,9 @@ def main():
         swapped = mask_ablations.apply(args.ablate)
     variants = [v for v in VARIANTS if not args.ablate or v == "is_causal" or "neutral" in v]
     import flashfuse
-    from flashfuse.kernels import hopper
 
-    hopper.BWD_MASK_MIN_KEYS = {d: 0 for d in hopper.BWD_MASK_MIN_KEYS}
-    hopper.BWD_FLOAT_MASK_DIMS = tuple(hopper.BWD_MASK_MIN_KEYS)
-    if args.mask_loads:
-        if not hasattr(hopper, "BWD_MASK_LOADS"):
-            raise SystemExit("--mask-loads: these kernels have one way to load a mask")
-        hopper.BWD_MASK_LOADS = {d: args.mask_loads for d in hopper.BWD_MASK_LOADS}
-    env = dict(common.env_info(device), backward_rule="hopper everywhere",
-               mask_loads=args.mask_loads or "default", ablate="+".join(swapped) or "none")
+    common.hopper_backward_everywhere()
+    env = dict(common.env_info(device), backward_rule="hopper everywhere", ablate="+".join(swapped) or "none")
     res = common.Results(args.out, "mask_cost_probe.csv", env)
     print(env, flush=True)
     rows = []
@@ -85,12 +74,10 @@ def main():
         torch.manual_seed(0)
         q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
         g = torch.randn_like(q)
-        later = torch.ones(N, N, dtype=torch.bool, device=device).triu(1)
-        lowest = torch.finfo(torch.bfloat16).min
+        causal = common.hf_mask(B, N, "causal", device)
         masks = {
-            "float causal": (torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device).masked_fill(later, lowest),
-                             False),
-            "bool causal": (~later[None, None].expand(B, 1, N, N).contiguous(), False),
+            "float causal": (causal, False),
+            "bool causal": (causal == 0, False),
             "float neutral": (torch.zeros(B, 1, N, N, dtype=torch.bfloat16, device=device), True),
             "bool neutral": (torch.ones(B, 1, N, N, dtype=torch.bool, device=device), True),
         }

@@ -327,7 +327,8 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="two small cells on the CPU")
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: CPU count - 2)")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting cells after this long")
-    p.add_argument("--only", default="", help="comma-separated key=value filters, '|' between alternatives, e.g. dtype=fp16|bf16,mode=train")
+    p.add_argument("--only", default="",
+                   help="comma-separated key=value filters, '|' between alternatives, e.g. dtype=fp16|bf16,mode=train")
     p.add_argument("--resume", default=None,
                    help="an earlier compile_matrix.csv: run only its cells that did not run, keep its other rows")
     p.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)

@@ -51,6 +51,9 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--hopper-backward-everywhere", action="store_true",
                    help="masked backwards take the Hopper kernels at every key count and head dim")
+    p.add_argument("--mask-loads", choices=("coalesced", "direct"), default=None,
+                   help="how the fused backward loads a mask tile at every head dim "
+                        "(hopper.BWD_MASK_LOADS; default: its rule)")
     args = p.parse_args()
     device = common.gpu_device(args, "times GPU kernels")
     if device is None:
@@ -59,9 +62,12 @@ def main():
 
     if args.hopper_backward_everywhere:
         common.hopper_backward_everywhere()
+    if args.mask_loads:
+        common.hopper_mask_loads(args.mask_loads)
 
     env = dict(common.env_info(device),
-               backward_rule="hopper everywhere" if args.hopper_backward_everywhere else "default")
+               backward_rule="hopper everywhere" if args.hopper_backward_everywhere else "default",
+               mask_loads=args.mask_loads or "default")
     res = common.Results(args.out, "block_mask_times.csv", env)
     per_kernel = common.Results(args.out, "block_mask_kernels.csv", env)
     summary, breakdown = [], {}

@@ -266,6 +266,14 @@ def hopper_backward_everywhere() -> None:
     hopper.BWD_FLOAT_MASK_DIMS = tuple(hopper.BWD_MASK_MIN_KEYS)
 
 
+def hopper_mask_loads(how: str) -> None:
+    """For this process: the fused Hopper backward loads mask tiles ``how``
+    ("coalesced" or "direct") at every head dim (``hopper.BWD_MASK_LOADS``)."""
+    from flashfuse.kernels import hopper
+
+    hopper.BWD_MASK_LOADS = {d: how for d in hopper.BWD_MASK_LOADS}
+
+
 # The stand-in sets of mask_ablations.py (here so that scripts can offer
 # them without importing Gluon).
 MASK_ABLATIONS = ("tables", "mask-code", "all")

@@ -1,13 +1,16 @@
 """Forward+backward with a mask tensor: the Hopper backward reading the mask
 through its query table against the portable backward, and SDPA.
 
-Both flashfuse variants run the forward on the Hopper kernel (which reads
-the mask through its key table); the portable backward is forced by making
+Every flashfuse variant runs the forward on the Hopper kernel (which reads
+the mask through its key table). The Hopper backward is forced past the
+rule's crossovers (``BWD_MASK_MIN_KEYS``, ``BWD_FLOAT_MASK_DIMS``) and timed
+with both ways of loading a mask tile (``hopper.BWD_MASK_LOADS``:
+"coalesced" and "direct"); the portable backward is forced by making
 ``hopper.mask_refusal`` refuse the backward. Each shape times, in one
-process, the Hopper backward, the portable backward, the Hopper backward
-again (the spread between the two is the noise) and SDPA's default with the
-same mask: ``triton.testing.do_bench`` medians of a step that returns the
-gradients of q, k and v. Masks: a key-padding bool mask (B, 1, 1, N) that
+process, the Hopper backward with coalesced loads, with direct loads, the
+portable backward, the first again (the spread between the two is the
+noise) and SDPA's default with the same mask: ``triton.testing.do_bench``
+medians of a step that returns the gradients of q, k and v. Masks: a key-padding bool mask (B, 1, 1, N) that
 hides the last quarter of the keys, and a causal mask as a bf16 (B, 1, N, N)
 tensor of 0 and the dtype's lowest (as Hugging Face builds it). The last
 column names the backward kernel the op takes by default.
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 SHAPES = [(128, 4, 16, 4096, "padding"), (128, 4, 16, 4096, "causal"), (64, 8, 12, 1024, "causal"),
           (64, 16, 12, 512, "padding"), (64, 4, 32, 4096, "padding"), (64, 4, 32, 4096, "causal"),
           (128, 16, 16, 1024, "causal")]
-VARIANTS = ("hopper bwd", "portable bwd", "hopper bwd again", "sdpa")
+VARIANTS = ("hopper bwd coalesced", "hopper bwd direct", "portable bwd", "hopper bwd coalesced again", "sdpa")
 
 
 # The masks as the attention benchmark's feature rows build them (common.make_inputs).
@@ -45,9 +48,17 @@ def main():
     from flashfuse.kernels import hopper
 
     real_refusal = hopper.mask_refusal
+    rule = (hopper.BWD_MASK_MIN_KEYS, hopper.BWD_FLOAT_MASK_DIMS, hopper.BWD_MASK_LOADS)
 
     def portable_backward(p, backward=False):
         return "forced: the portable backward" if backward else real_refusal(p, backward)
+
+    def setup(name):
+        hopper.mask_refusal = portable_backward if name == "portable bwd" else real_refusal
+        hopper.BWD_MASK_MIN_KEYS, hopper.BWD_FLOAT_MASK_DIMS, hopper.BWD_MASK_LOADS = rule
+        if name.startswith("hopper bwd"):
+            common.hopper_backward_everywhere()
+            common.hopper_mask_loads("direct" if "direct" in name else "coalesced")
 
     print(common.env_info(device), flush=True)
     rows = []
@@ -57,7 +68,7 @@ def main():
         times = {}
         try:
             for name in VARIANTS:
-                hopper.mask_refusal = portable_backward if name == "portable bwd" else real_refusal
+                setup(name)
                 attention = F.scaled_dot_product_attention if name == "sdpa" else flashfuse.attention
 
                 def fn(q, k, v):
@@ -68,7 +79,7 @@ def main():
                 torch.cuda.synchronize()
                 times[name] = triton.testing.do_bench(step, warmup=25, rep=100) * 1e3
         finally:
-            hopper.mask_refusal = real_refusal
+            setup("default")
         named = flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask)
         rows.append([D, B, H, N, kind, *(f"{times[n]:.1f}" for n in VARIANTS), named])
         print(" ".join(str(x) for x in rows[-1]), flush=True)

@@ -165,6 +165,9 @@ def hopper_launches(a, dtype):
         args, meta, _ = hopper.fused_kernel_args(pm, dout, q, k, v, lse, delta, acc, dk, dv, "tma",
                                                  query_table=table)
         launches.append((f"fused, {name} mask", hopper_gluon._hopper_attn_bwd_fused, args, meta))
+        other = "direct" if meta["COALESCED_MASK"] else "coalesced"  # the load hopper.BWD_MASK_LOADS does not take
+        launches.append((f"fused, {name} mask, {other} loads", hopper_gluon._hopper_attn_bwd_fused, args,
+                         dict(meta, COALESCED_MASK=not meta["COALESCED_MASK"])))
     return launches
 
 

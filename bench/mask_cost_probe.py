@@ -20,6 +20,7 @@ neutral`` its loads. Device time per step from the CUDA profiler, split
 into the forward kernel and the rest (the backward's kernels).
 
     python bench/mask_cost_probe.py
+    python bench/mask_cost_probe.py --mask-loads coalesced   # the backward's mask tile loads
     python bench/mask_cost_probe.py --ablate tables           # mask_ablations.py
 
 ``--ablate`` swaps stand-ins for parts of the masked kernels
@@ -51,6 +52,8 @@ def split(times: dict, reps: int) -> tuple[float, float]:
 def main():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--mask-loads", choices=("coalesced", "direct"), default=None,
+                   help="the fused backward's mask tile loads at every head dim (default: hopper.BWD_MASK_LOADS)")
     p.add_argument("--ablate", choices=common.MASK_ABLATIONS, default=None,
                    help="swap stand-ins for parts of the masked kernels (mask_ablations.py); neutral rows only")
     args = p.parse_args()
@@ -66,7 +69,10 @@ def main():
     import flashfuse
 
     common.hopper_backward_everywhere()
-    env = dict(common.env_info(device), backward_rule="hopper everywhere", ablate="+".join(swapped) or "none")
+    if args.mask_loads:
+        common.hopper_mask_loads(args.mask_loads)
+    env = dict(common.env_info(device), backward_rule="hopper everywhere", mask_loads=args.mask_loads or "default",
+               ablate="+".join(swapped) or "none")
     res = common.Results(args.out, "mask_cost_probe.csv", env)
     print(env, flush=True)
     rows = []

@@ -166,6 +166,14 @@ BWD_FLOAT_MASK_DIMS = (64,)
 # of the eager op and of float64; gpu_tests_run27_compiled_masked.log).
 # False sends traced masked backwards to the portable kernels.
 TRACED_MASKED_BACKWARD = True
+# How the fused backward's consumers read a mask tile into their transposed
+# scores (keys by queries, adjacent threads on adjacent queries, which lie
+# a mask row apart): "coalesced", 16-byte loads along the keys moved into
+# that layout through shared memory, or "direct", one load per element in
+# it (64 scattered 1-2 byte loads per thread and block). Per head dim, from
+# kernel times on an H100 (bench/NOTES.md run 29): coalesced 8-14 % faster
+# at D = 64, 2-4 % slower at D = 128.
+BWD_MASK_LOADS = {64: "coalesced", 128: "direct"}
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
@@ -686,7 +694,7 @@ def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc
     args, meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv, dq_acc)
     mask, table, mask_strides = _mask_operands(p, query_table, (q, lse))
     meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1,
-                MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP)
+                MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP, COALESCED_MASK=BWD_MASK_LOADS[p.D] == "coalesced")
     return (*args, mask, table, *mask_strides), meta, backward_programs(p, persistent)
 
 

@@ -236,13 +236,35 @@ def _with_mask_values(s, mv, MASK_KIND: gl.constexpr):
 
 
 @gluon.jit
-def _masked_scores_t(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr):
-    """``_masked_scores`` for the backward's transposed scores: keys ``kj``
-    ([keys, 1]) by query rows ``qi`` ([queries], the columns' layout)."""
+def _masked_scores_t_direct(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr):
+    """``_masked_scores_t`` loading the mask straight into the scores'
+    layout: one load per element (``BWD_MASK_LOADS`` "direct": faster at
+    D = 128, where the coalesced tile's shared-memory round trip costs more)."""
     i2 = gl.expand_dims(qi, 0)
     ok = (kj < M) & (i2 < N)
     ptrs = mask_base + kj.to(gl.int64) * stride_mask_k + i2.to(gl.int64) * stride_mask_q
     return _with_mask_values(st, gl.load(ptrs, mask=ok, other=0), MASK_KIND)
+
+
+@gluon.jit
+def _masked_scores_t(st, mask_base, q0, k0, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr,
+                     KEYS: gl.constexpr, QUERIES: gl.constexpr, layout: gl.constexpr):
+    """``_masked_scores`` for the backward's transposed scores ``st`` (keys
+    ``k0 ..`` by query rows ``q0 ..``, in ``layout``). The mask lies query
+    row by query row, keys contiguous, while ``layout`` gives adjacent
+    threads adjacent queries: loaded in it, every element was its own load
+    of 1-2 bytes from another row (64 per thread and block, run 27's SASS).
+    So the tile is loaded with threads running along the keys, eight
+    consecutive keys a thread (one 16-byte vector of a 16-bit mask), and
+    moved into ``layout`` through shared memory."""
+    coalesced: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    kj = k0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, coalesced))
+    qi = q0 + gl.arange(0, QUERIES, layout=gl.SliceLayout(0, coalesced))
+    ok = gl.expand_dims(kj < M, 1) & gl.expand_dims(qi < N, 0)
+    ptrs = (mask_base + gl.expand_dims(kj.to(gl.int64) * stride_mask_k, 1)
+            + gl.expand_dims(qi.to(gl.int64) * stride_mask_q, 0))
+    mv = gl.convert_layout(gl.load(ptrs, mask=ok, other=0), layout)
+    return _with_mask_values(st, mv, MASK_KIND)
 
 
 @gluon.jit
@@ -305,19 +327,23 @@ def _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base,
                      stride_mask_k, MASK_KIND: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                      layout: gl.constexpr):
     """``(scores, multiplier)`` of a forward block for the online softmax,
-    whose base-2 scores are ``scores * multiplier``: without a mask the raw
-    products and ``qk_scale`` (scaled inside exp2's argument, one FMA);
-    with one, the scaled scores with the mask applied
-    (``_masked_scores``) unless the block lies in the rows' neutral keys
-    ``[free_lo, free_hi)`` or the tile sees no key (``key_end`` 0), and 1."""
-    if MASK_KIND == 0:
-        sc = qk_scale
-    else:
-        s = s * qk_scale
+    whose base-2 scores are ``scores * multiplier``: the raw products and
+    ``qk_scale`` (scaled inside exp2's argument, one FMA per score), except
+    in a block that reads the mask (one outside the rows' neutral keys
+    ``[free_lo, free_hi)`` of a tile that sees some key: ``key_end`` > 0).
+    There a bool mask hides scores as they are, and a float mask is added to
+    the scaled scores (``_masked_scores``), the multiplier then 1. Scaling
+    every block first, as this did until run 29, cost the masked kernel one
+    more instruction per score in every block."""
+    sc = qk_scale
+    if MASK_KIND != 0:
         if ((start_n < free_lo) | (start_n + BLOCK_N > free_hi)) & (key_end > 0):
+            if MASK_KIND == 2:
+                s = s * qk_scale
             s = _masked_scores(s, mask_base, r0, start_n, N, M, stride_mask_q, stride_mask_k, MASK_KIND, ROWS,
                                BLOCK_N, layout)
-        sc = 1.0
+            if MASK_KIND == 2:
+                sc = 1.0
     return s, sc
 
 
@@ -939,24 +965,33 @@ def _prefetch_stats(Lse, Delta, stat_smem, t, stat_b, stride_stat_h, N, h0, lo_m
 
 
 @gluon.jit
-def _probabilities_t(st, lse, real, MASK_KIND: gl.constexpr):
-    """The recomputed probabilities of base-2 scores ``st`` (keys by query
-    rows) from the forward's natural-log ``lse`` per row (``real``: rows
-    below N), as the portable backward recomputes them (common._lse_shift):
-    exp2(s - lse * log2(e)), 0 for rows that saw no key (lse +inf); with a
-    float mask, a row whose lse is the marker (it averages l keys hidden by
-    a finite value) gets 1 / l at each of them: its shift is -FLT_MAX,
-    under which every finite score exceeds 1, and the cap is 1 / l."""
-    lse = gl.where(lse == float("-inf"), float("inf"), lse)  # no key seen, as some producers write it
-    if MASK_KIND == 2:
-        marked = lse <= -1.0e38
-        shift = gl.where(real, gl.where(marked, -FLT_MAX, lse * LOG2E), float("inf"))
-        cap = gl.where(marked, 1.0 / gl.where(marked, (lse + FLT_MAX) * (1.0 / LSE_MARK_UNIT), 1.0), 1.0)
-        pt = gl.minimum(gl.exp2(st - gl.expand_dims(shift, 0)), gl.expand_dims(cap, 0))
-    else:
+def _row_shifts(lse, real, MASK_KIND: gl.constexpr):
+    """Per query row, what the backward subtracts from base-2 scores to
+    recompute probabilities (common._lse_shift): lse * log2(e) from the
+    forward's natural-log ``lse``, +inf for rows that saw no key or lie past
+    N (``real`` false), so they get 0. With a float mask, a row whose lse is
+    the marker (it averages l keys hidden by a finite value) gets -FLT_MAX:
+    every finite score then exceeds 1 and ``_marked_caps`` caps
+    it at 1 / l."""
+    if MASK_KIND == 0:
         shift = gl.where(real, lse * LOG2E, float("inf"))
-        pt = gl.exp2(st - gl.expand_dims(shift, 0))
-    return pt
+    else:
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)  # no key seen, as some producers write it
+        if MASK_KIND == 2:
+            shift = gl.where(real, gl.where(lse <= -1.0e38, -FLT_MAX, lse * LOG2E), float("inf"))
+        else:
+            shift = gl.where(real, lse * LOG2E, float("inf"))
+    return shift
+
+
+@gluon.jit
+def _marked_caps(lse):
+    """Per query row, the most a recomputed probability may be under a
+    float mask: 1 / l for a row whose lse is the marker (it averages l keys
+    hidden by a finite value; its shift makes every such score exceed 1),
+    1 for the others."""
+    marked = lse <= -1.0e38
+    return gl.where(marked, 1.0 / gl.where(marked, (lse + FLT_MAX) * (1.0 / LSE_MARK_UNIT), 1.0), 1.0)
 
 
 @gluon.jit
@@ -1056,7 +1091,7 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
                     HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                     HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr,
-                    COL_GROUP: gl.constexpr):
+                    COL_GROUP: gl.constexpr, COALESCED_MASK: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1132,21 +1167,37 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
             async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
             gl.thread_barrier()  # every thread's element, not only its own
             stats = stat_smem.index(2 * HALF + i % 2)
-            if MASK_KIND == 0:
-                lse2 = gl.where(qi < N, stats.slice(0, BLOCK_M).load(col) * LOG2E, float("inf"))
-            else:
-                lse = stats.slice(0, BLOCK_M).load(col)
+            shift = _row_shifts(stats.slice(0, BLOCK_M).load(col), qi < N, MASK_KIND)
             delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
             st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left,
                                               window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-            if MASK_KIND == 0:
-                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-            else:
-                st = st * qk_scale
-                if (m0 < free_lo) | (m0 + BLOCK_M > free_hi):
+            # Probabilities as the unmasked kernel recomputes them (scale
+            # and shift in one FMA), except in blocks that read the mask:
+            # there a bool mask hides raw scores, a float one is added to
+            # the scaled scores (multiplier 1 then), and marked rows are
+            # capped. A block every row sees through neutral values holds
+            # no marked row's visible key (its score is -inf), so the cap
+            # is needed only where the mask is read.
+            sc = qk_scale
+            if MASK_KIND != 0:
+                reads_mask = (m0 < free_lo) | (m0 + BLOCK_M > free_hi)
+                if reads_mask:
                     mask_base = Mask + b64 * stride_mask_b + head.to(gl.int64) * stride_mask_h
-                    st = _masked_scores_t(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND)
-                pt = _probabilities_t(st, lse, qi < N, MASK_KIND)
+                    if MASK_KIND == 2:
+                        st = st * qk_scale
+                        sc = 1.0
+                    if COALESCED_MASK:
+                        st = _masked_scores_t(st, mask_base, m0, j0, N, M, stride_mask_q, stride_mask_k,
+                                              MASK_KIND, HALF_N, BLOCK_M, st_layout)
+                    else:
+                        st = _masked_scores_t_direct(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k,
+                                                     MASK_KIND)
+            pt = gl.exp2(st * sc - gl.expand_dims(shift, 0))
+            if MASK_KIND == 2:
+                if reads_mask:
+                    # lse read again rather than kept through every block:
+                    # registers are the D = 128 kernel's limit.
+                    pt = gl.minimum(pt, gl.expand_dims(_marked_caps(stats.slice(0, BLOCK_M).load(col)), 0))
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             # dSᵀ to shared memory first: the other consumer waits for it.
@@ -1219,7 +1270,7 @@ def _hopper_attn_bwd_fused(
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr, COL_GROUP: gl.constexpr,
-    num_warps: gl.constexpr,
+    COALESCED_MASK: gl.constexpr, num_warps: gl.constexpr,
 ):
     """dK, dV of 128-key tiles as ``_hopper_attn_bwd_dkdv`` computes them,
     and each tile's unscaled dS·K added into ``DQacc`` (zeroed float32, unit
@@ -1274,7 +1325,7 @@ def _hopper_attn_bwd_fused(
                            Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
                            stride_qtab_b, stride_qtab_h,
                            0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
-                           DQ_BUFFERS, MASK_KIND, COL_GROUP)),
+                           DQ_BUFFERS, MASK_KIND, COL_GROUP, COALESCED_MASK)),
         (_fused_consumer, (DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                            stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
                            stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
@@ -1283,7 +1334,7 @@ def _hopper_attn_bwd_fused(
                            Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
                            stride_qtab_b, stride_qtab_h,
                            1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
-                           DQ_BUFFERS, MASK_KIND, COL_GROUP)),
+                           DQ_BUFFERS, MASK_KIND, COL_GROUP, COALESCED_MASK)),
         (_fused_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty,
                          q_ready, q_empty, do_ready, do_empty, Hq, Hkv, N, M, n_n, n_tiles, diag_off, window_left,
                          window_right, QueryTable, stride_qtab_b, stride_qtab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,

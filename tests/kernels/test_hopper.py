@@ -591,6 +591,38 @@ def test_masked_backward_in_a_compiled_graph(monkeypatch, kind, D, how):
         torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,D", [("bool_padding", 128), ("float_causal", 64), ("bool_blocks", 64),
+                                    ("float_hidden_rows", 64)])
+def test_mask_loads_agree(monkeypatch, kind, D):
+    """The fused backward's two ways of loading a mask tile
+    (``hopper.BWD_MASK_LOADS``) read the same values: dK and dV bit for bit
+    (each written by one program), dQ to rounding (its adds land in any
+    order), odd sizes so that tiles hang over both edges."""
+    _require_hopper()
+    poison_empty(monkeypatch)
+    monkeypatch.setattr(hopper, "BWD_MASK_MIN_KEYS", {64: 0, 128: 0})
+    monkeypatch.setattr(hopper, "BWD_FLOAT_MASK_DIMS", (64, 128))
+    B, Hq, Hkv, N, M = 2, 4, 2, 777, 1001
+    gen = torch.Generator(device="cuda").manual_seed(D + N)
+    q, k, v = _inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, "contiguous", gen)
+    mask = _mask(kind, B, 1 if kind != "bool_blocks" else Hkv, N, M, torch.bfloat16, seed=M)
+    if kind == "bool_blocks":  # alike over the query heads of a key/value head
+        mask = mask.repeat_interleave(Hq // Hkv, 1)
+    dout = torch.randn(B, Hq, N, D, generator=gen, device="cuda").to(torch.bfloat16)
+    grads = {}
+    for how in ("coalesced", "direct"):
+        monkeypatch.setattr(hopper, "BWD_MASK_LOADS", {64: how, 128: how})
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = flashfuse.attention(*leaves, attn_mask=mask, scale=0.125, enable_gqa=True)
+        out.backward(dout)
+        grads[how] = [t.grad for t in leaves]
+    assert flashfuse.ops.backward_kernel(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True) == "hopper"
+    (cq, ck, cv), (dq, dk, dv) = grads["coalesced"], grads["direct"]
+    assert torch.equal(ck, dk) and torch.equal(cv, dv)
+    torch.testing.assert_close(cq, dq, atol=1e-2, rtol=1e-2)
+
+
 def test_hopper_forward_op_fake_layout_with_a_mask():
     """The opaque op with a mask and a block mask's key table traces."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -947,6 +979,7 @@ def test_fused_backward_launches(monkeypatch, how):
     assert grid == (8, ) and meta["DQ_TMA"] is (how == "tma") and meta["HEAD_DIM"] == 64  # 4 key tiles x 2 heads
     assert meta["DQ_BUFFERS"] == (hopper.BWD_DQ_BUFFERS[64] if how == "tma" else 1)
     assert meta["STAGES"] == hopper.BWD_STAGES[64] and meta["BLOCK_M"] == hopper.BWD_BLOCK_M
+    assert meta["COALESCED_MASK"] is (hopper.BWD_MASK_LOADS[64] == "coalesced")
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
     want = torch.arange(4 * 300 * 64, dtype=torch.float32).reshape(1, 4, 300, 64) / 1024 * p.scale
     # one bfloat16 step: the interpreter may round differently from the GPU's nearest-even

@@ -380,6 +380,42 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 
 
 @gluon.jit
+def _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zero_s, r0,
+              key_end, full_end, right_edge, left_edge, diag_off, window_left, window_right, qk_scale, free_lo,
+              free_hi, mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT: gl.constexpr,
+              HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              MASK_KIND: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+    """Block ``j`` (from 1) of a consumer's tile: S_j = q·K_jᵀ issued with
+    O += P_{j-1}·V_{j-1}, the softmax of S_j while the second runs, then the
+    rescaled accumulator. ``MASK_KIND`` 0 for blocks known to need no mask
+    (those of unmasked calls, and a masked call's blocks inside its rows'
+    neutral keys)."""
+    slot = (c + j) % STAGES
+    prev = (c + j - 1) % STAGES
+    start_n = lo + j * BLOCK_N
+    mbarrier.wait(k_ready.index(slot), ((c + j) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
+    s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(slot))
+    s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
+                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+    s, sc = _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base, r0, N, M, stride_mask_q,
+                             stride_mask_k, MASK_KIND, HALF_M, BLOCK_N, s_layout)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s * sc - gl.expand_dims(m_use, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+    mbarrier.arrive(v_empty.index(prev))
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    return p, m_new, l_i, acc
+
+
+@gluon.jit
 def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                   Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
@@ -446,31 +482,42 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         l_i = gl.sum(p, axis=1)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
 
-        for j in range(1, n_blocks):
-            slot = (c + j) % STAGES
-            prev = (c + j - 1) % STAGES
-            start_n = lo + j * BLOCK_N
-            mbarrier.wait(k_ready.index(slot), ((c + j) // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(slot))
-            s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
-                                  window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
-            s, sc = _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base, r0, N, M,
-                                     stride_mask_q, stride_mask_k, MASK_KIND, HALF_M, BLOCK_N, s_layout)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s * sc - gl.expand_dims(m_use, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            mbarrier.arrive(v_empty.index(prev))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if MASK_KIND == 0:
+            for j in range(1, n_blocks):
+                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
+                                             v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
+                                             diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
+                                             mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
+                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, 0, s_layout, p_layout,
+                                             row_o)
+        else:
+            # The blocks inside the rows' neutral keys, [j_a, j_b), run the
+            # unmasked body in a loop of their own: the mask code, in the
+            # loops before and after, stays out of the hot loop's code and
+            # registers.
+            j_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo, BLOCK_N), 1), n_blocks)
+            j_b = gl.minimum(gl.maximum((free_hi - lo) // BLOCK_N, j_a), n_blocks)
+            for j in range(1, j_a):
+                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
+                                             v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
+                                             diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
+                                             mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
+                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, MASK_KIND, s_layout,
+                                             p_layout, row_o)
+            for j in range(j_a, j_b):
+                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
+                                             v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
+                                             diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
+                                             mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
+                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, 0, s_layout, p_layout,
+                                             row_o)
+            for j in range(j_b, n_blocks):
+                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
+                                             v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
+                                             diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
+                                             mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
+                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, MASK_KIND, s_layout,
+                                             p_layout, row_o)
         # Every product that reads this tile's q has finished: the next tile's may load.
         mbarrier.arrive(q_empty.index(HALF))
 

@@ -1128,6 +1128,116 @@ def _store_key_rows(x, base, b64, hk, stride_b, stride_h, stride_n, j0, M, ROWS:
 
 
 @gluon.jit
+def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half, k_cols0, k_cols1, ds_smem,
+              dq_smem, stat_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h,
+              zero_st, zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right, qk_scale, free_lo,
+              free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M, dqa_desc,
+              DQacc, stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c,
+              HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+              HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr,
+              DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr, READS_MASK: gl.constexpr,
+              COALESCED_MASK: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr, col: gl.constexpr):
+    """Iteration ``i`` of a consumer's key tile: the q/dO block ``i % n_m``
+    of query head ``h0 + i // n_m``, its Sᵀ and dPᵀ, probabilities and dSᵀ,
+    dV and dK accumulated, and its dQ share added into the float32 buffer.
+    ``READS_MASK`` False for blocks known to need no mask (a masked call's
+    blocks inside its keys' neutral query rows); ``MASK_KIND`` still sets
+    the rows' shifts, which a float mask's marked rows need everywhere."""
+    dtype: gl.constexpr = q_smem.dtype
+    g = c + i
+    slot = g % STAGES
+    phase = (g // STAGES) & 1
+    head = h0 + i // n_m
+    m0 = lo_m + (i % n_m) * BLOCK_M
+    qi = m0 + gl.arange(0, BLOCK_M, layout=col)
+    _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF + (i + 1) % 2), i + 1, stat_b, stride_stat_h, N,
+                    h0, lo_m, n_m, n_iters, BLOCK_M)
+    mbarrier.wait(q_ready.index(slot), phase)
+    st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                           is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                            is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st_tok, ))
+    async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
+    gl.thread_barrier()  # every thread's element, not only its own
+    stats = stat_smem.index(2 * HALF + i % 2)
+    shift = _row_shifts(stats.slice(0, BLOCK_M).load(col), qi < N, MASK_KIND)
+    delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
+    st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left,
+                                      window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+    # Probabilities as the unmasked kernel recomputes them (scale
+    # and shift in one FMA), except in blocks that read the mask:
+    # there a bool mask hides raw scores, a float one is added to
+    # the scaled scores (multiplier 1 then), and marked rows are
+    # capped. A block every row sees through neutral values holds
+    # no marked row's visible key (its score is -inf), so the cap
+    # is needed only where the mask is read.
+    sc = qk_scale
+    if READS_MASK:
+        reads_mask = (m0 < free_lo) | (m0 + BLOCK_M > free_hi)
+        if reads_mask:
+            mask_base = Mask + b64 * stride_mask_b + head.to(gl.int64) * stride_mask_h
+            if MASK_KIND == 2:
+                st = st * qk_scale
+                sc = 1.0
+            if COALESCED_MASK:
+                st = _masked_scores_t(st, mask_base, m0, j0, N, M, stride_mask_q, stride_mask_k,
+                                      MASK_KIND, HALF_N, BLOCK_M, st_layout)
+            else:
+                st = _masked_scores_t_direct(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k,
+                                             MASK_KIND)
+    pt = gl.exp2(st * sc - gl.expand_dims(shift, 0))
+    if READS_MASK and MASK_KIND == 2:
+        if reads_mask:
+            # lse read again rather than kept through every block:
+            # registers are the D = 128 kernel's limit.
+            pt = gl.minimum(pt, gl.expand_dims(_marked_caps(stats.slice(0, BLOCK_M).load(col)), 0))
+    dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    # dSᵀ to shared memory first: the other consumer waits for it.
+    # Two buffers, alternating with the block counter g: before this
+    # consumer overwrites buffer g % 2, it has waited (at g - 1) for
+    # the other's dS of block g - 1, which the other stores only
+    # after its block g - 2 dQ product (the last reader of this
+    # buffer) is done.
+    ds0 = ds_smem.index((g % 2) * 2)
+    ds1 = ds_smem.index((g % 2) * 2 + 1)
+    ds_mine = ds_smem.index((g % 2) * 2 + HALF)
+    ds_mine.store(dst.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ds_ready.index(g % 2))
+    pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+    dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_mine, q_smem.index(slot), dk, is_async=True)
+    mbarrier.wait(ds_ready.index(g % 2), (g // 2) & 1)
+    dq_tok = warpgroup_mma(ds0.permute((1, 0)), k_cols0, zero_dq, use_acc=False, is_async=True)
+    dq_tok = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq_tok, is_async=True)
+    dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op))
+    mbarrier.arrive(q_empty.index(slot))
+    mbarrier.arrive(do_empty.index(slot))
+    if DQ_TMA:
+        # The reduce that last read this staging buffer (DQ_BUFFERS
+        # blocks ago) must be done reading it before any thread
+        # overwrites it: the thread that issued it waits, the barrier
+        # holds the others.
+        dq_buf = dq_smem.index(HALF * DQ_BUFFERS + g % DQ_BUFFERS)
+        tma.store_wait(DQ_BUFFERS - 1)
+        gl.thread_barrier()
+        dq_buf.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dqa_desc, [b, head, m0, HALF * HALF_D], dq_buf.reshape([1, 1, BLOCK_M, HALF_D]))
+    else:
+        rows = m0 + dq_r
+        ptrs = (DQacc + b64 * stride_dqa_b + head.to(gl.int64) * stride_dqa_h
+                + gl.expand_dims(rows.to(gl.int64) * stride_dqa_n, 1) + gl.expand_dims(dq_c, 0))
+        gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < N, 1), sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
 def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                     stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
                     stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
@@ -1195,97 +1305,55 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
         _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF), 0, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
                         BLOCK_M)
         mbarrier.wait(kv_ready, n_done & 1)
-        for i in range(n_iters):
-            g = c + i
-            slot = g % STAGES
-            phase = (g // STAGES) & 1
-            head = h0 + i // n_m
-            m0 = lo_m + (i % n_m) * BLOCK_M
-            qi = m0 + gl.arange(0, BLOCK_M, layout=col)
-            _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF + (i + 1) % 2), i + 1, stat_b, stride_stat_h, N,
-                            h0, lo_m, n_m, n_iters, BLOCK_M)
-            mbarrier.wait(q_ready.index(slot), phase)
-            st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                                   is_async=True)
-            mbarrier.wait(do_ready.index(slot), phase)
-            dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                                    is_async=True)
-            st = warpgroup_mma_wait(1, deps=(st_tok, ))
-            async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
-            gl.thread_barrier()  # every thread's element, not only its own
-            stats = stat_smem.index(2 * HALF + i % 2)
-            shift = _row_shifts(stats.slice(0, BLOCK_M).load(col), qi < N, MASK_KIND)
-            delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
-            st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left,
-                                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
-            # Probabilities as the unmasked kernel recomputes them (scale
-            # and shift in one FMA), except in blocks that read the mask:
-            # there a bool mask hides raw scores, a float one is added to
-            # the scaled scores (multiplier 1 then), and marked rows are
-            # capped. A block every row sees through neutral values holds
-            # no marked row's visible key (its score is -inf), so the cap
-            # is needed only where the mask is read.
-            sc = qk_scale
-            if MASK_KIND != 0:
-                reads_mask = (m0 < free_lo) | (m0 + BLOCK_M > free_hi)
-                if reads_mask:
-                    mask_base = Mask + b64 * stride_mask_b + head.to(gl.int64) * stride_mask_h
-                    if MASK_KIND == 2:
-                        st = st * qk_scale
-                        sc = 1.0
-                    if COALESCED_MASK:
-                        st = _masked_scores_t(st, mask_base, m0, j0, N, M, stride_mask_q, stride_mask_k,
-                                              MASK_KIND, HALF_N, BLOCK_M, st_layout)
-                    else:
-                        st = _masked_scores_t_direct(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k,
-                                                     MASK_KIND)
-            pt = gl.exp2(st * sc - gl.expand_dims(shift, 0))
-            if MASK_KIND == 2:
-                if reads_mask:
-                    # lse read again rather than kept through every block:
-                    # registers are the D = 128 kernel's limit.
-                    pt = gl.minimum(pt, gl.expand_dims(_marked_caps(stats.slice(0, BLOCK_M).load(col)), 0))
-            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
-            # dSᵀ to shared memory first: the other consumer waits for it.
-            # Two buffers, alternating with the block counter g: before this
-            # consumer overwrites buffer g % 2, it has waited (at g - 1) for
-            # the other's dS of block g - 1, which the other stores only
-            # after its block g - 2 dQ product (the last reader of this
-            # buffer) is done.
-            ds0 = ds_smem.index((g % 2) * 2)
-            ds1 = ds_smem.index((g % 2) * 2 + 1)
-            ds_mine = ds_smem.index((g % 2) * 2 + HALF)
-            ds_mine.store(dst.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ds_ready.index(g % 2))
-            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
-            dv_tok = warpgroup_mma(pt_op, do_smem.index(slot), dv, is_async=True)
-            dk_tok = warpgroup_mma(ds_mine, q_smem.index(slot), dk, is_async=True)
-            mbarrier.wait(ds_ready.index(g % 2), (g // 2) & 1)
-            dq_tok = warpgroup_mma(ds0.permute((1, 0)), k_cols0, zero_dq, use_acc=False, is_async=True)
-            dq_tok = warpgroup_mma(ds1.permute((1, 0)), k_cols1, dq_tok, is_async=True)
-            dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op))
-            mbarrier.arrive(q_empty.index(slot))
-            mbarrier.arrive(do_empty.index(slot))
-            if DQ_TMA:
-                # The reduce that last read this staging buffer (DQ_BUFFERS
-                # blocks ago) must be done reading it before any thread
-                # overwrites it: the thread that issued it waits, the barrier
-                # holds the others.
-                dq_buf = dq_smem.index(HALF * DQ_BUFFERS + g % DQ_BUFFERS)
-                tma.store_wait(DQ_BUFFERS - 1)
-                gl.thread_barrier()
-                dq_buf.store(dq)
-                fence_async_shared()
-                gl.thread_barrier()
-                _tma_reduce_add(dqa_desc, [b, head, m0, HALF * HALF_D], dq_buf.reshape([1, 1, BLOCK_M, HALF_D]))
-            else:
-                rows = m0 + dq_r
-                ptrs = (DQacc + b64 * stride_dqa_b + head.to(gl.int64) * stride_dqa_h
-                        + gl.expand_dims(rows.to(gl.int64) * stride_dqa_n, 1) + gl.expand_dims(dq_c, 0))
-                gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < N, 1), sem="relaxed")
+        if MASK_KIND == 0:
+            for i in range(n_iters):
+                dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half, k_cols0,
+                                   k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready, do_empty,
+                                   ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj, j0, right_from,
+                                   left_to, diag_off, window_left, window_right, qk_scale, 0, 0, Mask, b, b64,
+                                   stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc,
+                                   stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
+                                   HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, 0, False,
+                                   COALESCED_MASK, st_layout, a_layout, col)
+        else:
+            # Per query head, the blocks inside the keys' neutral query rows,
+            # [m_a, m_b), run without the mask code in a loop of their own
+            # (the forward's split, _fwd_step); the heads' blocks keep their
+            # order, so the ring and dS counters run as before. n_iters //
+            # n_m is G, or 0 when the tile sees no query row.
+            m_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo_m, BLOCK_M), 0), n_m)
+            m_b = gl.minimum(gl.maximum((free_hi - lo_m) // BLOCK_M, m_a), n_m)
+            for hh in range(n_iters // n_m):
+                for mi in range(0, m_a):
+                    dk, dv = _bwd_step(hh * n_m + mi, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half,
+                                       v_half, k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty,
+                                       do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st,
+                                       zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right,
+                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
+                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
+                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
+                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS,
+                                       MASK_KIND, True, COALESCED_MASK, st_layout, a_layout, col)
+                for mi in range(m_a, m_b):
+                    dk, dv = _bwd_step(hh * n_m + mi, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half,
+                                       v_half, k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty,
+                                       do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st,
+                                       zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right,
+                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
+                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
+                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
+                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS,
+                                       MASK_KIND, False, COALESCED_MASK, st_layout, a_layout, col)
+                for mi in range(m_b, n_m):
+                    dk, dv = _bwd_step(hh * n_m + mi, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half,
+                                       v_half, k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty,
+                                       do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st,
+                                       zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right,
+                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
+                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
+                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
+                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS,
+                                       MASK_KIND, True, COALESCED_MASK, st_layout, a_layout, col)
         async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
         # This group's products of the tile are done (its last dQ read the
         # other group's K half too): with both arrivals the loader refills K and V.

@@ -482,42 +482,33 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         l_i = gl.sum(p, axis=1)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
 
-        if MASK_KIND == 0:
-            for j in range(1, n_blocks):
+        # The tile's blocks in three runs: before the rows' neutral keys,
+        # inside them ([j_a, j_b), run with the unmasked body: the mask code
+        # stays out of the hot loop's code and registers) and after. An
+        # unmasked call has the one run.
+        for run in gl.static_range(1 if MASK_KIND == 0 else 3):
+            if MASK_KIND == 0:
+                j_lo = 1
+                j_hi = n_blocks
+            else:
+                j_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo, BLOCK_N), 1), n_blocks)
+                j_b = gl.minimum(gl.maximum((free_hi - lo) // BLOCK_N, j_a), n_blocks)
+                if run == 0:
+                    j_lo = 1
+                    j_hi = j_a
+                elif run == 1:
+                    j_lo = j_a
+                    j_hi = j_b
+                else:
+                    j_lo = j_b
+                    j_hi = n_blocks
+            for j in range(j_lo, j_hi):
                 p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
                                              v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
                                              diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
                                              mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
-                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, 0, s_layout, p_layout,
-                                             row_o)
-        else:
-            # The blocks inside the rows' neutral keys, [j_a, j_b), run the
-            # unmasked body in a loop of their own: the mask code, in the
-            # loops before and after, stays out of the hot loop's code and
-            # registers.
-            j_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo, BLOCK_N), 1), n_blocks)
-            j_b = gl.minimum(gl.maximum((free_hi - lo) // BLOCK_N, j_a), n_blocks)
-            for j in range(1, j_a):
-                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
-                                             v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
-                                             diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
-                                             mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
-                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, MASK_KIND, s_layout,
-                                             p_layout, row_o)
-            for j in range(j_a, j_b):
-                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
-                                             v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
-                                             diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
-                                             mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
-                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, 0, s_layout, p_layout,
-                                             row_o)
-            for j in range(j_b, n_blocks):
-                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
-                                             v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
-                                             diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
-                                             mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
-                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, MASK_KIND, s_layout,
-                                             p_layout, row_o)
+                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, MASK_KIND * (run != 1),
+                                             s_layout, p_layout, row_o)
         # Every product that reads this tile's q has finished: the next tile's may load.
         mbarrier.arrive(q_empty.index(HALF))
 
@@ -1293,6 +1284,9 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
             unused_lo, unused_hi, f_lo, f_hi = _table_reduce(QueryTable, qtab_off, j0, M, HALF_N // COL_GROUP,
                                                              COL_GROUP, QUERY_ENTRY, 4)
             free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_M)
+        else:
+            free_lo = 0
+            free_hi = 0
         dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
         # lse and delta go through shared memory, copied one iteration ahead:
@@ -1307,53 +1301,44 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
         mbarrier.wait(kv_ready, n_done & 1)
         if MASK_KIND == 0:
             for i in range(n_iters):
-                dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half, k_cols0,
-                                   k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready, do_empty,
-                                   ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj, j0, right_from,
-                                   left_to, diag_off, window_left, window_right, qk_scale, 0, 0, Mask, b, b64,
-                                   stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc,
-                                   stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
-                                   HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, 0, False,
+                dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half,
+                                   k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready,
+                                   do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj,
+                                   j0, right_from, left_to, diag_off, window_left, window_right, qk_scale,
+                                   free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q,
+                                   stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b, stride_dqa_h,
+                                   stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
+                                   BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND, False,
                                    COALESCED_MASK, st_layout, a_layout, col)
         else:
-            # Per query head, the blocks inside the keys' neutral query rows,
-            # [m_a, m_b), run without the mask code in a loop of their own
-            # (the forward's split, _fwd_step); the heads' blocks keep their
-            # order, so the ring and dS counters run as before. n_iters //
-            # n_m is G, or 0 when the tile sees no query row.
+            # Per query head, the q/dO blocks in three runs: before the keys'
+            # neutral query rows, inside them ([m_a, m_b), without the mask
+            # code, as the forward's split) and after; the heads' blocks keep
+            # their order, so the ring and dS counters run as before.
+            # n_iters // n_m is G, or 0 when the tile sees no query row.
             m_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo_m, BLOCK_M), 0), n_m)
             m_b = gl.minimum(gl.maximum((free_hi - lo_m) // BLOCK_M, m_a), n_m)
             for hh in range(n_iters // n_m):
-                for mi in range(0, m_a):
-                    dk, dv = _bwd_step(hh * n_m + mi, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half,
-                                       v_half, k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty,
-                                       do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st,
-                                       zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right,
-                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
-                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
-                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
-                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS,
-                                       MASK_KIND, True, COALESCED_MASK, st_layout, a_layout, col)
-                for mi in range(m_a, m_b):
-                    dk, dv = _bwd_step(hh * n_m + mi, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half,
-                                       v_half, k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty,
-                                       do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st,
-                                       zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right,
-                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
-                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
-                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
-                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS,
-                                       MASK_KIND, False, COALESCED_MASK, st_layout, a_layout, col)
-                for mi in range(m_b, n_m):
-                    dk, dv = _bwd_step(hh * n_m + mi, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half,
-                                       v_half, k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty,
-                                       do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st,
-                                       zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right,
-                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
-                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
-                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
-                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS,
-                                       MASK_KIND, True, COALESCED_MASK, st_layout, a_layout, col)
+                for run in gl.static_range(3):
+                    if run == 0:
+                        i_lo = hh * n_m
+                        i_hi = hh * n_m + m_a
+                    elif run == 1:
+                        i_lo = hh * n_m + m_a
+                        i_hi = hh * n_m + m_b
+                    else:
+                        i_lo = hh * n_m + m_b
+                        i_hi = hh * n_m + n_m
+                    for i in range(i_lo, i_hi):
+                        dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half,
+                                           k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready,
+                                           do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj,
+                                           j0, right_from, left_to, diag_off, window_left, window_right, qk_scale,
+                                           free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q,
+                                           stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b, stride_dqa_h,
+                                           stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
+                                           BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND, run != 1,
+                                           COALESCED_MASK, st_layout, a_layout, col)
         async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
         # This group's products of the tile are done (its last dQ read the
         # other group's K half too): with both arrivals the loader refills K and V.

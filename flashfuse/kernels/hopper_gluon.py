@@ -1284,6 +1284,15 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
             unused_lo, unused_hi, f_lo, f_hi = _table_reduce(QueryTable, qtab_off, j0, M, HALF_N // COL_GROUP,
                                                              COL_GROUP, QUERY_ENTRY, 4)
             free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_M)
+            if MASK_KIND == 2:
+                # A half with no key below M has nothing in the table, which
+                # then calls every row neutral. Yet past M the scores are the
+                # zero-filled keys' 0, not -inf, and a marked row's shift
+                # turns 0 into inf: uncapped, inf·0 is NaN in dQ. Such a half
+                # reads the mask (every load predicated off), so it is capped.
+                keeps = (j0 < M).to(gl.int32)
+                free_lo = free_lo * keeps
+                free_hi = free_hi * keeps
         else:
             free_lo = 0
             free_hi = 0

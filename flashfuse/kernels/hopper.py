@@ -157,7 +157,14 @@ BWD_MIN_KEYS = {128: 384, 64: 512}
 # both forwards on Hopper), no faster with a float mask at D = 128; at
 # 512-1024 keys no faster in kernel time (bench/block_mask_times.py: GPT-2's
 # layer even, a BERT-style one 0.88x), where eager steps are host-bound.
-BWD_MASK_MIN_KEYS = {128: 2048, 64: 2048}
+# Since run 30 the masked variants run a tile's neutral blocks in a loop of
+# their own, without the mask code: at GPT-2's layer (D = 64, causal 1k,
+# 512 keys per row on average, bf16 float mask) the fused backward took 199
+# µs against the portable backward's 240 (H100, mask_cost_probe_run30.txt,
+# block_mask_times_run30.csv), so at D = 64 the masked crossover is the
+# unmasked one. D = 128 was not measured against the portable kernels below
+# 4k keys on that code.
+BWD_MASK_MIN_KEYS = {128: 2048, 64: 512}
 BWD_FLOAT_MASK_DIMS = (64,)
 # Inside a compiled graph the masked backward runs through the opaque
 # flashfuse::_hopper_backward with the mask and a block mask's tables: run

@@ -606,9 +606,9 @@ def test_mask_loads_agree(monkeypatch, kind, D):
     B, Hq, Hkv, N, M = 2, 4, 2, 777, 1001
     gen = torch.Generator(device="cuda").manual_seed(D + N)
     q, k, v = _inputs(B, Hq, Hkv, N, M, D, torch.bfloat16, "contiguous", gen)
-    mask = _mask(kind, B, 1 if kind != "bool_blocks" else Hkv, N, M, torch.bfloat16, seed=M)
-    if kind == "bool_blocks":  # alike over the query heads of a key/value head
-        mask = mask.repeat_interleave(Hq // Hkv, 1)
+    # One mask for every head: the fused backward takes no mask that differs
+    # between the query heads of a key/value head.
+    mask = _mask(kind, B, 1, N, M, torch.bfloat16, seed=M)
     dout = torch.randn(B, Hq, N, D, generator=gen, device="cuda").to(torch.bfloat16)
     grads = {}
     for how in ("coalesced", "direct"):
@@ -855,10 +855,13 @@ def test_masked_calls_route_through_the_rule(monkeypatch):
     monkeypatch.setattr(hopper, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(hopper, "gluon_available", lambda: True)
     band = dict(dropout_p=0.0, scale=0.125, window_left=None, window_right=None, bottom_right=False)
-    long, short = hopper.BWD_MASK_MIN_KEYS[64], hopper.BWD_MASK_MIN_KEYS[64] // 2
+    # D = 128: its masked crossover lies above the unmasked one (at D = 64
+    # they are one, so no row is refused for the mask alone).
+    long, short = hopper.BWD_MASK_MIN_KEYS[128], hopper.BWD_MASK_MIN_KEYS[128] // 2
+    assert short >= hopper.BWD_MIN_KEYS[128]
     with FakeTensorMode(allow_non_fake_inputs=True):
         for N, takes in ((long, True), (short, False)):
-            q = torch.empty(1, 4, N, 64, dtype=torch.bfloat16, device="cuda")
+            q = torch.empty(1, 4, N, 128, dtype=torch.bfloat16, device="cuda")
             mask = torch.empty(1, 1, 1, N, dtype=torch.bool, device="cuda")
             kt = torch.empty(1, 1, N // 16, 5, dtype=torch.int32, device="cuda")
             qt = torch.empty(1, 1, N // 32, 4, dtype=torch.int32, device="cuda")

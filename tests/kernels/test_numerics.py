@@ -140,6 +140,32 @@ def test_large_scores_with_large_negative_mask(path, dtype):
                              grad_tol=5 * TOL[dtype][1])
 
 
+def _negative_logit_inputs(dtype, N, M, D, magnitude=200.0, seed=0):
+    """q, k of unit entries except the first, -a in q and a in k: every
+    q_i . k_j is -``magnitude`` (scale 1) plus an ordinary score, so each
+    row's log-sum-exp lies far below -88, where exp2(-lse) of a score of 0
+    overflows float32 (a key past the sequence's end that a kernel reads as
+    zeros and forgets to hide scores 0). The common part sits in one
+    coordinate, so the gradients stay as well conditioned as usual."""
+    g = torch.Generator().manual_seed(seed)
+    a = math.sqrt(magnitude)
+    q = torch.randn(1, 2, N, D, generator=g)
+    k = torch.randn(1, 2, M, D, generator=g)
+    q[..., 0] = -a
+    k[..., 0] = a
+    v = torch.randn(1, 2, M, D, generator=g)
+    return [t.to(DEVICE, dtype).requires_grad_(True) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_only_very_negative_scores(path, dtype):
+    """Every score near -200: finite and exact, forward and gradients, with
+    a key count that leaves the last key block part empty."""
+    q, k, v = _negative_logit_inputs(dtype, 7, 37, 16)
+    assert (q.double() @ k.double().mT).max() < -150  # the test really reaches the range
+    _check_against_reference(q, k, v, scale=1.0)
+
+
 # ---------------------------------------------------------------------------
 # Fully masked rows
 # ---------------------------------------------------------------------------

@@ -157,13 +157,15 @@ def _negative_logit_inputs(dtype, N, M, D, magnitude=200.0, seed=0):
     return [t.to(DEVICE, dtype).requires_grad_(True) for t in (q, k, v)]
 
 
+@pytest.mark.parametrize("N, causal", [(7, False), (45, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_of_only_very_negative_scores(path, dtype):
+def test_rows_of_only_very_negative_scores(path, dtype, N, causal):
     """Every score near -200: finite and exact, forward and gradients, with
-    a key count that leaves the last key block part empty."""
-    q, k, v = _negative_logit_inputs(dtype, 7, 37, 16)
+    a key count that leaves the last key block part empty; no band, and a
+    top-left causal band whose last rows see every key."""
+    q, k, v = _negative_logit_inputs(dtype, N, 37, 16)
     assert (q.double() @ k.double().mT).max() < -150  # the test really reaches the range
-    _check_against_reference(q, k, v, scale=1.0)
+    _check_against_reference(q, k, v, scale=1.0, is_causal=causal)
 
 
 # ---------------------------------------------------------------------------

@@ -1162,8 +1162,10 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
     # there a bool mask hides raw scores, a float one is added to
     # the scaled scores (multiplier 1 then), and marked rows are
     # capped. A block every row sees through neutral values holds
-    # no marked row's visible key (its score is -inf), so the cap
-    # is needed only where the mask is read.
+    # no marked row (its keys are all hidden), so the cap is needed
+    # only where the mask is read; a key half wholly past M, which
+    # the table calls neutral for every row, reads it (see
+    # _fused_consumer).
     sc = qk_scale
     if READS_MASK:
         reads_mask = (m0 < free_lo) | (m0 + BLOCK_M > free_hi)

@@ -1310,46 +1310,42 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
         _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF), 0, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
                         BLOCK_M)
         mbarrier.wait(kv_ready, n_done & 1)
+        # Masked: per query head, the q/dO blocks in three runs, before the
+        # keys' neutral query rows, inside them ([m_a, m_b), without the mask
+        # code, as the forward's split) and after; the heads' blocks keep
+        # their order, so the ring and dS counters run as before (n_iters //
+        # n_m is G, or 0 when the tile sees no query row). Unmasked: one run
+        # of every block.
         if MASK_KIND == 0:
-            for i in range(n_iters):
-                dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half,
-                                   k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready,
-                                   do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj,
-                                   j0, right_from, left_to, diag_off, window_left, window_right, qk_scale,
-                                   free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q,
-                                   stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b, stride_dqa_h,
-                                   stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
-                                   BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND, False,
-                                   COALESCED_MASK, st_layout, a_layout, col)
+            n_heads = 1
         else:
-            # Per query head, the q/dO blocks in three runs: before the keys'
-            # neutral query rows, inside them ([m_a, m_b), without the mask
-            # code, as the forward's split) and after; the heads' blocks keep
-            # their order, so the ring and dS counters run as before.
-            # n_iters // n_m is G, or 0 when the tile sees no query row.
             m_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo_m, BLOCK_M), 0), n_m)
             m_b = gl.minimum(gl.maximum((free_hi - lo_m) // BLOCK_M, m_a), n_m)
-            for hh in range(n_iters // n_m):
-                for run in gl.static_range(3):
-                    if run == 0:
-                        i_lo = hh * n_m
-                        i_hi = hh * n_m + m_a
-                    elif run == 1:
-                        i_lo = hh * n_m + m_a
-                        i_hi = hh * n_m + m_b
-                    else:
-                        i_lo = hh * n_m + m_b
-                        i_hi = hh * n_m + n_m
-                    for i in range(i_lo, i_hi):
-                        dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half,
-                                           k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready,
-                                           do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj,
-                                           j0, right_from, left_to, diag_off, window_left, window_right, qk_scale,
-                                           free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q,
-                                           stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b, stride_dqa_h,
-                                           stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
-                                           BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND, run != 1,
-                                           COALESCED_MASK, st_layout, a_layout, col)
+            n_heads = n_iters // n_m
+        for hh in range(n_heads):
+            for run in gl.static_range(1 if MASK_KIND == 0 else 3):
+                if MASK_KIND == 0:
+                    i_lo = 0
+                    i_hi = n_iters
+                elif run == 0:
+                    i_lo = hh * n_m
+                    i_hi = hh * n_m + m_a
+                elif run == 1:
+                    i_lo = hh * n_m + m_a
+                    i_hi = hh * n_m + m_b
+                else:
+                    i_lo = hh * n_m + m_b
+                    i_hi = hh * n_m + n_m
+                for i in range(i_lo, i_hi):
+                    dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half,
+                                       k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready,
+                                       do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj,
+                                       j0, right_from, left_to, diag_off, window_left, window_right, qk_scale,
+                                       free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q,
+                                       stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b, stride_dqa_h,
+                                       stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
+                                       BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND,
+                                       MASK_KIND != 0 and run != 1, COALESCED_MASK, st_layout, a_layout, col)
         async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
         # This group's products of the tile are done (its last dQ read the
         # other group's K half too): with both arrivals the loader refills K and V.

@@ -54,6 +54,7 @@ def main():
         return "forced: the portable backward" if backward else real_refusal(p, backward)
 
     def setup(name):
+        """The rule for variant ``name``; any other name restores the default."""
         hopper.mask_refusal = portable_backward if name == "portable bwd" else real_refusal
         hopper.BWD_MASK_MIN_KEYS, hopper.BWD_FLOAT_MASK_DIMS, hopper.BWD_MASK_LOADS = rule
         if name.startswith("hopper bwd"):

@@ -12,7 +12,7 @@ mask-code stand-ins drop. The probe runs nothing else under them.
 * ``mask-code``: the per-score mask work goes: the forward's
   ``_consumer_scores`` becomes the unmasked one (raw scores, the scale in
   exp2's FMA), the backward's mask loads return the scores as they are and
-  its float cap is 1 (whichever of these helpers the kernels have).
+  its float cap is 1.
 * ``all``: both.
 
 The stand-ins replace the helpers in ``hopper_gluon``'s namespace before
@@ -25,7 +25,7 @@ from common import MASK_ABLATIONS
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from flashfuse.kernels.hopper_gluon import _INT_MAX, LOG2E
+from flashfuse.kernels.hopper_gluon import _INT_MAX
 
 
 @gluon.jit
@@ -46,24 +46,16 @@ def _unmasked_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base,
 
 
 @gluon.jit
-def _scores_as_they_are_t(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr):
+def _scores_as_they_are_t_direct(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr):
     """The backward's direct mask loads, dropped."""
     return st
 
 
 @gluon.jit
-def _scores_as_they_are_t_tiled(st, mask_base, q0, k0, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr,
-                                KEYS: gl.constexpr, QUERIES: gl.constexpr, layout: gl.constexpr):
+def _scores_as_they_are_t(st, mask_base, q0, k0, N, M, stride_mask_q, stride_mask_k, MASK_KIND: gl.constexpr,
+                          KEYS: gl.constexpr, QUERIES: gl.constexpr, layout: gl.constexpr):
     """The backward's coalesced mask loads, dropped."""
     return st
-
-
-@gluon.jit
-def _uncapped_probabilities_t(st, lse, real, MASK_KIND: gl.constexpr):
-    """The backward's probabilities (scores already scaled) without the
-    float mask's cap and marker handling."""
-    shift = gl.where(real, lse * LOG2E, float("inf"))
-    return gl.exp2(st - gl.expand_dims(shift, 0))
 
 
 @gluon.jit
@@ -83,14 +75,10 @@ def apply(name: str) -> list[str]:
     if name in ("tables", "all"):
         swaps["_table_reduce"] = _whole_band_table
     if name in ("mask-code", "all"):
-        swaps.update(_consumer_scores=_unmasked_scores, _masked_scores_t_direct=_scores_as_they_are_t,
-                     _probabilities_t=_uncapped_probabilities_t, _marked_caps=_no_caps)
-        # The direct loads are ``_masked_scores_t`` where the kernels have no other.
-        tiled = hasattr(hopper_gluon, "_masked_scores_t_direct")
-        swaps["_masked_scores_t"] = _scores_as_they_are_t_tiled if tiled else _scores_as_they_are_t
-    done = []
+        swaps.update(_consumer_scores=_unmasked_scores, _masked_scores_t_direct=_scores_as_they_are_t_direct,
+                     _marked_caps=_no_caps, _masked_scores_t=_scores_as_they_are_t)
     for helper, stand_in in swaps.items():
-        if hasattr(hopper_gluon, helper):
-            setattr(hopper_gluon, helper, stand_in)
-            done.append(helper)
-    return done
+        if not hasattr(hopper_gluon, helper):  # a stand-in for a helper the kernels lost would time nothing
+            raise RuntimeError(f"mask_ablations: hopper_gluon has no {helper} to stand in for")
+        setattr(hopper_gluon, helper, stand_in)
+    return list(swaps)

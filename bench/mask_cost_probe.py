@@ -90,9 +90,9 @@ def main():
         # (the call's arguments, the same with the mask itself: what the
         # kernel-naming rule takes)
         calls = {"is_causal": (dict(is_causal=True), dict(is_causal=True))}
-        for name, (mask, causal) in masks.items():
-            calls[name] = (dict(attn_mask=flashfuse.block_mask(mask, N, N, is_causal=causal)),
-                           dict(attn_mask=mask, is_causal=causal))
+        for name, (mask, with_causal) in masks.items():
+            calls[name] = (dict(attn_mask=flashfuse.block_mask(mask, N, N, is_causal=with_causal)),
+                           dict(attn_mask=mask, is_causal=with_causal))
         out = {}
         for name in variants:
             kwargs, plain = calls[name]

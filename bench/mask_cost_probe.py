@@ -22,6 +22,7 @@ into the forward kernel and the rest (the backward's kernels).
     python bench/mask_cost_probe.py
     python bench/mask_cost_probe.py --mask-loads coalesced   # the backward's mask tile loads
     python bench/mask_cost_probe.py --ablate tables           # mask_ablations.py
+    python bench/mask_cost_probe.py --shapes 64x1024          # GPT-2's layer only
 
 ``--ablate`` swaps stand-ins for parts of the masked kernels
 (``mask_ablations.py``: the table reads, the per-score mask code, or both)
@@ -56,6 +57,8 @@ def main():
                    help="the fused backward's mask tile loads at every head dim (default: hopper.BWD_MASK_LOADS)")
     p.add_argument("--ablate", choices=common.MASK_ABLATIONS, default=None,
                    help="swap stand-ins for parts of the masked kernels (mask_ablations.py); neutral rows only")
+    p.add_argument("--shapes", default=None,
+                   help="only these (D, N) shapes, e.g. 64x1024 or 64x1024,128x4096 (default: all three)")
     args = p.parse_args()
     device = common.gpu_device(args, "times the Hopper kernels")
     if device is None:
@@ -76,7 +79,10 @@ def main():
     res = common.Results(args.out, "mask_cost_probe.csv", env)
     print(env, flush=True)
     rows = []
+    wanted = None if not args.shapes else {tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")}
     for D, B, H, N in SHAPES:
+        if wanted is not None and (D, N) not in wanted:
+            continue
         torch.manual_seed(0)
         q, k, v, _ = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D), device)
         g = torch.randn_like(q)

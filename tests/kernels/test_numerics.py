@@ -572,6 +572,16 @@ def test_gpu_large_scores(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_rows_of_only_very_negative_scores(D):
+    """As on the CPU, at sizes the Hopper backward takes (no band, 700 keys:
+    the last 128-key tile has one half partly and one wholly past the end)."""
+    q, k, v = _negative_logit_inputs(torch.bfloat16, 512, 700, D)
+    assert (q.double() @ k.double().mT).max() < -100
+    _check_against_reference(q, k, v, scale=1.0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_decoding(N, dtype):

@@ -652,20 +652,24 @@ def _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT:
 
 
 @gluon.jit
-def _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left, window_right,
-                                 HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr):
+def _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, M, diag_off, window_left,
+                                 window_right, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr):
     """Transposed scores (keys ``kj`` by queries ``qi``) set to -inf outside
-    the band, only for a query block starting at ``m0`` that crosses an edge
-    of it (``right_from`` / ``left_to``: the block starts between which every
-    row sees all of this consumer's keys)."""
-    need = False
+    the band and at keys from ``M`` on, only for a query block starting at
+    ``m0`` that crosses an edge of the band (``right_from`` / ``left_to``:
+    the block starts between which every row sees all of this consumer's
+    keys) or whose consumer holds keys past the end (``past_end``). Those
+    keys are the copy engine's zero fill: their score 0 would otherwise
+    give exp2(-lse), which overflows to inf for a row whose lse lies below
+    -88, and inf times the zero keys is NaN in dQ."""
+    need = past_end
     if HAS_WINDOW_RIGHT:
         need = need | (m0 < right_from)
     if HAS_WINDOW_LEFT:
         need = need | (m0 > left_to)
     if need:
         i2 = gl.expand_dims(qi, 0)
-        vis = (kj >= 0) & (i2 >= 0)
+        vis = (kj < M) & (i2 >= 0)
         if HAS_WINDOW_RIGHT:
             vis = vis & (kj <= i2 + diag_off + window_right)
         if HAS_WINDOW_LEFT:
@@ -775,6 +779,9 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
     # m0 >= right_from (causal edge) and m0 <= left_to (left window edge).
     right_from = j0 + HALF_N - 1 - diag_off - window_right
     left_to = j0 - diag_off + window_left - BLOCK_M + 1
+    # Keys past the end need no hiding here: their dK and dV rows are not
+    # stored, and this kernel forms no dQ.
+    past_end = False
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iters):
         slot = i % STAGES
@@ -791,8 +798,8 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
         dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)
         st = warpgroup_mma_wait(1, deps=(st_tok, ))
-        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left, window_right,
-                                          HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, _INT_MAX, diag_off,
+                                          window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -1121,9 +1128,9 @@ def _store_key_rows(x, base, b64, hk, stride_b, stride_h, stride_n, j0, M, ROWS:
 @gluon.jit
 def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half, k_cols0, k_cols1, ds_smem,
               dq_smem, stat_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h,
-              zero_st, zero_dq, kj, j0, right_from, left_to, diag_off, window_left, window_right, qk_scale, free_lo,
-              free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M, dqa_desc,
-              DQacc, stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c,
+              zero_st, zero_dq, kj, j0, right_from, left_to, past_end, diag_off, window_left, window_right, qk_scale,
+              free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M,
+              dqa_desc, DQacc, stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c,
               HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
               HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr,
               DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr, READS_MASK: gl.constexpr,
@@ -1155,7 +1162,7 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
     stats = stat_smem.index(2 * HALF + i % 2)
     shift = _row_shifts(stats.slice(0, BLOCK_M).load(col), qi < N, MASK_KIND)
     delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
-    st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, diag_off, window_left,
+    st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, M, diag_off, window_left,
                                       window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
     # Probabilities as the unmasked kernel recomputes them (scale
     # and shift in one FMA), except in blocks that read the mask:
@@ -1280,6 +1287,7 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
         kj = gl.expand_dims(j0 + gl.arange(0, HALF_N, layout=row), 1)
         right_from = j0 + HALF_N - 1 - diag_off - window_right
         left_to = j0 - diag_off + window_left - BLOCK_M + 1
+        past_end = j0 + HALF_N > M
         if MASK_KIND != 0:
             # The query blocks this group's keys all see as neutral.
             qtab_off = b64 * stride_qtab_b + h0.to(gl.int64) * stride_qtab_h
@@ -1340,11 +1348,11 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
                     dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half,
                                        k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready,
                                        do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj,
-                                       j0, right_from, left_to, diag_off, window_left, window_right, qk_scale,
-                                       free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q,
-                                       stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b, stride_dqa_h,
-                                       stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N,
-                                       BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND,
+                                       j0, right_from, left_to, past_end, diag_off, window_left, window_right,
+                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
+                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
+                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
+                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND,
                                        MASK_KIND != 0 and run != 1, COALESCED_MASK, st_layout, a_layout, col)
         async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
         # This group's products of the tile are done (its last dQ read the

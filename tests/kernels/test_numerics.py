@@ -572,6 +572,18 @@ def test_gpu_large_scores(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N, M, causal", [(512, 700, False), (1500, 1300, True)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_rows_of_only_very_negative_scores(D, N, M, causal):
+    """As on the CPU, at sizes the Hopper backward takes: no band with 700
+    keys (the last 128-key tile has one half partly and one wholly past the
+    end), and top-left causal with 200 more queries than keys."""
+    q, k, v = _negative_logit_inputs(torch.bfloat16, N, M, D)
+    assert (q.double() @ k.double().mT).max() < -100
+    _check_against_reference(q, k, v, scale=1.0, is_causal=causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_decoding(N, dtype):

@@ -653,23 +653,29 @@ def _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT:
 
 @gluon.jit
 def _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, M, diag_off, window_left,
-                                 window_right, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr):
+                                 window_right, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+                                 HIDES_PAST_END: gl.constexpr):
     """Transposed scores (keys ``kj`` by queries ``qi``) set to -inf outside
-    the band and at keys from ``M`` on, only for a query block starting at
-    ``m0`` that crosses an edge of the band (``right_from`` / ``left_to``:
-    the block starts between which every row sees all of this consumer's
-    keys) or whose consumer holds keys past the end (``past_end``). Those
-    keys are the copy engine's zero fill: their score 0 would otherwise
-    give exp2(-lse), which overflows to inf for a row whose lse lies below
-    -88, and inf times the zero keys is NaN in dQ."""
-    need = past_end
+    the band, only for a query block starting at ``m0`` that crosses an edge
+    of it (``right_from`` / ``left_to``: the block starts between which every
+    row sees all of this consumer's keys). With HIDES_PAST_END also at keys
+    from ``M`` on, in every block of a consumer that holds some
+    (``past_end``). Those keys are the copy engine's zero fill: their score
+    0 would otherwise give exp2(-lse), which overflows to inf for a row
+    whose lse lies below -88, and inf times the zero keys is NaN in dQ."""
+    need = False
+    if HIDES_PAST_END:
+        need = past_end
     if HAS_WINDOW_RIGHT:
         need = need | (m0 < right_from)
     if HAS_WINDOW_LEFT:
         need = need | (m0 > left_to)
     if need:
         i2 = gl.expand_dims(qi, 0)
-        vis = (kj < M) & (i2 >= 0)
+        if HIDES_PAST_END:
+            vis = (kj < M) & (i2 >= 0)
+        else:
+            vis = (kj >= 0) & (i2 >= 0)
         if HAS_WINDOW_RIGHT:
             vis = vis & (kj <= i2 + diag_off + window_right)
         if HAS_WINDOW_LEFT:
@@ -779,9 +785,6 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
     # m0 >= right_from (causal edge) and m0 <= left_to (left window edge).
     right_from = j0 + HALF_N - 1 - diag_off - window_right
     left_to = j0 - diag_off + window_left - BLOCK_M + 1
-    # Keys past the end need no hiding here: their dK and dV rows are not
-    # stored, and this kernel forms no dQ.
-    past_end = False
     mbarrier.wait(kv_bar, 0)
     for i in range(n_iters):
         slot = i % STAGES
@@ -798,8 +801,10 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
         dpt_tok = warpgroup_mma(v_half, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
                                 is_async=True)
         st = warpgroup_mma_wait(1, deps=(st_tok, ))
-        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, _INT_MAX, diag_off,
-                                          window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+        # Keys past the end stay as they are here: their dK and dV rows are
+        # not stored, and this kernel forms no dQ.
+        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, False, 0, diag_off, window_left,
+                                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, False)
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -1163,7 +1168,7 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
     shift = _row_shifts(stats.slice(0, BLOCK_M).load(col), qi < N, MASK_KIND)
     delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
     st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, M, diag_off, window_left,
-                                      window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT)
+                                      window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, True)
     # Probabilities as the unmasked kernel recomputes them (scale
     # and shift in one FMA), except in blocks that read the mask:
     # there a bool mask hides raw scores, a float one is added to

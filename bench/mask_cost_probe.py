@@ -50,6 +50,21 @@ def split(times: dict, reps: int) -> tuple[float, float]:
     return fwd, rest
 
 
+def _wanted_shapes(parser, text: str | None) -> set | None:
+    """``--shapes`` as a set of (D, N), None for all; a shape the probe does
+    not have is an error naming the ones it has."""
+    if not text:
+        return None
+    known = {(D, N) for D, _, _, N in SHAPES}
+    try:
+        wanted = {tuple(int(x) for x in item.split("x")) for item in text.split(",") if item}
+    except ValueError:
+        wanted = None
+    if not wanted or not wanted <= known:
+        parser.error(f"--shapes {text!r}: give DxN items from {', '.join(f'{D}x{N}' for D, N in sorted(known))}")
+    return wanted
+
+
 def main():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=0)
     p.add_argument("--reps", type=int, default=20)
@@ -60,6 +75,7 @@ def main():
     p.add_argument("--shapes", default=None,
                    help="only these (D, N) shapes, e.g. 64x1024 or 64x1024,128x4096 (default: all three)")
     args = p.parse_args()
+    wanted = _wanted_shapes(p, args.shapes)
     device = common.gpu_device(args, "times the Hopper kernels")
     if device is None:
         return
@@ -79,7 +95,6 @@ def main():
     res = common.Results(args.out, "mask_cost_probe.csv", env)
     print(env, flush=True)
     rows = []
-    wanted = None if not args.shapes else {tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")}
     for D, B, H, N in SHAPES:
         if wanted is not None and (D, N) not in wanted:
             continue

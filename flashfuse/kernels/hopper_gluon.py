@@ -196,7 +196,20 @@ def _table_reduce(Table, tab_off, first, end, GROUPS: gl.constexpr, GROUP: gl.co
     r_hi = gl.max(gl.load(e + 1, mask=real, other=0), axis=0)
     f_lo = gl.max(gl.load(e + 2, mask=real, other=0), axis=0)
     f_hi = gl.min(gl.load(e + 3, mask=real, other=_INT_MAX), axis=0)
-    return r_lo, r_hi, f_lo, f_hi
+    return _warp_uniform(r_lo), _warp_uniform(r_hi), _warp_uniform(f_lo), _warp_uniform(f_hi)
+
+
+@gluon.jit
+def _warp_uniform(x):
+    """``x``, an int32 every thread of the warp holds alike, as lane 0's
+    copy: ptxas then knows it is warp-uniform. A table value as the loads
+    and reductions leave it is not known to be, and neither is anything
+    computed from it (the tile's block range, the ring counter, the smem
+    slots): the masked kernels then kept those in vector registers,
+    converting them (R2UR) for every wgmma descriptor and barrier, and
+    guarded each barrier wait against divergence (BSSY/BSYNC)."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit

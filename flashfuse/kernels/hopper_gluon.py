@@ -1189,8 +1189,8 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
     # capped. A block every row sees through neutral values holds
     # no marked row (its keys are all hidden), so the cap is needed
     # only where the mask is read; a key half wholly past M, which
-    # the table calls neutral for every row, reads it (see
-    # _fused_consumer).
+    # the table calls neutral for every row, has its keys hidden by
+    # past_end instead.
     sc = qk_scale
     if READS_MASK:
         reads_mask = (m0 < free_lo) | (m0 + BLOCK_M > free_hi)
@@ -1311,16 +1311,9 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
             qtab_off = b64 * stride_qtab_b + h0.to(gl.int64) * stride_qtab_h
             unused_lo, unused_hi, f_lo, f_hi = _table_reduce(QueryTable, qtab_off, j0, M, HALF_N // COL_GROUP,
                                                              COL_GROUP, QUERY_ENTRY, 4)
+            # A half with no key below M has nothing in the table, which then
+            # calls every row neutral: its keys are hidden by ``past_end``.
             free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_M)
-            if MASK_KIND == 2:
-                # A half with no key below M has nothing in the table, which
-                # then calls every row neutral. Yet past M the scores are the
-                # zero-filled keys' 0, not -inf, and a marked row's shift
-                # turns 0 into inf: uncapped, inf·0 is NaN in dQ. Such a half
-                # reads the mask (every load predicated off), so it is capped.
-                keeps = (j0 < M).to(gl.int32)
-                free_lo = free_lo * keeps
-                free_hi = free_hi * keeps
         else:
             free_lo = 0
             free_hi = 0

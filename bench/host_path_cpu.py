@@ -165,8 +165,7 @@ def hopper_rows(loops: int, calls: int) -> None:
     remains is flashfuse's own Python on that route (the routing rules, the
     problem, the launch arguments, allocations, the autograd function), not
     Triton's launcher, which ``bench/host_step_probe.py`` measures with it
-    on a GPU host. The backward's float32 dQ buffer is zeroed by the CPU
-    here (a memset kernel on the GPU), so the shape keeps it small."""
+    on a GPU host."""
     import dataclasses
 
     import flashfuse
@@ -183,6 +182,7 @@ def hopper_rows(loops: int, calls: int) -> None:
     hopper_gluon._hopper_attn_fwd = stub
     hopper_gluon._hopper_attn_bwd_fused = stub
     hopper._dq_convert = stub
+    hopper._fused_bwd_prologue = stub
     real_problem = kernels._problem
 
     def on_hopper(*args, **kwargs):  # a CPU tensor's problem as a CUDA one's

@@ -150,8 +150,9 @@ def hopper_launches(a, dtype):
     launches += [("dK/dV (deterministic)", hopper_gluon._hopper_attn_bwd_dkdv, a1, m1),
                  ("dQ (deterministic)", hopper_gluon._hopper_attn_bwd_dq, a2, m2)]
     acc = torch.empty(a.b, a.h, a.n, a.d)
+    rows = hopper.fused_row_buffers(p, q.device)
     for how in ("tma", "atomic"):
-        args, meta, _ = hopper.fused_kernel_args(p, dout, q, k, v, lse, delta, acc, dk, dv, how)
+        args, meta, _ = hopper.fused_kernel_args(p, dout, q, k, v, rows, acc, dk, dv, how)
         if how == "atomic":
             launches.append(("fused, dQ by atomics", hopper_gluon._hopper_attn_bwd_fused, args, meta))
             continue
@@ -162,8 +163,8 @@ def hopper_launches(a, dtype):
     for name, mask in masks:  # the default fused backward reading a mask through its query table
         pm = AttentionProblem.build(q, k, v, mask, **band, backward=True)
         table = torch.empty(a.b, 1, -(-a.n // COL_GROUP), QUERY_ENTRY, dtype=torch.int32)
-        args, meta, _ = hopper.fused_kernel_args(pm, dout, q, k, v, lse, delta, acc, dk, dv, "tma",
-                                                 query_table=table)
+        args, meta, _ = hopper.fused_kernel_args(pm, dout, q, k, v, hopper.fused_row_buffers(pm, q.device), acc, dk,
+                                                 dv, "tma", query_table=table)
         launches.append((f"fused, {name} mask", hopper_gluon._hopper_attn_bwd_fused, args, meta))
         other = "direct" if meta["COALESCED_MASK"] else "coalesced"  # the load hopper.BWD_MASK_LOADS does not take
         launches.append((f"fused, {name} mask, {other} loads", hopper_gluon._hopper_attn_bwd_fused, args,

@@ -59,9 +59,9 @@ def _scores_as_they_are_t(st, mask_base, q0, k0, N, M, stride_mask_q, stride_mas
 
 
 @gluon.jit
-def _no_caps(lse):
+def _no_caps(stats, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     """The float cap, 1 for every row."""
-    return gl.full(lse.shape, 1.0, gl.float32, lse.type.layout)
+    return gl.full([BLOCK_M], 1.0, gl.float32, layout)
 
 
 def apply(name: str) -> list[str]:
@@ -76,7 +76,7 @@ def apply(name: str) -> list[str]:
         swaps["_table_reduce"] = _whole_band_table
     if name in ("mask-code", "all"):
         swaps.update(_consumer_scores=_unmasked_scores, _masked_scores_t_direct=_scores_as_they_are_t_direct,
-                     _marked_caps=_no_caps, _masked_scores_t=_scores_as_they_are_t)
+                     _row_caps=_no_caps, _masked_scores_t=_scores_as_they_are_t)
     for helper, stand_in in swaps.items():
         if not hasattr(hopper_gluon, helper):  # a stand-in for a helper the kernels lost would time nothing
             raise RuntimeError(f"mask_ablations: hopper_gluon has no {helper} to stand in for")

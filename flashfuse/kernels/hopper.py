@@ -74,12 +74,13 @@ in Triton's interpreter: they are tested on the GPU
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import MASK_FLOAT
+from .common import FLT_MAX, MASK_FLOAT, _lse_base2, _lse_cap
 from .launch import (DirectLaunch, _capability, _traced, cdiv, copy_engine_layout, ensure_scratch_allocator,
                      multiprocessors)
 from .problem import AttentionProblem
@@ -215,6 +216,9 @@ BWD_DQ_CHOICES = ("separate", "atomic", "tma")
 BWD_DQ_BUFFERS = {64: 2, 128: 1}
 # Rows of dQ per program of the convert kernel.
 BWD_CONVERT_ROWS = 64
+# The fused backward's per-row inputs are padded to a multiple of this many
+# rows (at least its query block), the rows per program of their kernel.
+BWD_ROW_PAD = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -482,8 +486,8 @@ def _direct(name: str) -> DirectLaunch:
     """The direct launcher of a Hopper kernel (``hopper_gluon.<name>``) or
     of the convert kernel (``"_dq_convert"``), one per kernel object (tests
     stand kernels in)."""
-    if name == "_dq_convert":
-        fn = _dq_convert
+    if name in ("_dq_convert", "_fused_bwd_prologue"):
+        fn = globals()[name]
     else:
         from . import hopper_gluon
 
@@ -609,17 +613,18 @@ def traced_backward_takes(p: AttentionProblem, grad_out, q, k, v, *, dropout_p: 
         p, grad_out, dropout_p=dropout_p, softcap=softcap, mask_grad=mask_grad, traced=True))
 
 
-def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dk, dv, dq_acc=None) -> tuple[tuple, dict]:
+def _dkdv_args(p: AttentionProblem, grad_out, q, k, v, rows: tuple, dk, dv, dq_acc=None) -> tuple[tuple, dict]:
     """``(args, meta)`` of a dK/dV kernel: the deterministic one, or with
     ``dq_acc`` (float32 (B, Hq, N, D), unit stride along D) the fused one,
     whose arguments add it, its strides and the batch size; ``meta``
-    without the fused kernel's dQ options. ``lse`` and ``delta`` share their
-    (B, Hq, N) strides, unit along N."""
+    without the fused kernel's dQ options. ``rows``: the per-row inputs,
+    ``(lse, delta)`` for the deterministic kernel, a ``RowInputs`` for the
+    fused one, sharing their (B, Hq, rows) strides, unit along the rows."""
     fused = dq_acc is not None
     acc, acc_st = ((dq_acc,), _descriptor_strides(dq_acc)) if fused else ((), ())
-    args = (q, k, v, grad_out, dk, dv, *acc, lse, delta, *_descriptor_strides(q), *_descriptor_strides(k),
+    args = (q, k, v, grad_out, dk, dv, *acc, *rows, *_descriptor_strides(q), *_descriptor_strides(k),
             *_descriptor_strides(v), *_descriptor_strides(grad_out), *dk.stride()[:3], *dv.stride()[:3], *acc_st,
-            *lse.stride()[:2], *((p.B,) if fused else ()), *_band(p))
+            *rows[0].stride()[:2], *((p.B,) if fused else ()), *_band(p))
     return args, dict(_flags(p), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=BWD_STAGES[p.D])
 
 
@@ -680,16 +685,17 @@ def backward_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq,
     """``(dkdv_args, dkdv_meta, dq_args, dq_meta)``: the two deterministic
     kernels' positional arguments and launch options. ``lse`` and ``delta``
     share their (B, Hq, N) strides, unit along N."""
-    dkdv_args, dkdv_meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv)
+    dkdv_args, dkdv_meta = _dkdv_args(p, grad_out, q, k, v, (lse, delta), dk, dv)
     dq_args = (q, k, v, grad_out, dq, lse, delta, *p.q_strides[:3], *p.k_strides[:3], *p.v_strides[:3],
                *grad_out.stride()[:3], *dq.stride()[:3], *lse.stride()[:2], *_band(p))
     dq_meta = dict(_flags(p), BLOCK_M=BWD_DQ_BLOCK_M, BLOCK_N=BWD_DQ_BLOCK_N[p.D], STAGES=BWD_DQ_STAGES)
     return dkdv_args, dkdv_meta, dq_args, dq_meta
 
 
-def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how: str,
+def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, rows: RowInputs, dq_acc, dk, dv, how: str,
                       persistent: bool | None = None, query_table: torch.Tensor | None = None) -> tuple:
-    """``(args, meta, programs)`` of ``_hopper_attn_bwd_fused``; ``dq_acc``
+    """``(args, meta, programs)`` of ``_hopper_attn_bwd_fused``; ``rows``
+    its per-row inputs (``fused_row_inputs``); ``dq_acc``
     float32 (B, Hq, N, D), unit stride along D; ``how``: "atomic" or "tma";
     ``persistent``: the grid, ``backward_persistent(p)`` unless given. With
     a mask, ``query_table`` is its query table (``mask_ranges``, for ``p``'s
@@ -698,11 +704,79 @@ def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, lse, delta, dq_acc
 
     if persistent is None:
         persistent = backward_persistent(p)
-    args, meta = _dkdv_args(p, grad_out, q, k, v, lse, delta, dk, dv, dq_acc)
-    mask, table, mask_strides = _mask_operands(p, query_table, (q, lse))
+    args, meta = _dkdv_args(p, grad_out, q, k, v, rows, dk, dv, dq_acc)
+    mask, table, mask_strides = _mask_operands(p, query_table, (q, rows.shift))
     meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1,
                 MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP, COALESCED_MASK=BWD_MASK_LOADS[p.D] == "coalesced")
     return (*args, mask, table, *mask_strides), meta, backward_programs(p, persistent)
+
+
+class RowInputs(NamedTuple):
+    """The fused backward's per-row inputs, each (B, Hq, rows) float32 with
+    the same strides, unit along the rows, ``rows`` N rounded up to
+    ``BWD_ROW_PAD``: rows past N have shift +inf (probabilities 0) and
+    delta 0, so the kernel's blocks need no row test.
+
+    * ``shift``: what the kernel subtracts from a base-2 score to recompute
+      a probability: lse * log2(e); +inf for a row that saw no key; with a
+      float mask, -FLT_MAX for a row whose lse is the marker (it averages l
+      keys hidden by a finite value: every score then exceeds 1, capped).
+    * ``delta``: rowsum(dO * O) (less ``grad_lse``), as the caller gave it.
+    * ``cap``: with a float mask, 1 / l for a marked row and 1 elsewhere
+      (``common._lse_cap``); else ``shift`` again, never read."""
+
+    shift: torch.Tensor
+    delta: torch.Tensor
+    cap: torch.Tensor
+
+
+def fused_row_buffers(p: AttentionProblem, device) -> RowInputs:
+    """Unfilled ``RowInputs`` for ``p``: one (B, Hq, 2 or 3, rows) tensor."""
+    rows = cdiv(p.N, BWD_ROW_PAD) * BWD_ROW_PAD
+    n = 3 if p.mask_kind == MASK_FLOAT else 2
+    buf = torch.empty((p.B, p.Hq, n, rows), dtype=torch.float32, device=device)
+    return RowInputs(buf[:, :, 0], buf[:, :, 1], buf[:, :, 2] if n == 3 else buf[:, :, 0])
+
+
+@triton.jit(do_not_specialize=["N"])
+def _fused_bwd_prologue(Lse, DeltaIn, Shift, Delta, Cap, Acc, stride_l_b, stride_l_h, stride_l_n, stride_di_b,
+                        stride_di_h, stride_di_n, stride_r_b, stride_r_h, stride_a_b, stride_a_h, stride_a_n, N,
+                        FLOAT_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """``RowInputs`` from lse and delta (rows ``BLOCK`` at a time, those
+    past N padded), and the same rows of dQ's float32 accumulator zeroed,
+    for its adds: one launch where a fill and a conversion would take two."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    real = rows < N
+    r64 = rows.to(tl.int64)
+    lse = tl.load(Lse + b * stride_l_b + h * stride_l_h + r64 * stride_l_n, mask=real, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no key seen, as some producers write it
+    delta = tl.load(DeltaIn + b * stride_di_b + h * stride_di_h + r64 * stride_di_n, mask=real, other=0.0)
+    shift = _lse_base2(lse)
+    out = b * stride_r_b + h * stride_r_h + r64
+    if FLOAT_MASK:
+        shift = tl.where(lse <= -1.0e38, -FLT_MAX, shift)
+        tl.store(Cap + out, _lse_cap(lse))
+    tl.store(Shift + out, shift)
+    tl.store(Delta + out, delta)
+    cols = tl.arange(0, HEAD_DIM)
+    tl.store(Acc + b * stride_a_b + h * stride_a_h + r64[:, None] * stride_a_n + cols[None, :],
+             tl.zeros((BLOCK, HEAD_DIM), tl.float32), mask=real[:, None])
+
+
+def fused_row_inputs(p: AttentionProblem, lse: torch.Tensor, delta: torch.Tensor,
+                     dq_acc: torch.Tensor) -> RowInputs:
+    """The fused backward's ``RowInputs`` from the forward's lse and delta
+    (both (B, Hq, N) float32), with ``dq_acc`` (float32 (B, Hq, N, D), unit
+    stride along D) zeroed by the same launch."""
+    rows = fused_row_buffers(p, lse.device)
+    _direct("_fused_bwd_prologue")(
+        (rows.shift.shape[-1] // BWD_ROW_PAD, p.Hq, p.B),
+        (lse, delta, *rows, dq_acc, *lse.stride()[:3], *delta.stride()[:3], *rows.shift.stride()[:2],
+         *dq_acc.stride()[:3], p.N),
+        dict(FLOAT_MASK=p.mask_kind == MASK_FLOAT, HEAD_DIM=p.D, BLOCK=BWD_ROW_PAD))
+    return rows
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -791,18 +865,18 @@ def hopper_backward_fused(p: AttentionProblem, grad_out, q, k, v, lse, delta, *,
     With a mask, its query table is a block mask's (``query_table``) or
     built here as the portable backward builds it (from the key table for a
     float mask, whose averaging rows it marks)."""
-    lse, delta = _backward_inputs(lse, delta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dq_acc = torch.zeros((p.B, p.Hq, p.N, p.D), dtype=torch.float32, device=q.device)
+    dq_acc = torch.empty((p.B, p.Hq, p.N, p.D), dtype=torch.float32, device=q.device)
     if p.mask is not None and query_table is None:
         from .mask_ranges import mask_tables
 
         _, query_table = mask_tables(p.mask, p.N, p.M, p.band(), fills=False, key_table=key_table,
                                      keys=p.mask_kind == MASK_FLOAT, unread=lse)
-    args, meta, programs = fused_kernel_args(p, grad_out, q, k, v, lse, delta, dq_acc, dk, dv, how, persistent,
-                                             query_table)
     ensure_scratch_allocator()
     with torch.cuda.device(q.device):
+        rows = fused_row_inputs(p, lse, delta, dq_acc)
+        args, meta, programs = fused_kernel_args(p, grad_out, q, k, v, rows, dq_acc, dk, dv, how, persistent,
+                                                 query_table)
         _direct("_hopper_attn_bwd_fused")((programs, ), args, meta)
         convert_dq(p, dq_acc, dq)
     return dq, dk, dv

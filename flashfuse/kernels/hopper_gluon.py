@@ -1012,49 +1012,43 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _prefetch_stats(Lse, Delta, stat_smem, t, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
-                    BLOCK_M: gl.constexpr):
-    """lse and delta of iteration ``t``'s query rows into ``stat_smem``
-    ([2 * BLOCK_M]: lse, then delta), one element per thread by ``cp.async``;
-    rows past N and iterations past the last are left as zeros."""
-    cp_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    idx = gl.arange(0, 2 * BLOCK_M, layout=cp_layout)
-    is_delta = idx >= BLOCK_M
-    rows = lo_m + (t % n_m) * BLOCK_M + gl.where(is_delta, idx - BLOCK_M, idx)
-    off = stat_b + (h0 + t // n_m).to(gl.int64) * stride_stat_h + rows
-    ptrs = gl.where(is_delta, Delta + off, Lse + off)
-    async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(rows < N) & (t < n_iters))
+def _prefetch_stats(Shift, Delta, Cap, stat_smem, head, m0, valid, stat_b, stride_stat_h, BLOCK_M: gl.constexpr,
+                    CAPS: gl.constexpr):
+    """Shift and delta (with ``CAPS`` also the cap) of query head ``head``'s
+    rows ``m0 .. m0 + BLOCK_M - 1`` into ``stat_smem`` (``_stat_width``
+    elements: shift, delta, cap), by ``cp.async``; nothing when ``valid``
+    is false (the copy issued past a tile's last iteration). The rows are
+    ``hopper.fused_row_inputs``', padded past N with shift +inf and delta
+    0, so a block reaching past N needs no row test here or in the loop."""
+    WIDTH: gl.constexpr = _stat_width(BLOCK_M, CAPS)
+    cp_layout: gl.constexpr = gl.BlockedLayout([WIDTH // 128], [32], [4], [0])
+    idx = gl.arange(0, WIDTH, layout=cp_layout)
+    part = idx // BLOCK_M  # 0 shift, 1 delta, 2 cap (3: none, the width's rounding)
+    off = stat_b + head.to(gl.int64) * stride_stat_h + m0 + (idx - part * BLOCK_M)
+    if CAPS:
+        ptrs = gl.where(part == 0, Shift + off, gl.where(part == 1, Delta + off, Cap + off))
+        async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(part < 3) & valid)
+    else:
+        ptrs = gl.where(part == 0, Shift + off, Delta + off)
+        async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(idx >= 0) & valid)
     async_copy.commit_group()
 
 
-@gluon.jit
-def _row_shifts(lse, real, MASK_KIND: gl.constexpr):
-    """Per query row, what the backward subtracts from base-2 scores to
-    recompute probabilities (common._lse_shift): lse * log2(e) from the
-    forward's natural-log ``lse``, +inf for rows that saw no key or lie past
-    N (``real`` false), so they get 0. With a float mask, a row whose lse is
-    the marker (it averages l keys hidden by a finite value) gets -FLT_MAX:
-    every finite score then exceeds 1 and ``_marked_caps`` caps
-    it at 1 / l."""
-    if MASK_KIND == 0:
-        shift = gl.where(real, lse * LOG2E, float("inf"))
-    else:
-        lse = gl.where(lse == float("-inf"), float("inf"), lse)  # no key seen, as some producers write it
-        if MASK_KIND == 2:
-            shift = gl.where(real, gl.where(lse <= -1.0e38, -FLT_MAX, lse * LOG2E), float("inf"))
-        else:
-            shift = gl.where(real, lse * LOG2E, float("inf"))
-    return shift
+@gluon.constexpr_function
+def _stat_width(BLOCK_M, CAPS):
+    """Elements of one ``stat_smem`` buffer: shift and delta, with ``CAPS``
+    the cap too, rounded up to a multiple of the 128 copying threads."""
+    return (4 if CAPS else 2) * BLOCK_M
 
 
 @gluon.jit
-def _marked_caps(lse):
+def _row_caps(stats, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     """Per query row, the most a recomputed probability may be under a
-    float mask: 1 / l for a row whose lse is the marker (it averages l keys
-    hidden by a finite value; its shift makes every such score exceed 1),
-    1 for the others."""
-    marked = lse <= -1.0e38
-    return gl.where(marked, 1.0 / gl.where(marked, (lse + FLT_MAX) * (1.0 / LSE_MARK_UNIT), 1.0), 1.0)
+    float mask (``fused_row_inputs``' cap: 1 / l for a row whose lse marks
+    it as averaging l keys hidden by a finite value, 1 for the others),
+    from the iteration's ``stat_smem`` buffer; read only in blocks that
+    read the mask, where such rows can be."""
+    return stats.slice(2 * BLOCK_M, BLOCK_M).load(layout)
 
 
 @gluon.jit
@@ -1144,8 +1138,9 @@ def _store_key_rows(x, base, b64, hk, stride_b, stride_h, stride_n, j0, M, ROWS:
 
 
 @gluon.jit
-def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half, k_cols0, k_cols1, ds_smem,
-              dq_smem, stat_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h,
+def _bwd_step(i, mi, head, c, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half, k_cols0, k_cols1,
+              ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, Shift, Delta, Cap, stat_b,
+              stride_stat_h,
               zero_st, zero_dq, kj, j0, right_from, left_to, past_end, diag_off, window_left, window_right, qk_scale,
               free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M,
               dqa_desc, DQacc, stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c,
@@ -1153,21 +1148,24 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
               HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr,
               DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr, READS_MASK: gl.constexpr,
               COALESCED_MASK: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr, col: gl.constexpr):
-    """Iteration ``i`` of a consumer's key tile: the q/dO block ``i % n_m``
-    of query head ``h0 + i // n_m``, its Sᵀ and dPᵀ, probabilities and dSᵀ,
-    dV and dK accumulated, and its dQ share added into the float32 buffer.
-    ``READS_MASK`` False for blocks known to need no mask (a masked call's
-    blocks inside its keys' neutral query rows); ``MASK_KIND`` still sets
-    the rows' shifts, which a float mask's marked rows need everywhere."""
+    """Iteration ``i`` of a consumer's key tile: the q/dO block ``mi`` of
+    query head ``head`` (``i % n_m`` and ``h0 + i // n_m``, carried by the
+    caller rather than divided for in every iteration), its Sᵀ and dPᵀ,
+    probabilities and dSᵀ, dV and dK accumulated, and its dQ share added
+    into the float32 buffer. ``READS_MASK`` False for blocks known to need
+    no mask (a masked call's blocks inside its keys' neutral query rows)."""
     dtype: gl.constexpr = q_smem.dtype
     g = c + i
     slot = g % STAGES
     phase = (g // STAGES) & 1
-    head = h0 + i // n_m
-    m0 = lo_m + (i % n_m) * BLOCK_M
+    m0 = lo_m + mi * BLOCK_M
     qi = m0 + gl.arange(0, BLOCK_M, layout=col)
-    _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF + (i + 1) % 2), i + 1, stat_b, stride_stat_h, N,
-                    h0, lo_m, n_m, n_iters, BLOCK_M)
+    # The next iteration's block: the next one of this head, or the first
+    # of the next head.
+    wraps = mi + 1 == n_m
+    _prefetch_stats(Shift, Delta, Cap, stat_smem.index(2 * HALF + (i + 1) % 2), head + wraps.to(gl.int32),
+                    gl.where(wraps, lo_m, m0 + BLOCK_M), i + 1 < n_iters, stat_b, stride_stat_h, BLOCK_M,
+                    MASK_KIND == 2)
     mbarrier.wait(q_ready.index(slot), phase)
     st_tok = warpgroup_mma(k_half, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False,
                            is_async=True)
@@ -1178,7 +1176,7 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
     async_copy.wait_group(1)  # this iteration's copy (the next one's may still fly)
     gl.thread_barrier()  # every thread's element, not only its own
     stats = stat_smem.index(2 * HALF + i % 2)
-    shift = _row_shifts(stats.slice(0, BLOCK_M).load(col), qi < N, MASK_KIND)
+    shift = stats.slice(0, BLOCK_M).load(col)
     delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
     st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, M, diag_off, window_left,
                                       window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, True)
@@ -1208,9 +1206,7 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
     pt = gl.exp2(st * sc - gl.expand_dims(shift, 0))
     if READS_MASK and MASK_KIND == 2:
         if reads_mask:
-            # lse read again rather than kept through every block:
-            # registers are the D = 128 kernel's limit.
-            pt = gl.minimum(pt, gl.expand_dims(_marked_caps(stats.slice(0, BLOCK_M).load(col)), 0))
+            pt = gl.minimum(pt, gl.expand_dims(_row_caps(stats, BLOCK_M, col), 0))
     dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
     dst = pt * (dpt - gl.expand_dims(delta, 0))
     # dSᵀ to shared memory first: the other consumer waits for it.
@@ -1256,7 +1252,7 @@ def _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_h
 
 
 @gluon.jit
-def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+def _fused_consumer(DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                     stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
                     stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
                     stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
@@ -1319,52 +1315,51 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
             free_hi = 0
         dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
-        # lse and delta go through shared memory, copied one iteration ahead:
+        # shift and delta go through shared memory, copied one iteration ahead:
         # held in registers from their load to their use they would live
         # across the wait for Sᵀ and dPᵀ, where dK, dV, Sᵀ and dPᵀ already
         # fill the 240 registers at D = 128 (ptxas spilled them). Two buffers
         # per consumer: buffer (i + 1) % 2, written at iteration i, was last
         # read at i - 1 before that iteration's thread barrier (and the
         # previous tile's reads before its last iteration's).
-        _prefetch_stats(Lse, Delta, stat_smem.index(2 * HALF), 0, stat_b, stride_stat_h, N, h0, lo_m, n_m, n_iters,
-                        BLOCK_M)
+        _prefetch_stats(Shift, Delta, Cap, stat_smem.index(2 * HALF), h0, lo_m, n_iters > 0, stat_b,
+                        stride_stat_h, BLOCK_M, MASK_KIND == 2)
         mbarrier.wait(kv_ready, n_done & 1)
-        # Masked: per query head, the q/dO blocks in three runs, before the
-        # keys' neutral query rows, inside them ([m_a, m_b), without the mask
-        # code, as the forward's split) and after; the heads' blocks keep
-        # their order, so the ring and dS counters run as before (n_iters //
-        # n_m is G, or 0 when the tile sees no query row). Unmasked: one run
-        # of every block.
-        if MASK_KIND == 0:
-            n_heads = 1
-        else:
+        # Per query head (n_iters // n_m is G, or 0 when the tile sees no
+        # query row), its q/dO blocks: unmasked, one run of them all;
+        # masked, three runs, before the keys' neutral query rows, inside
+        # them ([m_a, m_b), without the mask code, as the forward's split)
+        # and after. The blocks keep their order, so the ring and dS
+        # counters run as before.
+        n_heads = n_iters // n_m
+        if MASK_KIND != 0:
             m_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo_m, BLOCK_M), 0), n_m)
             m_b = gl.minimum(gl.maximum((free_hi - lo_m) // BLOCK_M, m_a), n_m)
-            n_heads = n_iters // n_m
         for hh in range(n_heads):
             for run in gl.static_range(1 if MASK_KIND == 0 else 3):
                 if MASK_KIND == 0:
-                    i_lo = 0
-                    i_hi = n_iters
+                    m_lo = 0
+                    m_hi = n_m
                 elif run == 0:
-                    i_lo = hh * n_m
-                    i_hi = hh * n_m + m_a
+                    m_lo = 0
+                    m_hi = m_a
                 elif run == 1:
-                    i_lo = hh * n_m + m_a
-                    i_hi = hh * n_m + m_b
+                    m_lo = m_a
+                    m_hi = m_b
                 else:
-                    i_lo = hh * n_m + m_b
-                    i_hi = hh * n_m + n_m
-                for i in range(i_lo, i_hi):
-                    dk, dv = _bwd_step(i, c, h0, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_half, v_half,
-                                       k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready, q_empty, do_ready,
-                                       do_empty, ds_ready, Lse, Delta, stat_b, stride_stat_h, zero_st, zero_dq, kj,
-                                       j0, right_from, left_to, past_end, diag_off, window_left, window_right,
-                                       qk_scale, free_lo, free_hi, Mask, b, b64, stride_mask_b, stride_mask_h,
-                                       stride_mask_q, stride_mask_k, N, M, dqa_desc, DQacc, stride_dqa_b,
-                                       stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF, HAS_WINDOW_LEFT,
-                                       HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA, DQ_BUFFERS, MASK_KIND,
-                                       MASK_KIND != 0 and run != 1, COALESCED_MASK, st_layout, a_layout, col)
+                    m_lo = m_b
+                    m_hi = n_m
+                for mi in range(m_lo, m_hi):
+                    dk, dv = _bwd_step(hh * n_m + mi, mi, h0 + hh, c, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem,
+                                       k_half, v_half, k_cols0, k_cols1, ds_smem, dq_smem, stat_smem, q_ready,
+                                       q_empty, do_ready, do_empty, ds_ready, Shift, Delta, Cap, stat_b,
+                                       stride_stat_h, zero_st, zero_dq, kj, j0, right_from, left_to, past_end,
+                                       diag_off, window_left, window_right, qk_scale, free_lo, free_hi, Mask, b, b64,
+                                       stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M, dqa_desc,
+                                       DQacc, stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF,
+                                       HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA,
+                                       DQ_BUFFERS, MASK_KIND, MASK_KIND != 0 and run != 1, COALESCED_MASK,
+                                       st_layout, a_layout, col)
         async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
         # This group's products of the tile are done (its last dQ read the
         # other group's K half too): with both arrivals the loader refills K and V.
@@ -1381,7 +1376,7 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem
 
 @gluon.jit
 def _hopper_attn_bwd_fused(
-    Q, K, V, DO, DK, DV, DQacc, Lse, Delta,
+    Q, K, V, DO, DK, DV, DQacc, Shift, Delta, Cap,
     stride_q_b, stride_q_h, stride_q_n,
     stride_k_b, stride_k_h, stride_k_n,
     stride_v_b, stride_v_h, stride_v_n,
@@ -1408,7 +1403,10 @@ def _hopper_attn_bwd_fused(
     bool as bytes, 2 float; read through its (B, Hq, N, M) strides)
     ``QueryTable`` is its query table (``mask_ranges``, one entry per
     COL_GROUP keys), alike for the query heads of a key/value head; without,
-    both are unread."""
+    both are unread. ``Shift``, ``Delta`` and ``Cap`` are the per-row inputs
+    of ``hopper.fused_row_inputs`` (strides ``stride_stat_b``,
+    ``stride_stat_h``, unit along the rows, padded past N): each row's
+    base-2 shift, delta and, read only with a float mask, its cap."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -1430,7 +1428,8 @@ def _hopper_attn_bwd_fused(
     q_smem, do_smem, k_smem, v_smem = _dkdv_buffers(dtype, STAGES, BLOCK_M, HALF_N, HEAD_DIM)
     # dSᵀ of both consumers, two blocks' worth (see _fused_consumer).
     ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)  # [buffer * 2 + consumer]
-    stat_smem = gl.allocate_shared_memory(gl.float32, [4, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    stat_smem = gl.allocate_shared_memory(gl.float32, [4, _stat_width(BLOCK_M, MASK_KIND == 2)],
+                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if DQ_TMA:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HALF_D], dq_layout)
     else:
@@ -1443,7 +1442,7 @@ def _hopper_attn_bwd_fused(
     kv_ready, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
     # Both consumers' arguments written out, as in _hopper_attn_fwd (why there).
     gl.warp_specialize([
-        (_fused_consumer, (DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+        (_fused_consumer, (DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                            stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
                            stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
                            stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,
@@ -1452,7 +1451,7 @@ def _hopper_attn_bwd_fused(
                            stride_qtab_b, stride_qtab_h,
                            0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
                            DQ_BUFFERS, MASK_KIND, COL_GROUP, COALESCED_MASK)),
-        (_fused_consumer, (DK, DV, dqa_desc, DQacc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+        (_fused_consumer, (DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                            stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
                            stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
                            stride_stat_b, stride_stat_h, stride_dqa_b, stride_dqa_h, stride_dqa_n,

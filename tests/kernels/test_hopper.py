@@ -994,6 +994,44 @@ def test_fused_backward_launches(monkeypatch, how):
     assert calls[0][1] == (4, 2, 1) and calls[1][1] == (3, 4, 1)
 
 
+
+@pytest.mark.parametrize("kind", ["none", "bool", "float"])
+def test_fused_row_inputs(monkeypatch, kind):
+    """The fused backward's per-row inputs from lse and delta, in the
+    interpreter, against values computed here: shift lse * log2(e), +inf
+    for a row that saw no key (lse +inf, or -inf as some producers write
+    it), -FLT_MAX for a float mask's marked rows, whose cap is 1 / l (1
+    elsewhere); delta as given; rows past N padded (shift +inf, delta 0);
+    dQ's float32 accumulator, poisoned, zeroed."""
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    B, H, N, D = 2, 3, 77, 64
+    q = torch.randn(B, H, N, D, dtype=torch.bfloat16)
+    mask = {"none": None, "bool": torch.rand(B, 1, N, N) > 0.3,
+            "float": torch.randn(B, 1, N, N, dtype=torch.bfloat16)}[kind]
+    p = _bwd_problem(q, q, q, mask)
+    lse = torch.randn(B, H, N) * 20
+    lse[0, 0, 3], lse[1, 2, 10] = float("inf"), float("-inf")
+    keys = torch.tensor([1.0, 5.0, 300.0])
+    if kind == "float":
+        lse[0, 1, 20:23] = -3.4028234663852886e38 + keys * 2.0 ** 104  # the marker (common.LSE_MARK_UNIT)
+    delta = torch.randn(B, H, 2 * N)[:, :, ::2]  # any strides
+    acc = torch.full((B, H, N, D), float("nan"))
+    rows = hopper.fused_row_inputs(p, lse, delta, acc)
+    R = rows.shift.shape[-1]
+    assert R % hopper.BWD_ROW_PAD == 0 and R >= N and R - N < hopper.BWD_ROW_PAD
+    assert all(t.stride() == rows.shift.stride() and t.shape == (B, H, R) for t in rows)
+    assert (acc == 0).all()
+    want = lse.double() * 1.4426950408889634
+    want[0, 0, 3] = want[1, 2, 10] = float("inf")
+    if kind == "float":
+        want[0, 1, 20:23] = -3.4028234663852886e38
+        cap = torch.ones(B, H, N)
+        cap[0, 1, 20:23] = 1 / keys
+        torch.testing.assert_close(rows.cap[..., :N], cap, rtol=1e-6, atol=0)
+    torch.testing.assert_close(rows.shift[..., :N].double(), want, rtol=1e-6, atol=0)
+    assert torch.equal(rows.delta[..., :N], delta)
+    assert (rows.shift[..., N:] == float("inf")).all() and (rows.delta[..., N:] == 0).all()
+
 def _reference_grads(q, k, v, dout, kw, lse_weight=None):
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     out = ref.reference_attention(*leaves, scale=0.125, **kw)

@@ -17,6 +17,7 @@ dropout, bottom-right causal, fp16/fp32) and a host-overhead row.
     python bench/bench_attention.py                 # the default sweep
     python bench/bench_attention.py --d 128 --n 4096 --providers flashfuse,sdpa
     python bench/bench_attention.py --smoke --out /tmp/x   # CPU, tiny shapes
+    python bench/bench_attention.py --from-csv bench/results/attention_run33.csv --out /tmp/x  # tables, plot
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def parse_args():
     p.add_argument("--no-host", action="store_true", help="skip the host-overhead row")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup (ms)")
     p.add_argument("--rep-ms", type=float, default=30.0, help="do_bench measurement time (ms)")
+    p.add_argument("--from-csv", default=None, help="redraw the tables and the plot of this CSV, measuring nothing")
     return p.parse_args()
 
 
@@ -199,7 +201,8 @@ def report(results, out_dir, no_plot):
             for causal in (False, True):
                 series = {}
                 for r in sweep:
-                    if r["mode"] == mode and r["D"] == D and r["causal"] == causal and r["status"] == "ok":
+                    # str(): a CSV read back (--from-csv) holds the flag as text
+                    if r["mode"] == mode and r["D"] == D and str(r["causal"]) == str(causal) and r["status"] == "ok":
                         xs, ys = series.setdefault(r["provider"], ([], []))
                         xs.append(r["N"])
                         ys.append(r["tflops"])
@@ -213,6 +216,10 @@ def report(results, out_dir, no_plot):
 
 def main():
     args = parse_args()
+    if args.from_csv:
+        os.makedirs(args.out, exist_ok=True)
+        report(common.Results.load(args.from_csv), args.out, args.no_plot)
+        return
     if args.smoke:
         args.warmup_ms, args.rep_ms = min(args.warmup_ms, 2.0), min(args.rep_ms, 5.0)
     common.quiet_warnings()

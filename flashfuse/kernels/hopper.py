@@ -31,7 +31,10 @@ themselves, as FlashAttention-3 does:
   per (query block, key block).
 * Backward, fused (five products): the dK/dV kernel's schedule, and from the
   same dS the tile's dS·K added into a zeroed float32 (B, Hq, N, D) buffer;
-  then a plain Triton kernel writes dq = scale * buffer. Each consumer
+  then a plain Triton kernel writes dq = scale * buffer. A plain Triton
+  prologue zeroes the buffer and turns lse and delta into the loop's
+  per-row inputs once (``RowInputs``), so its iterations do no per-row
+  arithmetic. Each consumer
   stores its dSᵀ half (64 keys x 64 queries) to shared memory; after an
   mbarrier handshake each forms dQ for half the head dim over all 128 keys,
   so every dQ element is added once per key tile. The adds: relaxed float32

@@ -220,8 +220,10 @@ BWD_DQ_BUFFERS = {64: 2, 128: 1}
 # Rows of dQ per program of the convert kernel.
 BWD_CONVERT_ROWS = 64
 # The fused backward's per-row inputs are padded to a multiple of this many
-# rows (at least its query block), the rows per program of their kernel.
+# rows, the rows per program of their kernel: a multiple of the kernel's
+# query block, so that no block it streams reaches past the padding.
 BWD_ROW_PAD = 64
+assert BWD_ROW_PAD % BWD_BLOCK_M == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -487,8 +489,9 @@ _DIRECT: dict = {}  # id(kernel) -> (kernel, its DirectLaunch)
 
 def _direct(name: str) -> DirectLaunch:
     """The direct launcher of a Hopper kernel (``hopper_gluon.<name>``) or
-    of the convert kernel (``"_dq_convert"``), one per kernel object (tests
-    stand kernels in)."""
+    of one of this module's Triton kernels (``"_dq_convert"``,
+    ``"_fused_bwd_prologue"``), one per kernel object (tests stand kernels
+    in)."""
     if name in ("_dq_convert", "_fused_bwd_prologue"):
         fn = globals()[name]
     else:

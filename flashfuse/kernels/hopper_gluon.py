@@ -1021,6 +1021,7 @@ def _prefetch_stats(Shift, Delta, Cap, stat_smem, head, m0, valid, stat_b, strid
     ``hopper.fused_row_inputs``', padded past N with shift +inf and delta
     0, so a block reaching past N needs no row test here or in the loop."""
     WIDTH: gl.constexpr = _stat_width(BLOCK_M, CAPS)
+    gl.static_assert(WIDTH % 128 == 0, "one or more elements per copying thread")
     cp_layout: gl.constexpr = gl.BlockedLayout([WIDTH // 128], [32], [4], [0])
     idx = gl.arange(0, WIDTH, layout=cp_layout)
     part = idx // BLOCK_M  # 0 shift, 1 delta, 2 cap (3: none, the width's rounding)
@@ -1030,7 +1031,7 @@ def _prefetch_stats(Shift, Delta, Cap, stat_smem, head, m0, valid, stat_b, strid
         async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(part < 3) & valid)
     else:
         ptrs = gl.where(part == 0, Shift + off, Delta + off)
-        async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(idx >= 0) & valid)
+        async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(idx >= 0) & valid)  # valid, per element
     async_copy.commit_group()
 
 

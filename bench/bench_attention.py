@@ -201,8 +201,7 @@ def report(results, out_dir, no_plot):
             for causal in (False, True):
                 series = {}
                 for r in sweep:
-                    # str(): a CSV read back (--from-csv) holds the flag as text
-                    if r["mode"] == mode and r["D"] == D and str(r["causal"]) == str(causal) and r["status"] == "ok":
+                    if r["mode"] == mode and r["D"] == D and r["causal"] == causal and r["status"] == "ok":
                         xs, ys = series.setdefault(r["provider"], ([], []))
                         xs.append(r["N"])
                         ys.append(r["tflops"])

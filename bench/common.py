@@ -457,6 +457,8 @@ class Results:
 
 
 def _parse_csv_value(v: str):
+    if v in ("True", "False"):  # how csv writes a bool column (causal, ...)
+        return v == "True"
     for conv in (int, float):
         try:
             return conv(v)

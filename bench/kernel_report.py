@@ -15,6 +15,7 @@ machine's, so counts can differ there.
     python bench/kernel_report.py --d 128 --n 4096 --all-configs --dump kernels_dump
     python bench/kernel_report.py --d 128 --h 32 --kv-heads 8 --decode-keys 4096 --n 1
     python bench/kernel_report.py --hopper --d 128 --causal    # the Gluon kernels (Triton 3.6)
+    python bench/kernel_report.py --hopper --mask causal-float --loops 16   # their inner loops too
 
 ``--hopper`` compiles the Hopper (Gluon) kernels as their launchers would
 launch them for the problem (forward, the two deterministic backward
@@ -242,7 +243,7 @@ def loop_bodies(sass: str) -> list[int]:
     return sorted(loops, reverse=True)
 
 
-def report(kernel, cfg) -> dict:
+def report(kernel, cfg, loops: int = 4) -> dict:
     sass = _sass(kernel.asm["cubin"])
     ttgir = kernel.asm["ttgir"]
     tile = "x".join(str(cfg.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in cfg.kwargs)
@@ -254,7 +255,7 @@ def report(kernel, cfg) -> dict:
     row["LDL/STL"] = len(re.findall(r"\b(?:LDL|STL)\b", sass))
     row["cvt_layout"] = ttgir.count("ttg.convert_layout")
     row["local_alloc"] = ttgir.count("ttg.local_alloc")
-    row["loops"] = " ".join(str(n) for n in loop_bodies(sass)[:4])
+    row["loops"] = " ".join(str(n) for n in loop_bodies(sass)[:loops])
     return row
 
 
@@ -294,6 +295,8 @@ def main():
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    p.add_argument("--loops", type=int, default=4,
+                   help="loop sizes shown per kernel, largest first (more: the inner loops after the round loops)")
     a = p.parse_args()
 
     import flashfuse
@@ -334,7 +337,7 @@ def main():
             print("stand-ins:", ", ".join(mask_ablations.apply(a.ablate)))
         for name, fn, args, meta in hopper_launches(a, dtype):
             kernel, opts = compile_gluon_sm90(fn, args, meta)
-            row = report(kernel, opts)
+            row = report(kernel, opts, a.loops)
             row["config"] = name
             rows.append(row)
             if a.dump:
@@ -350,7 +353,7 @@ def main():
                 rows.append({"kernel": launcher.kernel.__name__, "config": str(cfg.kwargs),
                              "error": f"{type(e).__name__}: {str(e)[:80]}"})
                 continue
-            row = report(kernel, cfg)
+            row = report(kernel, cfg, a.loops)
             rows.append(row)
             if a.dump:
                 _dump(kernel, a.dump, f"{kernel.name}_{row['config']}")

@@ -1026,12 +1026,8 @@ def _prefetch_stats(Shift, Delta, Cap, stat_smem, head, m0, valid, stat_b, strid
     idx = gl.arange(0, WIDTH, layout=cp_layout)
     part = idx // BLOCK_M  # 0 shift, 1 delta, 2 cap (3: none, the width's rounding)
     off = stat_b + head.to(gl.int64) * stride_stat_h + m0 + (idx - part * BLOCK_M)
-    if CAPS:
-        ptrs = gl.where(part == 0, Shift + off, gl.where(part == 1, Delta + off, Cap + off))
-        async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(part < 3) & valid)
-    else:
-        ptrs = gl.where(part == 0, Shift + off, Delta + off)
-        async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(idx >= 0) & valid)  # valid, per element
+    ptrs = gl.where(part == 0, Shift + off, gl.where(part == 1, Delta + off, Cap + off))
+    async_copy.async_copy_global_to_shared(stat_smem, ptrs, mask=(part < 3) & valid)
     async_copy.commit_group()
 
 

@@ -4,7 +4,9 @@ causal mask given as a (B, 1, N, N) bfloat16 tensor (what Hugging Face
 models pass) with the tables built in every call, the same mask through one
 ``flashfuse.block_mask`` built once per step and shared by ``--layers``
 layers, each with its own k and v (its table passes counted once per step,
-i.e. divided by the layers),
+i.e. divided by the layers): as users get it (a causal mask is found to be
+the causal band and runs without the mask) and with its tables
+(``find_band=False``, what any mask that is not a band costs),
 and ``is_causal``; SDPA's default backend for reference. Kernel durations from
 the CUDA profiler (every kernel launch of a step summed, so host time never
 counts). Also a BERT-style (B = 16, N = 512) key-padding mask. Each
@@ -115,32 +117,39 @@ def main():
                           for _ in range(2)) for _ in range(args.layers)]
         leaves = (q, *(t for kv in layer_kv for t in kv))
 
-        def shared_step():
-            bm = flashfuse.block_mask(mask, N, N)
+        def shared_step(find_band):
+            bm = flashfuse.block_mask(mask, N, N, find_band=find_band)
             x = q
             for lk, lv in layer_kv:
                 x = flashfuse.attention(x, lk, lv, attn_mask=bm, dropout_p=p_drop)
             torch.autograd.grad(x, leaves, g)
 
-        times = profile_kernels(shared_step, args.reps)
-        record_kernels(name, "block mask", times, args.layers)
-        total, tables = per_step(times, args.reps)
-        per_layer = total / args.layers
-        rows["block mask"] = per_layer
-        res.add(case=name, variant="block mask", layers=args.layers, us_per_layer=per_layer,
-                table_us=tables / args.layers, kv="per layer")
+        table_us = {}
+        for variant, find_band in (("block mask", True), ("block mask tables", False)):
+            times = profile_kernels(lambda: shared_step(find_band), args.reps)
+            record_kernels(name, variant, times, args.layers)
+            total, tables = per_step(times, args.reps)
+            per_layer = total / args.layers
+            rows[variant] = per_layer
+            table_us[variant] = tables / args.layers
+            res.add(case=name, variant=variant, layers=args.layers, us_per_layer=per_layer,
+                    table_us=tables / args.layers, kv="per layer")
+            print(f"{name:20s} {variant:12s} {per_layer:8.1f} us per layer", flush=True)
         del layer_kv, leaves
         ref = rows.get("is_causal", rows["sdpa"])
         summary.append([name, f"{rows['mask tensor']:.0f}", f"{rows['block mask']:.0f}",
+                        f"{rows['block mask tables']:.0f}",
                         f"{rows['is_causal']:.0f}" if "is_causal" in rows else "-", f"{rows['sdpa']:.0f}",
-                        f"{rows['block mask'] / ref:.2f}x", f"{tables / args.layers:.1f}"])
+                        f"{rows['block mask'] / ref:.2f}x", f"{rows['block mask tables'] / ref:.2f}x",
+                        f"{table_us['block mask tables']:.1f}"])
         print(" | ".join(summary[-1]), flush=True)
     common.tables_header()
     common.print_table(summary, ["case", "mask tensor µs", f"block mask µs (per layer of {args.layers})",
-                                 "is_causal µs", "SDPA µs", "block mask / is_causal (SDPA for padding)",
+                                 "block mask, tables µs", "is_causal µs", "SDPA µs",
+                                 "block mask / is_causal (SDPA for padding)", "tables / is_causal",
                                  "tables µs per layer"],
                        title="attention kernels per layer, forward+backward (device time per step)")
-    variants = ["mask tensor", "block mask", "is_causal", "sdpa"]
+    variants = ["mask tensor", "block mask", "block mask tables", "is_causal", "sdpa"]
     common.print_table([[case, kernel] + [common.fmt(v.get(x, float("nan"))) for x in variants]
                         for (case, kernel), v in breakdown.items()],
                        ["case", "kernel"] + [f"{x} µs" for x in variants],

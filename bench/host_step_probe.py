@@ -12,7 +12,7 @@ and 26).
 With ``--masked``, GPT-2's layer shape (B = 8, H = 12, N = 1024, D = 64)
 and a BERT-style one (B = 16, N = 512, a key-padding mask) with the mask
 given as ``is_causal`` (GPT-2 only), as a tensor (tables built in every
-call) and as a ``flashfuse.block_mask`` built once; SDPA with the tensor.
+call) and as a ``flashfuse.block_mask`` built once (its tables: ``find_band=False``); SDPA with the tensor.
 
     python bench/host_step_probe.py
     python bench/host_step_probe.py --masked
@@ -77,7 +77,7 @@ def _cases(masked: bool, device, flashfuse):
         q, k, v, mask = common.make_inputs(common.AttnCase(B=B, Hq=H, N=N, D=D, mask=kind), device)
         rows = [("is_causal", "flashfuse", flashfuse.attention, dict(is_causal=True))] if kind == "causal_float" else []
         rows += [(kind, "flashfuse", flashfuse.attention, dict(attn_mask=mask)),
-                 ("block mask", "flashfuse", flashfuse.attention, dict(attn_mask=flashfuse.block_mask(mask, N, N))),
+                 ("block mask", "flashfuse", flashfuse.attention, dict(attn_mask=flashfuse.block_mask(mask, N, N, find_band=False))),
                  (kind, "sdpa", sdpa, dict(attn_mask=mask))]
         for given, name, attention, kw in rows:
             yield D, B, H, N, given, name, lambda q, k, v, f=attention, kw=kw: f(q, k, v, **kw), q, k, v

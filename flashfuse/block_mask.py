@@ -23,6 +23,12 @@ every tile the forward, dQ and dK/dV kernels may be tuned to; a kernel reads
 the entries its tile covers and takes their union. So a table's shape depends
 only on the mask's shape, N and M, and is known without the data (the fake
 implementation), whatever config the autotuner picks later.
+
+A mask can also be a band in disguise: a causal or sliding-window pattern
+written out as a tensor (a model's own tril mask, a mask built block by
+block). :func:`block_mask` reads the mask once to find out
+(:func:`find_band`); the calls then run the band's kernels with no mask and
+no tables, which is what the mask computes, without its per-tile cost.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from torch import Tensor
 from . import config
 from . import ops as _ops
 
-__all__ = ["BlockMask", "block_mask", "check_tables", "table_shapes"]
+__all__ = ["BlockMask", "MaskBand", "block_mask", "check_tables", "find_band", "table_shapes"]
 
 # Fixed table granularity (see the module docstring); equal to
 # kernels.mask_ranges.ROW_GROUP / COL_GROUP, which import Triton.
@@ -48,6 +54,11 @@ KEY_ENTRY, QUERY_ENTRY = 5, 4
 _FILL_HIDES_AT = -65504.0
 
 _OP_DOC = "block_mask"
+# find_band reads masks up to this many distinct elements (a (1, 1, 8k, 8k)
+# or (8, 1, 4k, 4k) mask), in chunks of _BAND_CHUNK so that its temporaries
+# stay a few tens of MB whatever the mask's size; larger masks keep their tables.
+BAND_CHECK_MAX_ELEMENTS = 1 << 27
+_BAND_CHUNK = 1 << 22
 
 
 def _mask_batch_heads(mask: Tensor) -> tuple[int, int]:
@@ -161,6 +172,139 @@ def _block_mask_op(
 _block_mask_op.register_fake(_block_mask_fake)
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskBand:
+    """The band a mask acts as (see :func:`find_band`), as the attention
+    op takes one: ``window_right=0`` is causal, None an open side."""
+
+    window_left: Optional[int]
+    window_right: Optional[int]
+    alignment: str
+
+
+def _band_check_possible(mask: Tensor, q_len: int, kv_len: int) -> bool:
+    """Whether find_band may read the mask now: real data (not traced or
+    fake), no gradient wanted for it, not inside a CUDA graph capture (the
+    check synchronises), and not too large to read."""
+    if q_len == 0 or kv_len == 0 or mask.requires_grad or torch.compiler.is_compiling():
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(mask):
+            return False
+    except ImportError:  # pragma: no cover - very old torch
+        pass
+    if mask.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    Bm, Hm = _mask_batch_heads(mask)
+    return Bm * Hm * q_len * kv_len <= BAND_CHECK_MAX_ELEMENTS
+
+
+def find_band(
+    mask: Tensor,
+    q_len: int,
+    kv_len: int,
+    *,
+    window_left: Optional[int] = None,
+    window_right: Optional[int] = None,
+    alignment: str = "top_left",
+    mask_fill: Optional[float] = None,
+) -> Optional[MaskBand]:
+    """The band (causal, sliding window, or none) that, with no mask, gives
+    exactly what ``mask`` gives inside the band and fill passed; None when
+    there is none (or the mask cannot be read now, see below).
+
+    A mask is a band when, in every batch and head it holds, the pairs it
+    lets take part (inside the band passed) are those with
+    ``lo <= j - i <= hi`` for one ``lo`` and ``hi``, and it leaves them as
+    they are: bool True, or float exactly 0. The pairs it hides must take no
+    part: bool False (a ``mask_fill`` at or below -65504 counts as hidden
+    only when every row keeps a key, as then ``exp`` of it is exactly 0),
+    float -inf or values at or below the kernels' hiding threshold (-1e38;
+    -65504 for float16; finite ones again only when every row keeps a key,
+    since a row they hide entirely averages them).
+
+    Reads the mask once on its device in chunks and synchronises once.
+    Returns None without reading for an empty problem, a mask that needs its
+    gradient, a traced or fake mask, during CUDA graph capture, and for
+    masks of more than ``BAND_CHECK_MAX_ELEMENTS`` distinct (batch, head,
+    query, key) elements.
+    """
+    N, M = int(q_len), int(kv_len)
+    fill, _ = table_fill(mask_fill)
+    if mask.dtype == torch.bool and fill is not None and fill > _FILL_HIDES_AT:
+        return None  # filled pairs take part with a score of their own
+    if not _band_check_possible(mask, N, M):
+        return None
+    Bm, Hm = _mask_batch_heads(mask)
+    x4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, N, M)
+    is_bool = mask.dtype == torch.bool
+    hidden_at = -65504.0 if mask.dtype == torch.float16 else -1.0e38  # mask_ranges.mask_hidden_at
+    off = M - N if alignment == "bottom_right" else 0
+    dev = mask.device
+    j = torch.arange(M, device=dev)
+    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    finite_hidden = torch.zeros((), dtype=torch.bool, device=dev)
+    firsts, lasts, counts = [], [], []
+    rows = max(1, _BAND_CHUNK // (Bm * Hm * M))
+    with torch.no_grad():
+        for r0 in range(0, N, rows):
+            x = x4[:, :, r0:r0 + rows]
+            i = torch.arange(r0, r0 + x.shape[2], device=dev).view(-1, 1)
+            d = j.view(1, -1) - i - off
+            in_band = torch.ones_like(d, dtype=torch.bool)
+            if window_left is not None:
+                in_band &= d >= -window_left
+            if window_right is not None:
+                in_band &= d <= window_right
+            if is_bool:
+                takes_part = x & in_band
+            else:
+                part = (x > hidden_at) | torch.isnan(x)
+                takes_part = part & in_band
+                bad |= (takes_part & (x != 0)).any()
+                finite_hidden |= (in_band & ~part & torch.isfinite(x)).any()
+            counts.append(takes_part.sum(-1))
+            # argmax gives the first maximal index: the first (last) key taking part.
+            as_bytes = takes_part.to(torch.uint8)
+            firsts.append(as_bytes.argmax(-1))
+            lasts.append(M - 1 - as_bytes.flip(-1).argmax(-1))
+        first, last, count = (torch.cat(t, dim=2) for t in (firsts, lasts, counts))
+        same = ((first == first[:1, :1]) & (last == last[:1, :1]) & (count == count[:1, :1])).all()
+        f, l, c = first[0, 0], last[0, 0], count[0, 0]
+        kept = c > 0
+        i = torch.arange(N, device=dev)
+        # The band's bounds on j - i, from the rows that keep a key.
+        big = 2 * (N + M)
+        lo = torch.where(kept, f - i, big).amin()
+        hi = torch.where(kept, l - i, -big).amax()
+        want_f = torch.clamp(i + lo, min=0)
+        want_l = torch.clamp(i + hi, max=M - 1)
+        want_c = torch.clamp(want_l - want_f + 1, min=0)
+        rows_match = (c == want_c) & (~kept | ((f == want_f) & (l == want_l)))
+        ok = same & ~bad & kept.any() & rows_match.all()
+        ok, lo, hi, all_kept, finite_hidden = torch.stack(
+            [ok.long(), lo, hi, kept.all().long(), finite_hidden.long()]).tolist()
+    if not ok or ((finite_hidden or fill is not None) and not all_kept):
+        return None
+    # The same pattern as the op's arguments: windows >= 0, None where no row reaches the bound.
+    open_left, open_right = N - 1 + lo <= 0, hi >= M - 1
+    own = M - N if alignment == "bottom_right" else 0
+    found = []
+    for align, o in ((alignment, own), ("bottom_right" if alignment == "top_left" else "top_left", M - N - own)):
+        wl = None if open_left else o - lo
+        wr = None if open_right else hi - o
+        if (wl is None or wl >= 0) and (wr is None or wr >= 0):
+            found.append(MaskBand(wl, wr, align))
+    # Causal (window_right = 0) first: the kernels' most used band.
+    found.sort(key=lambda b: b.window_right != 0)
+    return found[0] if found else None
+
+
+_find_band = find_band  # block_mask's argument of the same name hides it there
+
+
 def check_tables(query: Tensor, key: Tensor, attn_mask: Optional[Tensor], key_table: Optional[Tensor],
                  query_table: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Check the tables passed to ``flashfuse::attention`` (``ValueError``
@@ -211,6 +355,9 @@ class BlockMask:
         q_len, kv_len: the query and key lengths it was built for.
         window_left, window_right, alignment, mask_fill: the band and fill
             it was built for (``is_causal`` is ``window_right=0``).
+        band: the band the mask acts as (:func:`find_band`), or None. When
+            set, the calls run that band with no mask and no tables (the
+            tables are then not built: shape (0,)).
     """
 
     mask: Tensor
@@ -222,6 +369,7 @@ class BlockMask:
     window_right: Optional[int]
     alignment: str
     mask_fill: Optional[float]
+    band: Optional[MaskBand] = None
 
     def attention_args(self, query: Tensor, key: Tensor, is_causal: bool, window_left, window_right,
                        alignment: str, mask_fill) -> dict:
@@ -243,6 +391,10 @@ class BlockMask:
                     f"flashfuse.attention: {name}={given!r} contradicts the block mask, built with {own!r}; "
                     "the band belongs to the block mask: pass it to flashfuse.block_mask"
                 )
+        if self.band is not None:
+            b = self.band
+            return dict(attn_mask=None, is_causal=False, window_left=b.window_left, window_right=b.window_right,
+                        alignment=b.alignment, mask_fill=None, mask_key_table=None, mask_query_table=None)
         return dict(attn_mask=self.mask, is_causal=False, window_left=self.window_left,
                     window_right=self.window_right, alignment=self.alignment, mask_fill=self.mask_fill,
                     mask_key_table=self.key_table, mask_query_table=self.query_table)
@@ -259,13 +411,15 @@ def block_mask(
     alignment: str = "top_left",
     mask_fill: Optional[float] = None,
     backward: bool = True,
+    find_band: bool = True,
 ) -> BlockMask:
     """Build a mask's tables once, for every attention call that uses it.
 
     Pass the result as ``attn_mask`` to :func:`flashfuse.attention` (in every
     layer): the calls read the tables instead of scanning the mask again, and
     their backward reuses them. The results are bit-identical to passing the
-    mask itself.
+    mask itself; for a mask found to be a band (``find_band``), they are the
+    band's, which computes the same softmax over the same keys.
 
     Args:
         mask: bool (True takes part) or floating (added to the scaled
@@ -279,6 +433,14 @@ def block_mask(
             takes them; the calls then take them from the block mask.
         backward: also build the query table the backward reads (False for
             inference: one pass over the mask instead of two).
+        find_band: first read the mask to see whether it is a band in
+            disguise (a causal or sliding-window pattern, or nothing hidden,
+            written out as a tensor; see :func:`find_band`). If so, ``band``
+            is set and the calls run that band without the mask: the same
+            result, without the mask's cost. This check synchronises with
+            the device once; False skips it. Skipped anyway for a mask that
+            needs its gradient, under tracing or CUDA graph capture, and
+            for masks above ``BAND_CHECK_MAX_ELEMENTS`` elements.
 
     Returns:
         a :class:`BlockMask`. Its tables hold int32 (Bm, Hm, ceil(N / 16), 5)
@@ -305,6 +467,14 @@ def block_mask(
             raise ValueError(f"flashfuse.block_mask: {name} must be None or >= 0, got {w}")
     fill, _ = table_fill(_ops.check_mask_fill(mask, mask_fill))
     window_right = _ops.causal_window_right(is_causal, window_right)
+    band = None
+    if find_band:
+        band = _find_band(mask, N, M, window_left=window_left, window_right=window_right,
+                           alignment=alignment, mask_fill=fill)
+    if band is not None:
+        none = mask.new_empty((0,), dtype=torch.int32)
+        return BlockMask(mask, none, mask.new_empty((0,), dtype=torch.int32), N, M, window_left, window_right,
+                         alignment, fill, band)
     keys, queries = torch.ops.flashfuse.block_mask(
         mask, N, M, window_left=window_left, window_right=window_right, bottom_right=alignment == "bottom_right",
         mask_fill=fill, queries=backward,

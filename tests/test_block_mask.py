@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 
 import pytest
 import torch
 
 import flashfuse
-from flashfuse.block_mask import BlockMask
+from flashfuse.block_mask import BlockMask, MaskBand, find_band
 
 from tests.kernels.masks import hiding_mask
 from tests.kernels.test_mask_ranges import _expected
@@ -188,7 +189,7 @@ def test_bad_tables_and_contradicting_bands_raise():
     bm = flashfuse.block_mask(mask, is_causal=True)
     with pytest.raises(ValueError, match="contradicts the block mask"):
         flashfuse.attention(q, k, v, attn_mask=bm, window_left=3)
-    other = flashfuse.block_mask(torch.ones(1, 1, 40, 40, dtype=torch.bool))
+    other = flashfuse.block_mask(torch.ones(1, 1, 40, 40, dtype=torch.bool), find_band=False)
     with pytest.raises(ValueError, match="built for q_len=40"):
         flashfuse.attention(q, k, v, attn_mask=other)
     with pytest.raises(ValueError, match="does not fit"):
@@ -276,5 +277,212 @@ def test_shared_block_mask_gives_the_same_bits_on_the_gpu(monkeypatch):
     mask = torch.zeros(B, 1, N, N).masked_fill(later, torch.finfo(torch.bfloat16).min).to(torch.bfloat16).cuda()
     for dropout_p in (0.0, 0.1):
         want_out, want_grads = _run(q, k, v, mask, dropout_p)
-        got_out, got_grads = _run(q, k, v, flashfuse.block_mask(mask), dropout_p)
+        got_out, got_grads = _run(q, k, v, flashfuse.block_mask(mask, find_band=False), dropout_p)
         assert torch.equal(got_out, want_out) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+
+
+# --------------------------------------------------------------------------
+# Masks that are bands: found once, run as the band without the mask
+# --------------------------------------------------------------------------
+
+def _effective(mask, N, M, band, fill=None):
+    """Bool (Bm, Hm, N, M): the pairs that take part with this mask inside
+    this band (the kernels' rule: bool True; float above the hiding
+    threshold), by brute force."""
+    full = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    full = full.expand(full.shape[0], full.shape[1], N, M)
+    if full.dtype == torch.bool:
+        part = full
+    else:
+        part = full.float() > (-65504.0 if mask.dtype == torch.float16 else -1.0e38)
+    vis = flashfuse.reference.visibility_mask(N, M, window_left=band.get("window_left"),
+                                              window_right=band.get("window_right"),
+                                              bottom_right=band.get("alignment") == "bottom_right")
+    return part if vis is None else part & vis
+
+
+def _band_args(b):
+    return {"window_left": b.window_left, "window_right": b.window_right, "alignment": b.alignment}
+
+
+def _as_kind(visible, kind):
+    """``visible`` written as models write masks of ``kind``."""
+    if kind == "bool":
+        return visible
+    dtype, hidden = {"float32-min": (torch.float32, torch.finfo(torch.float32).min),
+                     "bfloat16-min": (torch.bfloat16, torch.finfo(torch.bfloat16).min),
+                     "float16-min": (torch.float16, -65504.0), "float32-inf": (torch.float32, -math.inf)}[kind]
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, hidden)
+
+
+BAND_MASKS = {  # name: (N, M, the visible pairs as a band of j - i, the block mask's own band)
+    "causal": (37, 37, {"window_right": 0}, {}),
+    "causal-short-queries": (21, 50, {"window_right": 0}, {}),
+    "bottom-right-causal": (21, 50, {"window_right": 0, "alignment": "bottom_right"}, {}),
+    "bottom-right-more-queries": (50, 21, {"window_right": 0, "alignment": "bottom_right"}, {}),
+    "sliding-window": (45, 45, {"window_left": 6, "window_right": 0}, {}),
+    "two-sided-window": (40, 33, {"window_left": 3, "window_right": 5}, {}),
+    "nothing-hidden": (19, 70, {}, {}),
+    "window-inside-causal": (40, 40, {"window_left": 9}, {"is_causal": True}),
+    "causal-given-bottom-right": (30, 47, {"window_right": 0}, {"is_causal": True, "alignment": "bottom_right"}),
+}
+
+
+@pytest.mark.parametrize("kind", ["bool", "float32-min", "bfloat16-min", "float16-min", "float32-inf"])
+@pytest.mark.parametrize("name", list(BAND_MASKS))
+def test_find_band_recognises_bands_written_as_tensors(name, kind):
+    N, M, pattern, own = BAND_MASKS[name]
+    visible = flashfuse.reference.visibility_mask(N, M, window_left=pattern.get("window_left"),
+                                                  window_right=pattern.get("window_right"),
+                                                  bottom_right=pattern.get("alignment") == "bottom_right")
+    visible = torch.ones(N, M, dtype=torch.bool) if visible is None else visible
+    mask = _as_kind(visible, kind).expand(2, 1, N, M).contiguous()  # a batch of equal masks, as HF builds them
+    bm = flashfuse.block_mask(mask, N, M, **own)
+    own_band = {"window_left": own.get("window_left"), "window_right": 0 if own.get("is_causal") else None,
+                "alignment": own.get("alignment", "top_left")}
+    empty_rows = not _effective(mask, N, M, own_band).any(-1).all()
+    finite_hidden = kind not in ("bool", "float32-inf")
+    if empty_rows and finite_hidden:
+        # A row it hides entirely with finite values averages them: no band does that.
+        assert bm.band is None and bm.key_table.numel() > 0
+        return
+    assert bm.band is not None, "a band written as a tensor was not found"
+    assert bm.key_table.numel() == 0 and bm.query_table.numel() == 0  # no tables built
+    for w in (bm.band.window_left, bm.band.window_right):
+        assert w is None or w >= 0
+    got = _effective(torch.ones(1, 1, 1, 1, dtype=torch.bool), N, M, _band_args(bm.band))
+    assert torch.equal(got[0, 0], _effective(mask, N, M, own_band)[0, 0])
+
+
+def _not_bands():
+    N, M = 30, 30
+    causal = torch.ones(N, M, dtype=torch.bool).tril()
+    one_pair = causal.clone()
+    one_pair[17, 3] = False
+    per_batch = torch.stack([causal, causal.tril(-1) | torch.eye(N, dtype=torch.bool)])  # equal
+    per_batch[1, 5, 0] = False
+    padded = causal.expand(2, 1, N, M).clone()
+    padded[1, ..., 25:] = False
+    bias = _as_kind(causal, "float32-min")
+    bias[20, 4] = 0.25  # a visible value that changes the score
+    nan = _as_kind(causal, "float32-min")
+    nan[9, 2] = math.nan
+    holes = causal & ~torch.eye(N, dtype=torch.bool).roll(-3, 1)  # a diagonal of holes inside the band
+    return {"one-pair": one_pair, "per-batch": per_batch.unsqueeze(1), "padding": padded, "bias": bias,
+            "nan": nan, "holes": holes, "random": torch.rand(N, M, generator=torch.Generator().manual_seed(0)) > 0.5}
+
+
+@pytest.mark.parametrize("name", list(_not_bands()))
+def test_find_band_refuses_masks_that_are_not_bands(name):
+    mask = _not_bands()[name]
+    assert find_band(mask, 30, 30) is None
+    bm = flashfuse.block_mask(mask, 30, 30)
+    assert bm.band is None and bm.key_table.numel() > 0
+
+
+def test_find_band_with_fills_and_rows_it_hides():
+    N, M = 20, 12
+    br = flashfuse.reference.visibility_mask(N, M, window_right=0, bottom_right=True)  # rows 0-7 see nothing
+    assert find_band(br, N, M) == MaskBand(None, 0, "bottom_right")
+    # With a finite fill those rows average their filled keys: not a band.
+    assert find_band(br, N, M, mask_fill=-1e30) is None
+    square = torch.ones(N, N, dtype=torch.bool).tril()
+    assert find_band(square, N, N, mask_fill=-1e30) is not None  # every row keeps a key: fills weigh 0
+    assert find_band(square, N, N, mask_fill=-100.0) is None  # a fill that takes part
+    assert flashfuse.block_mask(square, mask_fill=0.0).band is None
+
+
+def test_find_band_reads_large_masks_in_chunks_and_skips_larger_ones(monkeypatch):
+    bmod = sys.modules["flashfuse.block_mask"]  # flashfuse.block_mask is the function
+    N = 64
+    mask = _as_kind(flashfuse.reference.visibility_mask(N, N, window_left=5, window_right=0), "bfloat16-min")
+    monkeypatch.setattr(bmod, "_BAND_CHUNK", 3 * N)  # three rows per chunk
+    assert bmod.find_band(mask, N, N) == bmod.MaskBand(5, 0, "top_left")
+    mask[40, 30] = 0.0  # one visible pair outside the window, in a later chunk
+    assert bmod.find_band(mask, N, N) is None
+    mask[40, 30] = -math.inf
+    monkeypatch.setattr(bmod, "BAND_CHECK_MAX_ELEMENTS", N * N - 1)
+    assert bmod.find_band(mask, N, N) is None and flashfuse.block_mask(mask).band is None
+
+
+def test_find_band_is_skipped_for_masks_that_want_a_gradient_and_on_request():
+    causal = _as_kind(torch.ones(16, 16, dtype=torch.bool).tril(), "float32-min")
+    assert find_band(causal.requires_grad_(), 16, 16) is None
+    assert flashfuse.block_mask(causal.detach(), find_band=False).band is None
+
+
+@pytest.mark.parametrize("case", ["bf16-causal-dropout", "bool-window-gqa", "bottom-right-lse", "nothing-hidden"])
+def test_a_band_block_mask_runs_the_band(case, monkeypatch):
+    # The calls take the band without the mask: the kernels build and read
+    # no tables, and forward and gradients are the band's own bits and
+    # match the float64 reference with the mask.
+    gen = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    N, M, pattern, own, kind, dropout_p = {
+        "bf16-causal-dropout": (33, 33, {"window_right": 0}, {}, "bfloat16-min", 0.2),
+        "bool-window-gqa": (40, 40, {"window_left": 7, "window_right": 0}, {}, "bool", 0.0),
+        "bottom-right-lse": (20, 45, {"window_right": 0, "alignment": "bottom_right"}, {}, "float32-inf", 0.0),
+        "nothing-hidden": (24, 37, {}, {"is_causal": True}, "float32-min", 0.0),
+    }[case]
+    vis = flashfuse.reference.visibility_mask(N, M, window_left=pattern.get("window_left"),
+                                              window_right=pattern.get("window_right"),
+                                              bottom_right=pattern.get("alignment") == "bottom_right")
+    mask = _as_kind(torch.ones(N, M, dtype=torch.bool) if vis is None else vis, kind)[None, None]
+    mask = mask.expand(B, 1, N, M).contiguous()
+    bm = flashfuse.block_mask(mask, N, M, **own)
+    assert bm.band is not None
+    q = torch.randn(B, Hq, N, D, generator=gen).requires_grad_()
+    k, v = (torch.randn(B, Hkv, M, D, generator=gen).requires_grad_() for _ in range(2))
+
+    import flashfuse.kernels.mask_ranges as mask_ranges
+
+    def built(*args, **kwargs):
+        raise AssertionError("a band block mask built mask tables")
+
+    for name in ("mask_key_table", "mask_query_table"):
+        monkeypatch.setattr(mask_ranges, name, built)
+
+    def run(**kw):
+        torch.manual_seed(5)
+        if case == "bottom-right-lse":
+            out, lse = flashfuse.attention_with_lse(q, k, v, enable_gqa=True, **kw)
+            out = out + lse.unsqueeze(-1)  # both results reach the gradients
+        else:
+            out = flashfuse.attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, **kw)
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        return (out, *torch.autograd.grad(out, (q, k, v), go))
+
+    got = run(attn_mask=bm)
+    want = run(**_band_args(bm.band))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if dropout_p == 0.0 and case != "bottom-right-lse":
+        # The float64 reference with the mask itself (and the block mask's own band).
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        rep = Hq // Hkv
+        ref = flashfuse.reference.reference_attention(
+            leaves[0], leaves[1].repeat_interleave(rep, 1), leaves[2].repeat_interleave(rep, 1),
+            attn_mask=mask if kind == "bool" else mask.double(), window_right=0 if own.get("is_causal") else None)
+        go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).double()
+        ref_grads = torch.autograd.grad(ref, leaves, go)
+        for a, b in zip(got, (ref, *ref_grads)):
+            assert (a.double() - b).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+def test_a_band_block_mask_runs_the_band_kernels_on_the_gpu():
+    # Hugging Face's causal mask (B, 1, N, N) in bf16: found on the device,
+    # then the is_causal kernels' own bits, forward and backward, with and
+    # without dropout.
+    gen = torch.Generator().manual_seed(0)
+    B, H, N, D = 2, 4, 1000, 64
+    q, k, v = (t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in _qkv(B, H, N, N, D, gen))
+    later = torch.ones(N, N, dtype=torch.bool).triu(1)
+    mask = torch.zeros(B, 1, N, N).masked_fill(later, torch.finfo(torch.bfloat16).min).to(torch.bfloat16).cuda()
+    bm = flashfuse.block_mask(mask)
+    assert bm.band is not None and bm.band.window_right == 0 and bm.band.window_left is None
+    for dropout_p in (0.0, 0.1):
+        want_out, want_grads = _run(q, k, v, mask, dropout_p)
+        got_out, got_grads = _run(q, k, v, bm, dropout_p)
+        band_out, band_grads = _run(q, k, v, None, dropout_p, is_causal=True)
+        assert torch.equal(got_out, band_out) and all(torch.equal(a, b) for a, b in zip(got_grads, band_grads))
+        torch.testing.assert_close(got_out, want_out, atol=2e-2, rtol=0)

@@ -238,7 +238,8 @@ def find_band(
     if not _band_check_possible(mask, N, M):
         return None
     Bm, Hm = _mask_batch_heads(mask)
-    x4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, N, M)
+    own4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, -1, -1)
+    x2 = own4[0, 0].expand(N, M)  # the first batch and head; the others must equal it
     is_bool = mask.dtype == torch.bool
     hidden_at = -65504.0 if mask.dtype == torch.float16 else -1.0e38  # mask_ranges.mask_hidden_at
     off = M - N if alignment == "bottom_right" else 0
@@ -246,12 +247,18 @@ def find_band(
     j = torch.arange(M, device=dev)
     bad = torch.zeros((), dtype=torch.bool, device=dev)
     finite_hidden = torch.zeros((), dtype=torch.bool, device=dev)
+    same = torch.ones((), dtype=torch.bool, device=dev)
     firsts, lasts, counts = [], [], []
-    rows = max(1, _BAND_CHUNK // (Bm * Hm * M))
     with torch.no_grad():
+        if Bm * Hm > 1:  # equal values: one comparison per element, not the whole check per slice
+            rows = max(1, _BAND_CHUNK // (Bm * Hm * own4.shape[3]))
+            for r0 in range(0, own4.shape[2], rows):
+                x = own4[:, :, r0:r0 + rows]
+                same &= (x == x[:1, :1]).all()
+        rows = max(1, _BAND_CHUNK // M)
         for r0 in range(0, N, rows):
-            x = x4[:, :, r0:r0 + rows]
-            i = torch.arange(r0, r0 + x.shape[2], device=dev).view(-1, 1)
+            x = x2[r0:r0 + rows]
+            i = torch.arange(r0, r0 + x.shape[0], device=dev).view(-1, 1)
             d = j.view(1, -1) - i - off
             in_band = torch.ones_like(d, dtype=torch.bool)
             if window_left is not None:
@@ -270,9 +277,7 @@ def find_band(
             as_bytes = takes_part.to(torch.uint8)
             firsts.append(as_bytes.argmax(-1))
             lasts.append(M - 1 - as_bytes.flip(-1).argmax(-1))
-        first, last, count = (torch.cat(t, dim=2) for t in (firsts, lasts, counts))
-        same = ((first == first[:1, :1]) & (last == last[:1, :1]) & (count == count[:1, :1])).all()
-        f, l, c = first[0, 0], last[0, 0], count[0, 0]
+        f, l, c = (torch.cat(t) for t in (firsts, lasts, counts))
         kept = c > 0
         i = torch.arange(N, device=dev)
         # The band's bounds on j - i, from the rows that keep a key.

@@ -201,6 +201,72 @@ def _band_check_possible(mask: Tensor, q_len: int, kv_len: int) -> bool:
     return Bm * Hm * q_len * kv_len <= BAND_CHECK_MAX_ELEMENTS
 
 
+# find_band's flag bits (``mask_ranges._mask_band_rows``).
+_NOT_NEUTRAL, _FINITE_HIDDEN, _DIFFERS = 1, 2, 4
+
+
+def _band_rows_kernel(mask, N, M, window_left, window_right, alignment):
+    """Per row of the first batch and head: first and last key taking part
+    and their count (CPU int64), and the flag bits, from one kernel pass
+    over the mask and one copy to the host."""
+    kernels = _ops._kernels.modules()
+    Bm, Hm = _mask_batch_heads(mask)
+    arg = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, N, M)
+    if arg.dtype == torch.bool:
+        arg = kernels.launch.bool_mask_as_bytes(arg)
+    band = kernels.launch.kernel_band(N, M, window_left, window_right, alignment == "bottom_right")
+    rows, flags = kernels.mask_ranges.mask_band_rows(arg, N, M, band)
+    host = torch.cat([flags, rows.reshape(-1)]).cpu().long()
+    rows = host[1:].view(N, 3)
+    return rows[:, 0], rows[:, 1], rows[:, 2], int(host[0])
+
+
+def _band_rows_torch(mask, N, M, window_left, window_right, alignment):
+    """``_band_rows_kernel`` in torch operations, where the kernels cannot
+    run (CPU without Triton's interpreter): the mask read in row chunks of
+    ``_BAND_CHUNK`` elements, so that temporaries stay small."""
+    Bm, Hm = _mask_batch_heads(mask)
+    own4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, -1, -1)
+    x2 = own4[0, 0].expand(N, M)  # the first batch and head; the others must equal it
+    is_bool = mask.dtype == torch.bool
+    hidden_at = -65504.0 if mask.dtype == torch.float16 else -1.0e38  # mask_ranges.mask_hidden_at
+    off = M - N if alignment == "bottom_right" else 0
+    dev = mask.device
+    j = torch.arange(M, device=dev)
+    flags = torch.zeros((), dtype=torch.long, device=dev)
+    firsts, lasts, counts = [], [], []
+    with torch.no_grad():
+        if Bm * Hm > 1:
+            rows = max(1, _BAND_CHUNK // (Bm * Hm * own4.shape[3]))
+            for r0 in range(0, own4.shape[2], rows):
+                x = own4[:, :, r0:r0 + rows]
+                flags |= (x != x[:1, :1]).any().long() * _DIFFERS
+        rows = max(1, _BAND_CHUNK // M)
+        for r0 in range(0, N, rows):
+            x = x2[r0:r0 + rows]
+            i = torch.arange(r0, r0 + x.shape[0], device=dev).view(-1, 1)
+            d = j.view(1, -1) - i - off
+            in_band = torch.ones_like(d, dtype=torch.bool)
+            if window_left is not None:
+                in_band &= d >= -window_left
+            if window_right is not None:
+                in_band &= d <= window_right
+            if is_bool:
+                takes_part = x & in_band
+            else:
+                part = (x > hidden_at) | torch.isnan(x)
+                takes_part = part & in_band
+                flags |= (takes_part & (x != 0)).any().long() * _NOT_NEUTRAL
+                flags |= (in_band & ~part & torch.isfinite(x)).any().long() * _FINITE_HIDDEN
+            counts.append(takes_part.sum(-1))
+            # argmax gives the first maximal index: the first (last) key taking part.
+            as_bytes = takes_part.to(torch.uint8)
+            firsts.append(as_bytes.argmax(-1))
+            lasts.append(M - 1 - as_bytes.flip(-1).argmax(-1))
+        host = torch.cat([flags.view(1), *firsts, *lasts, *counts]).cpu()
+    return host[1:N + 1], host[N + 1:2 * N + 1], host[2 * N + 1:], int(host[0])
+
+
 def find_band(
     mask: Tensor,
     q_len: int,
@@ -237,61 +303,26 @@ def find_band(
         return None  # filled pairs take part with a score of their own
     if not _band_check_possible(mask, N, M):
         return None
-    Bm, Hm = _mask_batch_heads(mask)
-    own4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, -1, -1)
-    x2 = own4[0, 0].expand(N, M)  # the first batch and head; the others must equal it
-    is_bool = mask.dtype == torch.bool
-    hidden_at = -65504.0 if mask.dtype == torch.float16 else -1.0e38  # mask_ranges.mask_hidden_at
-    off = M - N if alignment == "bottom_right" else 0
-    dev = mask.device
-    j = torch.arange(M, device=dev)
-    bad = torch.zeros((), dtype=torch.bool, device=dev)
-    finite_hidden = torch.zeros((), dtype=torch.bool, device=dev)
-    same = torch.ones((), dtype=torch.bool, device=dev)
-    firsts, lasts, counts = [], [], []
-    with torch.no_grad():
-        if Bm * Hm > 1:  # equal values: one comparison per element, not the whole check per slice
-            rows = max(1, _BAND_CHUNK // (Bm * Hm * own4.shape[3]))
-            for r0 in range(0, own4.shape[2], rows):
-                x = own4[:, :, r0:r0 + rows]
-                same &= (x == x[:1, :1]).all()
-        rows = max(1, _BAND_CHUNK // M)
-        for r0 in range(0, N, rows):
-            x = x2[r0:r0 + rows]
-            i = torch.arange(r0, r0 + x.shape[0], device=dev).view(-1, 1)
-            d = j.view(1, -1) - i - off
-            in_band = torch.ones_like(d, dtype=torch.bool)
-            if window_left is not None:
-                in_band &= d >= -window_left
-            if window_right is not None:
-                in_band &= d <= window_right
-            if is_bool:
-                takes_part = x & in_band
-            else:
-                part = (x > hidden_at) | torch.isnan(x)
-                takes_part = part & in_band
-                bad |= (takes_part & (x != 0)).any()
-                finite_hidden |= (in_band & ~part & torch.isfinite(x)).any()
-            counts.append(takes_part.sum(-1))
-            # argmax gives the first maximal index: the first (last) key taking part.
-            as_bytes = takes_part.to(torch.uint8)
-            firsts.append(as_bytes.argmax(-1))
-            lasts.append(M - 1 - as_bytes.flip(-1).argmax(-1))
-        f, l, c = (torch.cat(t) for t in (firsts, lasts, counts))
-        kept = c > 0
-        i = torch.arange(N, device=dev)
-        # The band's bounds on j - i, from the rows that keep a key.
-        big = 2 * (N + M)
-        lo = torch.where(kept, f - i, big).amin()
-        hi = torch.where(kept, l - i, -big).amax()
-        want_f = torch.clamp(i + lo, min=0)
-        want_l = torch.clamp(i + hi, max=M - 1)
-        want_c = torch.clamp(want_l - want_f + 1, min=0)
-        rows_match = (c == want_c) & (~kept | ((f == want_f) & (l == want_l)))
-        ok = same & ~bad & kept.any() & rows_match.all()
-        ok, lo, hi, all_kept, finite_hidden = torch.stack(
-            [ok.long(), lo, hi, kept.all().long(), finite_hidden.long()]).tolist()
-    if not ok or ((finite_hidden or fill is not None) and not all_kept):
+    if _kernels_available(mask):
+        first, last, count, flags = _band_rows_kernel(mask, N, M, window_left, window_right, alignment)
+    else:
+        first, last, count, flags = _band_rows_torch(mask, N, M, window_left, window_right, alignment)
+    if flags & (_NOT_NEUTRAL | _DIFFERS):
+        return None
+    kept = count > 0
+    if not bool(kept.any()):
+        return None
+    if (flags & _FINITE_HIDDEN or fill is not None) and not bool(kept.all()):
+        return None  # a row hidden entirely by finite values averages them
+    # The band's bounds on j - i, from the rows that keep a key; then every
+    # row, kept or not, must be that band's.
+    i = torch.arange(N)
+    lo = int(torch.where(kept, first - i, 2 * (N + M)).min())
+    hi = int(torch.where(kept, last - i, -2 * (N + M)).max())
+    want_first = torch.clamp(i + lo, min=0)
+    want_last = torch.clamp(i + hi, max=M - 1)
+    want_count = torch.clamp(want_last - want_first + 1, min=0)
+    if not bool(((count == want_count) & (~kept | ((first == want_first) & (last == want_last)))).all()):
         return None
     # The same pattern as the op's arguments: windows >= 0, None where no row reaches the bound.
     open_left, open_right = N - 1 + lo <= 0, hi >= M - 1

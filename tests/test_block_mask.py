@@ -97,7 +97,8 @@ def _qkv(B, H, N, M, D, gen, dtype=torch.float32):
 def _run(q, k, v, mask, dropout_p=0.0, **kw):
     torch.manual_seed(5)  # the same dropout draw for both calls
     out = flashfuse.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kw)
-    inputs = [t for t in (q, k, v, mask if isinstance(mask, torch.Tensor) else mask.mask) if t.requires_grad]
+    own = mask.mask if isinstance(mask, BlockMask) else mask
+    inputs = [t for t in (q, k, v, own) if t is not None and t.requires_grad]
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
     grads = torch.autograd.grad(out, inputs, go)
     return out, grads
@@ -328,9 +329,18 @@ BAND_MASKS = {  # name: (N, M, the visible pairs as a band of j - i, the block m
 }
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def band_path(request, monkeypatch):
+    """find_band through its kernel (Triton's interpreter on CPU) and
+    through its torch operations (where no kernel can run)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sys.modules["flashfuse.block_mask"], "_kernels_available", lambda mask: False)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["bool", "float32-min", "bfloat16-min", "float16-min", "float32-inf"])
 @pytest.mark.parametrize("name", list(BAND_MASKS))
-def test_find_band_recognises_bands_written_as_tensors(name, kind):
+def test_find_band_recognises_bands_written_as_tensors(name, kind, band_path):
     N, M, pattern, own = BAND_MASKS[name]
     visible = flashfuse.reference.visibility_mask(N, M, window_left=pattern.get("window_left"),
                                                   window_right=pattern.get("window_right"),
@@ -373,14 +383,14 @@ def _not_bands():
 
 
 @pytest.mark.parametrize("name", list(_not_bands()))
-def test_find_band_refuses_masks_that_are_not_bands(name):
+def test_find_band_refuses_masks_that_are_not_bands(name, band_path):
     mask = _not_bands()[name]
     assert find_band(mask, 30, 30) is None
     bm = flashfuse.block_mask(mask, 30, 30)
     assert bm.band is None and bm.key_table.numel() > 0
 
 
-def test_find_band_with_fills_and_rows_it_hides():
+def test_find_band_with_fills_and_rows_it_hides(band_path):
     N, M = 20, 12
     br = flashfuse.reference.visibility_mask(N, M, window_right=0, bottom_right=True)  # rows 0-7 see nothing
     assert find_band(br, N, M) == MaskBand(None, 0, "bottom_right")
@@ -393,7 +403,9 @@ def test_find_band_with_fills_and_rows_it_hides():
 
 
 def test_find_band_reads_large_masks_in_chunks_and_skips_larger_ones(monkeypatch):
+    # The torch operations' path (no kernels: CPU without the interpreter).
     bmod = sys.modules["flashfuse.block_mask"]  # flashfuse.block_mask is the function
+    monkeypatch.setattr(bmod, "_kernels_available", lambda mask: False)
     N = 64
     mask = _as_kind(flashfuse.reference.visibility_mask(N, N, window_left=5, window_right=0), "bfloat16-min")
     monkeypatch.setattr(bmod, "_BAND_CHUNK", 3 * N)  # three rows per chunk

@@ -33,8 +33,8 @@ import triton.language as tl
 from .common import MASK_BOOL_C, MASK_FLOAT, MASK_FLOAT_C, _visible, mask_kind
 from .launch import ConfigLauncher, _interpreting, cdiv
 
-__all__ = ["COL_GROUP", "ROW_GROUP", "fill_hides", "mask_hidden_at", "mask_key_table", "mask_query_table",
-           "mask_tables", "table_strides"]
+__all__ = ["COL_GROUP", "ROW_GROUP", "fill_hides", "mask_band_rows", "mask_hidden_at", "mask_key_table",
+           "mask_query_table", "mask_tables", "table_strides"]
 
 # Query rows per key-table entry: a divisor of every forward and dQ BLOCK_M.
 ROW_GROUP = 16
@@ -199,6 +199,99 @@ def _mask_query_table(
     tl.store(t + 3, tl.min(tl.where(real, z, N), 0))
 
 
+@triton.jit
+def _or_bits(a, b):
+    return a | b
+
+
+@triton.jit
+def _or_all(bits):
+    return tl.reduce(bits, 0, _or_bits)
+
+
+@triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
+def _mask_band_rows(
+    Mask, Rows, Flags,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    N, M, diag_off, window_left, window_right,
+    HAS_WINDOW_LEFT: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, HIDDEN_AT: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr,
+):
+    """Grid (cdiv(N, GROUP), mask heads, mask batches): what
+    ``block_mask.find_band`` needs to know of a mask, in one pass over it.
+
+    The first batch and head: per row its first and last band key taking
+    part and how many take part, ``Rows[row] = (first, last, count)``
+    (first = M, last = -1 for none); ``Flags`` gets bit 1 where a key
+    taking part has a float value other than 0 (NaN included) and bit 2
+    where a band key is hidden by a finite float value. Every other batch
+    and head: bit 4 where a value differs from the first's.
+    """
+    g = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_m = g * GROUP + tl.arange(0, GROUP)
+    real = offs_m < N
+    row_off = offs_m.to(tl.int64)[:, None] * stride_mask_q
+    rows = Mask + b.to(tl.int64) * stride_mask_b + h.to(tl.int64) * stride_mask_h + row_off
+    first = tl.full([GROUP], 0, tl.int32) + M
+    last = tl.full([GROUP], -1, tl.int32)
+    count = tl.zeros([GROUP], tl.int32)
+    bits = tl.zeros([GROUP], tl.int32)
+    if (b == 0) & (h == 0):
+        for start in range(0, M, STEP):
+            offs_n = start + tl.arange(0, STEP)
+            vis = _visible(offs_m, offs_n, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                           HAS_WINDOW_RIGHT)
+            mv = tl.load(rows + offs_n[None, :] * stride_mask_k, mask=real[:, None] & (offs_n < M)[None, :], other=0)
+            takes = _mask_takes_part(mv, MASK_KIND, HIDDEN_AT)
+            part = takes & vis
+            first = tl.minimum(first, tl.min(tl.where(part, offs_n[None, :], M), 1))
+            last = tl.maximum(last, tl.max(tl.where(part, offs_n[None, :], -1), 1))
+            count += tl.sum(part.to(tl.int32), 1)
+            if MASK_KIND != MASK_BOOL_C:
+                x = mv.to(tl.float32)
+                bits = bits | tl.max((part & (x != 0.0)).to(tl.int32), 1)
+                bits = bits | tl.max((vis & (~takes) & (x > float("-inf"))).to(tl.int32), 1) * 2
+        tl.store(Rows + offs_m * 3, first, mask=real)
+        tl.store(Rows + offs_m * 3 + 1, last, mask=real)
+        tl.store(Rows + offs_m * 3 + 2, count, mask=real)
+    else:
+        rows0 = Mask + row_off
+        for start in range(0, M, STEP):
+            offs_n = start + tl.arange(0, STEP)
+            inside = real[:, None] & (offs_n < M)[None, :]
+            mv = tl.load(rows + offs_n[None, :] * stride_mask_k, mask=inside, other=0)
+            mv0 = tl.load(rows0 + offs_n[None, :] * stride_mask_k, mask=inside, other=0)
+            bits = bits | tl.max((mv != mv0).to(tl.int32), 1) * 4
+    tl.atomic_or(Flags, _or_all(bits))
+
+
+def mask_band_rows(mask: torch.Tensor, N: int, M: int, band: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over a mask for ``block_mask.find_band`` (``_mask_band_rows``).
+
+    Args:
+        mask: expanded to (B, Hq, N, M) as ``mask_key_table`` takes it.
+        N, M: queries and keys.
+        band: ``launch.kernel_band``'s dict.
+
+    Returns:
+        ``(rows, flags)``: int32 (N, 3), each row's first and last key taking
+        part and their count in the first batch and head; int32 (1,), the
+        kernel's flag bits (1: a key taking part is not neutral; 2: a finite
+        value hides a band key; 4: another batch or head differs).
+    """
+    Bm, Hm = _table_shape(mask)
+    rows = torch.empty(N, 3, dtype=torch.int32, device=mask.device)
+    flags = torch.zeros(1, dtype=torch.int32, device=mask.device)
+    kind = mask_kind(mask)
+    meta = dict(HAS_WINDOW_LEFT=band["has_window_left"], HAS_WINDOW_RIGHT=band["has_window_right"], MASK_KIND=kind,
+                HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16), GROUP=ROW_GROUP)
+    args = (mask, rows, flags, *mask.stride(), N, M, band["diag_off"], band["window_left"], band["window_right"])
+    _launch(_band_launcher, lambda: _BAND_CONFIG, mask, (cdiv(N, ROW_GROUP), Hm, Bm), args, meta)
+    return rows, flags
+
+
 def mask_hidden_at(mask_is_fp16: bool) -> float:
     """Float-mask values at or below this hide a score (see ``_mask_takes_part``).
 
@@ -343,5 +436,7 @@ def table_strides(table: torch.Tensor) -> tuple[int, int]:
 
 _KEY_CONFIG = triton.Config({"STEP": _ROW_STEP}, num_warps=4, num_stages=2)
 _QUERY_CONFIG = triton.Config({"STEP": _COL_STEP}, num_warps=4, num_stages=2)
+_BAND_CONFIG = triton.Config({"STEP": _ROW_STEP}, num_warps=4, num_stages=2)
 _key_launcher = ConfigLauncher(_mask_key_table)
+_band_launcher = ConfigLauncher(_mask_band_rows)
 _query_launcher = ConfigLauncher(_mask_query_table)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -303,9 +304,14 @@ def find_band(
         return None  # filled pairs take part with a score of their own
     if not _band_check_possible(mask, N, M):
         return None
+    first = None
     if _kernels_available(mask):
-        first, last, count, flags = _band_rows_kernel(mask, N, M, window_left, window_right, alignment)
-    else:
+        try:
+            first, last, count, flags = _band_rows_kernel(mask, N, M, window_left, window_right, alignment)
+        except Exception as e:  # the check is an optimisation: it must never fail block_mask
+            warnings.warn(f"flashfuse.find_band: the band kernel failed ({type(e).__name__}: {e}); "
+                          "checking with torch operations instead", RuntimeWarning, stacklevel=2)
+    if first is None:
         first, last, count, flags = _band_rows_torch(mask, N, M, window_left, window_right, alignment)
     if flags & (_NOT_NEUTRAL | _DIFFERS):
         return None

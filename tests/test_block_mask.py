@@ -498,3 +498,16 @@ def test_a_band_block_mask_runs_the_band_kernels_on_the_gpu():
         band_out, band_grads = _run(q, k, v, None, dropout_p, is_causal=True)
         assert torch.equal(got_out, band_out) and all(torch.equal(a, b) for a, b in zip(got_grads, band_grads))
         torch.testing.assert_close(got_out, want_out, atol=2e-2, rtol=0)
+
+
+def test_find_band_falls_back_to_torch_when_its_kernel_fails(monkeypatch):
+    bmod = sys.modules["flashfuse.block_mask"]
+
+    def broken(*args):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(bmod, "_kernels_available", lambda mask: True)
+    monkeypatch.setattr(bmod, "_band_rows_kernel", broken)
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    with pytest.warns(RuntimeWarning, match="no kernel today"):
+        assert find_band(causal, 24, 24) == MaskBand(None, 0, "top_left")

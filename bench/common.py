@@ -276,7 +276,7 @@ def hopper_mask_loads(how: str) -> None:
 
 # The stand-in sets of mask_ablations.py (here so that scripts can offer
 # them without importing Gluon).
-MASK_ABLATIONS = ("tables", "mask-code", "all")
+MASK_ABLATIONS = ("tables", "tables-opaque", "mask-code", "all")
 
 
 def alternating(variants: tuple, round_index: int) -> tuple:

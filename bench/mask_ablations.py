@@ -9,6 +9,15 @@ stand-in returns, and no block of theirs reads the mask, which is what the
 mask-code stand-ins drop. The probe runs nothing else under them.
 
 * ``tables``: ``_table_reduce`` loads no table entry and reduces nothing.
+  The constants also let the compiler fold each tile's three runs into one
+  loop, so this times the loads and the run split together.
+* ``tables-opaque``: ``_table_reduce`` loads and reduces the entries as
+  before, then widens them to the whole band through operations the
+  compiler cannot fold (for the neutral rows they select the same blocks
+  as the real values). The runs stay three, with bounds known only at run time: what
+  this saves against no ablation is what the table values themselves cost
+  (none for the neutral rows), and ``tables`` against it is what folding
+  the run split away saves.
 * ``mask-code``: the per-score mask work goes: the forward's
   ``_consumer_scores`` becomes the unmasked one (raw scores, the scale in
   exp2's FMA), the backward's mask loads return the scores as they are and
@@ -26,6 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from flashfuse.kernels.hopper_gluon import _INT_MAX
+from flashfuse.kernels.hopper_gluon import _table_reduce as _real_table_reduce
 
 
 @gluon.jit
@@ -35,6 +45,18 @@ def _whole_band_table(Table, tab_off, first, end, GROUPS: gl.constexpr, GROUP: g
     row) takes part and is neutral; the band alone narrows the blocks."""
     zero = first * 0
     return zero, zero + _INT_MAX, zero, zero + _INT_MAX
+
+
+@gluon.jit
+def _opaque_whole_band_table(Table, tab_off, first, end, GROUPS: gl.constexpr, GROUP: gl.constexpr,
+                             ENTRY: gl.constexpr, WARPS: gl.constexpr):
+    """``_table_reduce`` with its loads, widened at run time to "every key
+    takes part and is neutral" (lo and free_lo at most 0, hi and free_hi
+    _INT_MAX): the values of ``_whole_band_table``, unknown to the
+    compiler (table entries are never negative, which it cannot know)."""
+    r_lo, r_hi, f_lo, f_hi = _real_table_reduce(Table, tab_off, first, end, GROUPS, GROUP, ENTRY, WARPS)
+    return (gl.where(r_lo >= 0, 0, r_lo), gl.where(r_hi >= 0, _INT_MAX, r_hi), gl.where(f_lo >= 0, 0, f_lo),
+            gl.where(f_hi >= 0, _INT_MAX, f_hi))
 
 
 @gluon.jit
@@ -74,6 +96,8 @@ def apply(name: str) -> list[str]:
     swaps = {}
     if name in ("tables", "all"):
         swaps["_table_reduce"] = _whole_band_table
+    if name == "tables-opaque":
+        swaps["_table_reduce"] = _opaque_whole_band_table
     if name in ("mask-code", "all"):
         swaps.update(_consumer_scores=_unmasked_scores, _masked_scores_t_direct=_scores_as_they_are_t_direct,
                      _row_caps=_no_caps, _masked_scores_t=_scores_as_they_are_t)

@@ -184,18 +184,13 @@ class MaskBand:
 
 
 def _band_check_possible(mask: Tensor, q_len: int, kv_len: int) -> bool:
-    """Whether find_band may read the mask now: real data (not traced or
-    fake), no gradient wanted for it, not inside a CUDA graph capture (the
-    check synchronises), and not too large to read."""
-    if q_len == 0 or kv_len == 0 or mask.requires_grad or torch.compiler.is_compiling():
+    """Whether find_band may read the mask now: a plain tensor with real
+    data (not traced, fake or functional: those are subclasses), no
+    gradient wanted for it, not inside a CUDA graph capture (the check
+    synchronises), and not too large to read."""
+    if type(mask) is not Tensor or q_len == 0 or kv_len == 0 or mask.requires_grad \
+            or torch.compiler.is_compiling():
         return False
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-
-        if is_fake(mask):
-            return False
-    except ImportError:  # pragma: no cover - very old torch
-        pass
     if mask.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     Bm, Hm = _mask_batch_heads(mask)

@@ -421,6 +421,8 @@ def test_find_band_is_skipped_for_masks_that_want_a_gradient_and_on_request():
     causal = _as_kind(torch.ones(16, 16, dtype=torch.bool).tril(), "float32-min")
     assert find_band(causal.requires_grad_(), 16, 16) is None
     assert flashfuse.block_mask(causal.detach(), find_band=False).band is None
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # no data to read
+        assert find_band(torch.ones(16, 16, dtype=torch.bool).tril(), 16, 16) is None
 
 
 @pytest.mark.parametrize("case", ["bf16-causal-dropout", "bool-window-gqa", "bottom-right-lse", "nothing-hidden"])

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import config
+from . import config, reference
 from . import ops as _ops
 
 __all__ = ["BlockMask", "MaskBand", "block_mask", "check_tables", "find_band", "table_shapes"]
@@ -105,6 +105,18 @@ def _kernels_available(mask: Tensor) -> bool:
     return k.BUILT_FOR_INTERPRETER and config.interpreter_on()
 
 
+def _kernel_args(mask: Tensor, N: int, M: int, window_left, window_right, bottom_right: bool):
+    """The kernel modules, the mask as the table and band kernels read it
+    (expanded to (Bm, Hm, N, M), a bool mask as bytes) and the band as they
+    take it (``launch.kernel_band``: the attention kernels' own rule)."""
+    kernels = _ops._kernels.modules()
+    Bm, Hm = _mask_batch_heads(mask)
+    arg = mask.expand(Bm, Hm, N, M)
+    if arg.dtype == torch.bool:
+        arg = kernels.launch.bool_mask_as_bytes(arg)
+    return kernels, arg, kernels.launch.kernel_band(N, M, window_left, window_right, bottom_right)
+
+
 def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int] = None,
                 window_right: Optional[int] = None, bottom_right: bool = False,
                 mask_fill: Optional[float] = None, queries: bool = True) -> tuple[Tensor, Tensor]:
@@ -117,13 +129,8 @@ def _block_mask(mask: Tensor, q_len: int, kv_len: int, window_left: Optional[int
         # them for an empty N or M): zeros of the promised shapes, two
         # tensors (an op's outputs may not alias each other).
         return mask.new_zeros(key_shape, dtype=torch.int32), mask.new_zeros(query_shape, dtype=torch.int32)
-    kernels = _ops._kernels.modules()
     N, M = q_len, kv_len
-    Bm, Hm = _mask_batch_heads(mask)
-    arg = mask.expand(Bm, Hm, N, M)
-    if arg.dtype == torch.bool:
-        arg = kernels.launch.bool_mask_as_bytes(arg)
-    band = kernels.launch.kernel_band(N, M, window_left, window_right, bottom_right)
+    kernels, arg, band = _kernel_args(mask, N, M, window_left, window_right, bottom_right)
     keys, qs = kernels.mask_ranges.mask_tables(arg, N, M, band, fills=mask.dtype == torch.bool and mask_fill is not None,
                            queries=queries)
     if not queries:
@@ -205,12 +212,7 @@ def _band_rows_kernel(mask, N, M, window_left, window_right, alignment):
     """Per row of the first batch and head: first and last key taking part
     and their count (CPU int64), and the flag bits, from one kernel pass
     over the mask and one copy to the host."""
-    kernels = _ops._kernels.modules()
-    Bm, Hm = _mask_batch_heads(mask)
-    arg = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, N, M)
-    if arg.dtype == torch.bool:
-        arg = kernels.launch.bool_mask_as_bytes(arg)
-    band = kernels.launch.kernel_band(N, M, window_left, window_right, alignment == "bottom_right")
+    kernels, arg, band = _kernel_args(mask, N, M, window_left, window_right, alignment == "bottom_right")
     rows, flags = kernels.mask_ranges.mask_band_rows(arg, N, M, band)
     host = torch.cat([flags, rows.reshape(-1)]).cpu().long()
     rows = host[1:].view(N, 3)
@@ -226,9 +228,7 @@ def _band_rows_torch(mask, N, M, window_left, window_right, alignment):
     x2 = own4[0, 0].expand(N, M)  # the first batch and head; the others must equal it
     is_bool = mask.dtype == torch.bool
     hidden_at = -65504.0 if mask.dtype == torch.float16 else -1.0e38  # mask_ranges.mask_hidden_at
-    off = M - N if alignment == "bottom_right" else 0
     dev = mask.device
-    j = torch.arange(M, device=dev)
     flags = torch.zeros((), dtype=torch.long, device=dev)
     firsts, lasts, counts = [], [], []
     with torch.no_grad():
@@ -240,13 +240,11 @@ def _band_rows_torch(mask, N, M, window_left, window_right, alignment):
         rows = max(1, _BAND_CHUNK // M)
         for r0 in range(0, N, rows):
             x = x2[r0:r0 + rows]
-            i = torch.arange(r0, r0 + x.shape[0], device=dev).view(-1, 1)
-            d = j.view(1, -1) - i - off
-            in_band = torch.ones_like(d, dtype=torch.bool)
-            if window_left is not None:
-                in_band &= d >= -window_left
-            if window_right is not None:
-                in_band &= d <= window_right
+            in_band = reference.visibility_mask(N, M, window_left=window_left, window_right=window_right,
+                                                bottom_right=alignment == "bottom_right",
+                                                rows=(r0, r0 + x.shape[0]), device=dev)
+            if in_band is None:  # no band: every key
+                in_band = torch.ones(x.shape, dtype=torch.bool, device=dev)
             if is_bool:
                 takes_part = x & in_band
             else:
@@ -508,10 +506,9 @@ def block_mask(
     if find_band:
         band = _find_band(mask, N, M, window_left=window_left, window_right=window_right,
                            alignment=alignment, mask_fill=fill)
-    if band is not None:
-        none = mask.new_empty((0,), dtype=torch.int32)
-        return BlockMask(mask, none, mask.new_empty((0,), dtype=torch.int32), N, M, window_left, window_right,
-                         alignment, fill, band)
+    if band is not None:  # no tables: the calls run the band
+        no_table = mask.new_empty((0,), dtype=torch.int32)
+        return BlockMask(mask, no_table, no_table, N, M, window_left, window_right, alignment, fill, band)
     keys, queries = torch.ops.flashfuse.block_mask(
         mask, N, M, window_left=window_left, window_right=window_right, bottom_right=alignment == "bottom_right",
         mask_fill=fill, queries=backward,

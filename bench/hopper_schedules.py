@@ -10,7 +10,10 @@ process, ``do_bench`` medians of:
   program per tile) and ``persistent`` (the plan's persistent grid,
   ``hopper.forward_programs``, whether or not the rule takes it);
 * ``portable``: the portable Triton forward (FLASHFUSE_HOPPER=0);
-* ``sdpa``: PyTorch's default SDPA (cuDNN on Hopper).
+* ``sdpa``: PyTorch's default SDPA (cuDNN on Hopper);
+* with ``--softmax``, the persistent grid with each softmax variant
+  (``hopper.FWD_SOFTMAX``: the row maximum folded, some exponentials on
+  the FMA units), then the default once more.
 
 Each Hopper output is checked against the portable one first (relative
 error in the CSV; the float64 checks are the GPU tests). The column "the
@@ -21,6 +24,7 @@ Writes bench/results/hopper_schedules.csv.
 
     python bench/hopper_schedules.py
     python bench/hopper_schedules.py --d 128 --n 4096 --causal yes
+    python bench/hopper_schedules.py --d 64 --n 4096,16384 --softmax "3,0 3,1 3,2"
 """
 
 from __future__ import annotations
@@ -41,9 +45,29 @@ from flashfuse.kernels.problem import AttentionProblem  # noqa: E402
 PROVIDERS = ["tiles", "persistent", "portable", "sdpa"]
 
 
-def _hopper_runs(p, q, k, v):
-    return [(name, (lambda pers=pers: hopper.hopper_forward(p, q, k, v, pers)))
+def _hopper_runs(p, q, k, v, softmax_variants=()):
+    """(name, run) of the Hopper forward on each grid, then on the persistent
+    grid with each softmax variant (``hopper.FWD_SOFTMAX`` at p's head dim
+    set for the call: "softmax F,P" folds the row maximum F times and takes
+    P of each eight exponentials on the FMA units)."""
+    runs = [(name, (lambda pers=pers: hopper.hopper_forward(p, q, k, v, pers)))
             for name, pers in (("tiles", False), ("persistent", True))]
+    for folds, poly in softmax_variants:
+        def run(folds=folds, poly=poly):
+            saved = hopper.FWD_SOFTMAX
+            hopper.FWD_SOFTMAX = {**saved, p.D: dict(row_max_folds=folds, exp_poly=poly)}
+            try:
+                return hopper.hopper_forward(p, q, k, v, True)
+            finally:
+                hopper.FWD_SOFTMAX = saved
+        runs.append((_variant_name(folds, poly), run))
+    if softmax_variants:  # the default again: a drift of the clocks over the variants shows
+        runs.append(("persistent again", runs[1][1]))
+    return runs
+
+
+def _variant_name(folds, poly):
+    return f"softmax {folds},{poly}"
 
 
 def parse_args():
@@ -54,6 +78,9 @@ def parse_args():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--softmax", default="",
+                   help="softmax variants timed on the persistent grid beside the default, space-separated "
+                        "FOLDS,POLY pairs (hopper.FWD_SOFTMAX), e.g. '3,0 3,1 3,2'")
     return p.parse_args()
 
 
@@ -63,6 +90,8 @@ def main():
     if device.type != "cuda":
         sys.exit("the Hopper kernels need a CUDA GPU (compute capability 9.x)")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    variants = [tuple(int(x) for x in item.split(",")) for item in args.softmax.split()]
+    providers = PROVIDERS + [_variant_name(*v) for v in variants] + (["persistent again"] if variants else [])
     res = common.Results(args.out, "hopper_schedules.csv", common.env_info(device))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -90,7 +119,7 @@ def main():
                 times["sdpa"] = common.bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                                 device)
                 errors = {}
-                for name, run in _hopper_runs(p, q, k, v):
+                for name, run in _hopper_runs(p, q, k, v, variants):
                     try:
                         out = run()[0].float()
                         errors[name] = ((out - want).norm() / want.norm()).item()
@@ -105,7 +134,7 @@ def main():
                             op_grid=chosen)
                 why = hopper.hopper_refusal(p, q, k, v, dropout_p=0.0, softcap=None, sinks=None)
                 row = [D, N, causal, programs]
-                for prov in PROVIDERS:
+                for prov in providers:
                     row.append(common.fmt(common.tflops(flops, times[prov]), 0) if prov in times else "-")
                 row += [common.fmt(times["sdpa"] / times[chosen], 2) if chosen in times else "-",
                         f"{max(errors.values()):.1e}" if errors else "-", chosen if why is None else "portable"]
@@ -113,7 +142,7 @@ def main():
                 del q, k, v
                 common.free_memory()
     common.tables_header()
-    common.print_table(table, ["D", "N", "causal", "persistent grid", *PROVIDERS, "op's grid / sdpa",
+    common.print_table(table, ["D", "N", "causal", "persistent grid", *providers, "op's grid / sdpa",
                                "max rel err vs portable", "the op takes"], title=f"Forward TFLOP/s, {args.dtype}")
     print(f"\nCSV: {res.path}")
 

@@ -292,6 +292,9 @@ def main():
                         "version flashfuse's Gluon code is written for)")
     p.add_argument("--ablate", choices=common.MASK_ABLATIONS,
                    help="with --hopper: the masked kernels with stand-ins for a part (mask_ablations.py)")
+    p.add_argument("--fwd-softmax", metavar="FOLDS,POLY",
+                   help="with --hopper: the forward's softmax variant at --d (hopper.FWD_SOFTMAX: row-max folds, "
+                        "exponentials of each eight on the FMA units)")
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -331,6 +334,9 @@ def main():
 
         if not hopper.gluon_available():
             sys.exit(f"--hopper: the Gluon kernels are written for Triton {', '.join(hopper.SUPPORTED_TRITON)}")
+        if a.fwd_softmax:
+            folds, poly = (int(x) for x in a.fwd_softmax.split(","))
+            hopper.FWD_SOFTMAX = {**hopper.FWD_SOFTMAX, a.d: dict(row_max_folds=folds, exp_poly=poly)}
         if a.ablate:
             import mask_ablations
 

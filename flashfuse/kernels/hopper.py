@@ -123,6 +123,19 @@ FWD_PERSISTENT = True
 FWD_FIXED_BLOCKS = {"tiles": 3.8, "persistent": 0.5}
 GRIDS_TRIED = 8
 
+# The forward's softmax per head dim (``hopper_gluon._row_max``, ``_exp2``):
+# "row_max_folds", how many times a block's column halves are folded before
+# the row maximum (0: one dependent chain per row, which the exponentials
+# wait for); "exp_poly", how many of each eight exponentials run as a cubic
+# on the FMA units instead of the special-function unit. At D = 64 each
+# 128 x 128 block asks the special-function unit for as many cycles as the
+# tensor cores' products take (16 exponentials per cycle and SM against
+# 4096 flops). Chosen from forward times on an H100 (bench/NOTES.md run 35):
+# the fold 4-11 % faster at D = 128 from 4k keys, noise at D = 64; one
+# exponential in eight on the FMA units 2-8 % faster at D = 64 from 4k
+# keys, two in eight (or the fold with it) slower.
+FWD_SOFTMAX = {64: dict(row_max_folds=0, exp_poly=1), 128: dict(row_max_folds=3, exp_poly=0)}
+
 # Fewest visible keys per query row (mean over the rows) for which the
 # Hopper kernel is taken. Each tile has a fixed cost (the pipeline's fill and
 # drain, the output store), which the persistent grid mostly hides: on an
@@ -551,7 +564,8 @@ def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None 
     # warp group's share): 168 per thread at launch over 12 warps.
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
                 HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
-                GROUP=ROW_GROUP, num_warps=4, maxnreg=168)
+                GROUP=ROW_GROUP, ROW_MAX_FOLDS=FWD_SOFTMAX[p.D]["row_max_folds"],
+                EXP_POLY=FWD_SOFTMAX[p.D]["exp_poly"], num_warps=4, maxnreg=168)
     return args, meta, forward_programs(p, persistent)
 
 

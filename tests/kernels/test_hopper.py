@@ -309,6 +309,56 @@ def test_forward_against_reference(monkeypatch, grid, dtype, D, band, B, Hq, Hkv
     assert (out.cpu()[hidden] == 0).all()  # rows that see no key are 0
 
 
+# The forward's softmax variants (hopper.FWD_SOFTMAX): (row-max folds,
+# exponentials of each eight on the FMA units), the defaults among them.
+SOFTMAX_VARIANTS = [(0, 0), (3, 0), (0, 1), (3, 2), (0, 3)]
+
+
+def _softmax_variant(monkeypatch, D, folds, poly):
+    monkeypatch.setattr(hopper, "FWD_SOFTMAX", {**hopper.FWD_SOFTMAX, D: dict(row_max_folds=folds, exp_poly=poly)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("folds,poly", SOFTMAX_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_forward_softmax_variants_against_reference(monkeypatch, folds, poly, D, dtype):
+    """Each softmax variant: every band with rows that see no key, partial
+    tiles, grouped heads, NaN padding and poisoned outputs, as the default's
+    forward test checks it."""
+    _softmax_variant(monkeypatch, D, folds, poly)
+    for band, shape in (("causal_bottom_right", (1, 8, 2, 129, 4097)), ("two_sided_bottom_right", (2, 4, 4, 1000, 1000)),
+                        ("none", (1, 2, 2, 1, 300))):
+        test_forward_against_reference(monkeypatch, "persistent", dtype, D, band, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("folds,poly", SOFTMAX_VARIANTS[1:])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", ["float_hidden_rows", "bool_padding"])
+def test_masked_forward_softmax_variants(monkeypatch, folds, poly, D, kind):
+    """Each softmax variant with a mask: -inf and rows a finite value hides
+    entirely, whose lse marker holds their key count (2^0 must be exact)."""
+    _softmax_variant(monkeypatch, D, folds, poly)
+    test_masked_forward_against_reference(monkeypatch, "persistent", D, kind, "causal", 2, 4, 2, 1000, 1000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("folds,poly", SOFTMAX_VARIANTS[1:])
+@pytest.mark.parametrize("D", [64, 128])
+def test_softmax_variants_gradients_through_the_op(monkeypatch, folds, poly, D):
+    """The backward from each variant's lse: gradients against float64."""
+    _require_hopper()
+    _softmax_variant(monkeypatch, D, folds, poly)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = _inputs(2, 4, 2, 1500, 1500, D, torch.bfloat16, "contiguous", gen)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashfuse.attention(*leaves, scale=0.125, is_causal=True, enable_gqa=True)
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+    out.backward(dout)
+    _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, window_right=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("D", [64, 128])
@@ -1170,3 +1220,103 @@ def test_backward_with_an_lse_gradient():
     ((out.float() * dout.float()).sum() + (lse * w).sum()).backward()
     for got, exp in zip(leaves, _reference_grads(q, k, v, dout, kw, lse_weight=w)):
         assert _rel(got.grad.cpu(), exp) < 2e-2
+
+
+# ---------------------------------------------------------------------------
+# The forward's exponentials on the FMA units (CPU: the PTX text evaluated)
+# ---------------------------------------------------------------------------
+
+def _run_ptx(asm: str, inputs):
+    """Evaluate ``hopper_gluon._exp2_asm``'s PTX on float32 ``inputs`` (one
+    pack, numpy): each instruction it uses with its float32 / uint32
+    semantics (``fma`` through float64, whose product is exact, then one
+    rounding to float32 after the add: at most one ulp from a fused one).
+    ``ex2.approx`` as the exact 2^x rounded to float32, denormals flushed."""
+    import numpy as np
+
+    regs = {f"${len(inputs) + i}": np.float32(x).view(np.uint32) for i, x in enumerate(inputs)}
+
+    def val(tok):
+        if tok.startswith("0f"):
+            return np.uint32(int(tok[2:], 16))
+        if tok[0].isdigit():
+            return np.uint32(int(tok))
+        return regs[tok]
+
+    f32 = lambda bits: np.uint32(bits).view(np.float32)  # noqa: E731
+    bits = lambda x: np.float32(x).view(np.uint32)  # noqa: E731
+    with np.errstate(all="ignore"):
+        for line in asm.splitlines():
+            line = line.strip().rstrip(";")
+            if not line or line in "{}" or line.startswith(".reg"):
+                continue
+            op, rest = line.split(None, 1)
+            dst, *src = [t.strip() for t in rest.split(",")]
+            a = [val(t) for t in src]
+            if op == "ex2.approx.ftz.f32":
+                y = np.float32(2.0 ** np.float64(f32(a[0])))
+                regs[dst] = bits(0.0 if abs(y) < np.finfo(np.float32).tiny else y)
+            elif op == "max.NaN.f32":
+                x, y = f32(a[0]), f32(a[1])
+                regs[dst] = bits(np.nan if np.isnan(x) or np.isnan(y) else max(x, y))
+            elif op == "add.rn.f32":
+                regs[dst] = bits(f32(a[0]) + f32(a[1]))
+            elif op == "sub.rn.f32":
+                regs[dst] = bits(f32(a[0]) - f32(a[1]))
+            elif op == "mul.rn.f32":
+                regs[dst] = bits(f32(a[0]) * f32(a[1]))
+            elif op == "fma.rn.f32":
+                regs[dst] = bits(np.float32(np.float64(f32(a[0])) * np.float64(f32(a[1])) + np.float64(f32(a[2]))))
+            elif op == "mad.lo.u32":
+                regs[dst] = np.uint32((int(a[0]) * int(a[1]) + int(a[2])) % 2 ** 32)
+            else:
+                raise AssertionError(f"the evaluator does not know {op!r}")
+    return [f32(regs[f"${i}"]) for i in range(len(inputs))]
+
+
+@pytest.mark.parametrize("poly", [1, 2, 3])
+def test_fma_exponentials_match_exp2(poly):
+    """2^x for the softmax's arguments (x <= 0, -inf, NaN) from the PTX the
+    forward runs: the FMA lanes within 1.1e-4 of 2^x (relative), exact at
+    integers (2^0 = 1: a row's maximum), 0 below 2^-127 and for -inf, NaN
+    kept; the special-function lanes as ``ex2``."""
+    import math
+
+    import numpy as np
+
+    from flashfuse.kernels import hopper_gluon
+
+    asm = hopper_gluon._exp2_asm(poly)
+    rng = np.random.default_rng(poly)
+    xs = np.concatenate([
+        -rng.exponential(4.0, 4000), -rng.uniform(0, 130, 4000), -np.arange(0, 127, dtype=np.float64),
+        [0.0, -0.0, -0.5, -0.49999997, -1.5, -126.4, -126.6, -127.0, -127.5, -150.0, -1e30, -math.inf, math.nan,
+         1e-7, 3e-8],
+    ]).astype(np.float32)
+    xs = np.concatenate([xs, np.zeros((-len(xs)) % 8, np.float32)])
+    got = np.array([y for i in range(0, len(xs), 8) for y in _run_ptx(asm, xs[i:i + 8])], np.float32)
+    want = 2.0 ** xs.astype(np.float64)
+    lane = np.arange(len(xs)) % 8
+    on_fma = lane >= 8 - poly
+    assert on_fma.sum() > 1000
+    nan = np.isnan(xs)
+    assert np.isnan(got[nan]).all()
+    normal = ~nan & (xs >= -126)
+    rel = np.abs(got[normal] / want[normal] - 1)
+    assert rel[on_fma[normal]].max() < 1.1e-4
+    assert rel[~on_fma[normal]].max() < 1e-6
+    whole = ~nan & (xs == np.round(xs)) & (xs >= -126)
+    assert (got[whole] == want[whole]).all()  # 2^j exactly, 2^0 = 1 included
+    assert (got[~nan & (xs <= -127.5)] == 0).all()  # -inf (masked keys) included
+    assert (got[~nan & (xs < -126)] < 2.0 ** -125.5).all()
+
+
+def test_forward_softmax_settings_reach_the_kernel(monkeypatch):
+    """``hopper.FWD_SOFTMAX`` at the call's head dim is what the forward
+    kernel is compiled with."""
+    q = torch.randn(1, 2, 300, 64, dtype=torch.bfloat16)
+    p = _problem(q, q, q)
+    monkeypatch.setattr(hopper, "FWD_SOFTMAX", {64: dict(row_max_folds=2, exp_poly=3),
+                                                128: dict(row_max_folds=0, exp_poly=0)})
+    meta = hopper.kernel_args(p, q, q, q, torch.empty_like(q), torch.empty(1, 2, 300), persistent=False)[1]
+    assert (meta["ROW_MAX_FOLDS"], meta["EXP_POLY"]) == (2, 3)

@@ -134,6 +134,13 @@ GRIDS_TRIED = 8
 # the fold 4-11 % faster at D = 128 from 4k keys, noise at D = 64; one
 # exponential in eight on the FMA units 2-8 % faster at D = 64 from 4k
 # keys, two in eight (or the fold with it) slower.
+# A masked forward tile's blocks in three loops (before its rows' neutral
+# keys, inside them without the mask code, after), or one loop in which each
+# block branches on whether it reads the mask. The split keeps the mask code
+# out of the hot loop, but its loops' bounds are known only at run time, and
+# with them opaque the masked forward's whole fixed cost over is_causal
+# returns (bench/NOTES.md run 35: 60.1 against 51.8 us, GPT-2's layer).
+FWD_MASK_SPLIT_RUNS = True
 FWD_SOFTMAX = {64: dict(row_max_folds=0, exp_poly=1), 128: dict(row_max_folds=3, exp_poly=0)}
 
 # Fewest visible keys per query row (mean over the rows) for which the
@@ -565,7 +572,7 @@ def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None 
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
                 HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
                 GROUP=ROW_GROUP, ROW_MAX_FOLDS=FWD_SOFTMAX[p.D]["row_max_folds"],
-                EXP_POLY=FWD_SOFTMAX[p.D]["exp_poly"], num_warps=4, maxnreg=168)
+                EXP_POLY=FWD_SOFTMAX[p.D]["exp_poly"], SPLIT_RUNS=FWD_MASK_SPLIT_RUNS, num_warps=4, maxnreg=168)
     return args, meta, forward_programs(p, persistent)
 
 

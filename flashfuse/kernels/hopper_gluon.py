@@ -508,7 +508,7 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                   HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                   HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   MASK_KIND: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr,
-                  EXP_POLY: gl.constexpr):
+                  EXP_POLY: gl.constexpr, SPLIT_RUNS: gl.constexpr):
     """One warp group: 64 query rows of each of the program's tiles, the
     whole online softmax for them. Iteration j issues S_j = q·K_jᵀ and
     O += P_{j-1}·V_{j-1} together and computes the softmax of S_j while the
@@ -571,9 +571,10 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         # The tile's blocks in three runs: before the rows' neutral keys,
         # inside them ([j_a, j_b), run with the unmasked body: the mask code
         # stays out of the hot loop's code and registers) and after. An
-        # unmasked call has the one run.
-        for run in gl.static_range(1 if MASK_KIND == 0 else 3):
-            if MASK_KIND == 0:
+        # unmasked call has the one run, and so has a masked one without
+        # SPLIT_RUNS: each block then branches on whether it reads the mask.
+        for run in gl.static_range(1 if MASK_KIND == 0 or not SPLIT_RUNS else 3):
+            if MASK_KIND == 0 or not SPLIT_RUNS:
                 j_lo = 1
                 j_hi = n_blocks
             else:
@@ -593,8 +594,9 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                                              v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
                                              diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
                                              mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
-                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES, MASK_KIND * (run != 1),
-                                             ROW_MAX_FOLDS, EXP_POLY, s_layout, p_layout, row_o)
+                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES,
+                                             MASK_KIND * (run != 1 or not SPLIT_RUNS), ROW_MAX_FOLDS, EXP_POLY,
+                                             s_layout, p_layout, row_o)
         # Every product that reads this tile's q has finished: the next tile's may load.
         mbarrier.arrive(q_empty.index(HALF))
 
@@ -657,7 +659,7 @@ def _hopper_attn_fwd(
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     MASK_KIND: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr, EXP_POLY: gl.constexpr,
-    num_warps: gl.constexpr,
+    SPLIT_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The forward over tiles of BLOCK_M query rows of one (batch, head),
     P programs taking one tile per round (``_fwd_tile``): one program per
@@ -698,12 +700,12 @@ def _hopper_attn_fwd(
                          v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                          Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                          stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
-                         MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY)),
+                         MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS)),
         (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                          v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                          Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                          stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
-                         MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY)),
+                         MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS)),
         (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
                        stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM,

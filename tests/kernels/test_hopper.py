@@ -514,6 +514,18 @@ def test_masked_forward_against_reference(monkeypatch, grid, D, kind, band, B, H
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("band", ["none", "causal", "two_sided_bottom_right"])
+def test_masked_forward_in_one_loop(monkeypatch, D, kind, band):
+    """A masked tile's blocks in one loop (``hopper.FWD_MASK_SPLIT_RUNS``
+    off), each branching on whether it reads the mask: as the split runs."""
+    monkeypatch.setattr(hopper, "FWD_MASK_SPLIT_RUNS", not hopper.FWD_MASK_SPLIT_RUNS)
+    test_masked_forward_against_reference(monkeypatch, "three_programs", D, kind, band, 2, 4, 2, 1000, 1000)
+    test_masked_forward_against_reference(monkeypatch, "persistent", D, kind, band, 1, 2, 1, 129, 4097)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bool_padding", "float_causal"])
 def test_masked_forward_through_the_op(monkeypatch, kind):
     """``flashfuse.attention`` with a mask takes the Hopper forward (eager,

@@ -11,9 +11,10 @@ process, ``do_bench`` medians of:
   ``hopper.forward_programs``, whether or not the rule takes it);
 * ``portable``: the portable Triton forward (FLASHFUSE_HOPPER=0);
 * ``sdpa``: PyTorch's default SDPA (cuDNN on Hopper);
-* with ``--softmax``, the persistent grid with each softmax variant
-  (``hopper.FWD_SOFTMAX``: the row maximum folded, some exponentials on
-  the FMA units), then the default once more.
+* with ``--softmax``, the persistent grid with the default softmax and
+  each variant (``hopper.FWD_SOFTMAX``: the row maximum folded, some
+  exponentials on the FMA units), all compiled first, then timed in
+  alternating rounds (medians of ``--rounds``).
 
 Each Hopper output is checked against the portable one first (relative
 error in the CSV; the float64 checks are the GPU tests). The column "the
@@ -24,7 +25,7 @@ Writes bench/results/hopper_schedules.csv.
 
     python bench/hopper_schedules.py
     python bench/hopper_schedules.py --d 128 --n 4096 --causal yes
-    python bench/hopper_schedules.py --d 64 --n 4096,16384 --softmax "3,0 3,1 3,2"
+    python bench/hopper_schedules.py --d 64 --n 4096,16384 --softmax "3,0 0,1"
 """
 
 from __future__ import annotations
@@ -45,29 +46,52 @@ from flashfuse.kernels.problem import AttentionProblem  # noqa: E402
 PROVIDERS = ["tiles", "persistent", "portable", "sdpa"]
 
 
-def _hopper_runs(p, q, k, v, softmax_variants=()):
-    """(name, run) of the Hopper forward on each grid, then on the persistent
-    grid with each softmax variant (``hopper.FWD_SOFTMAX`` at p's head dim
-    set for the call: "softmax F,P" folds the row maximum F times and takes
-    P of each eight exponentials on the FMA units)."""
-    runs = [(name, (lambda pers=pers: hopper.hopper_forward(p, q, k, v, pers)))
+def _hopper_runs(p, q, k, v):
+    """(name, run) of the Hopper forward on each grid."""
+    return [(name, (lambda pers=pers: hopper.hopper_forward(p, q, k, v, pers)))
             for name, pers in (("tiles", False), ("persistent", True))]
-    for folds, poly in softmax_variants:
-        def run(folds=folds, poly=poly):
-            saved = hopper.FWD_SOFTMAX
+
+
+def _variant_runs(p, q, k, v, softmax_variants):
+    """(name, run) of the Hopper forward on the persistent grid with the
+    default softmax ("softmax default") and each variant (``hopper.FWD_SOFTMAX``
+    at p's head dim set for the call: "softmax F,P" folds the row maximum F
+    times and takes P of each eight exponentials on the FMA units)."""
+    def run(folds=None, poly=None):
+        saved = hopper.FWD_SOFTMAX
+        if folds is not None:
             hopper.FWD_SOFTMAX = {**saved, p.D: dict(row_max_folds=folds, exp_poly=poly)}
-            try:
-                return hopper.hopper_forward(p, q, k, v, True)
-            finally:
-                hopper.FWD_SOFTMAX = saved
-        runs.append((_variant_name(folds, poly), run))
-    if softmax_variants:  # the default again: a drift of the clocks over the variants shows
-        runs.append(("persistent again", runs[1][1]))
-    return runs
+        try:
+            return hopper.hopper_forward(p, q, k, v, True)
+        finally:
+            hopper.FWD_SOFTMAX = saved
+    return [("softmax default", run)] + [(_variant_name(f, pl), lambda f=f, pl=pl: run(f, pl))
+                                         for f, pl in softmax_variants]
 
 
 def _variant_name(folds, poly):
     return f"softmax {folds},{poly}"
+
+
+def _timed_in_rounds(runs, device, rounds: int) -> dict:
+    """Median ms of each run over ``rounds`` rounds, each timing every run
+    once (``do_bench``), in the order of ``common.alternating``. Each run is
+    compiled and called before the first round, so no round holds a compile.
+    One timing per variant in a fixed order read the first variant after
+    the default several percent fast, whichever it was (bench/NOTES.md
+    run 35)."""
+    import statistics
+
+    names = tuple(name for name, _ in runs)
+    fns = dict(runs)
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in common.alternating(names, r):
+            times[name].append(common.bench_ms(fns[name], device, warmup_ms=5, rep_ms=20))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def parse_args():
@@ -79,8 +103,9 @@ def parse_args():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--softmax", default="",
-                   help="softmax variants timed on the persistent grid beside the default, space-separated "
-                        "FOLDS,POLY pairs (hopper.FWD_SOFTMAX), e.g. '3,0 3,1 3,2'")
+                   help="softmax variants timed on the persistent grid beside the default, in alternating "
+                        "rounds: space-separated FOLDS,POLY pairs (hopper.FWD_SOFTMAX), e.g. '3,0 0,1'")
+    p.add_argument("--rounds", type=int, default=7, help="rounds of the --softmax timings (medians reported)")
     return p.parse_args()
 
 
@@ -91,7 +116,7 @@ def main():
         sys.exit("the Hopper kernels need a CUDA GPU (compute capability 9.x)")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     variants = [tuple(int(x) for x in item.split(",")) for item in args.softmax.split()]
-    providers = PROVIDERS + [_variant_name(*v) for v in variants] + (["persistent again"] if variants else [])
+    providers = PROVIDERS + (["softmax default"] + [_variant_name(*v) for v in variants] if variants else [])
     res = common.Results(args.out, "hopper_schedules.csv", common.env_info(device))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -119,13 +144,19 @@ def main():
                 times["sdpa"] = common.bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                                 device)
                 errors = {}
-                for name, run in _hopper_runs(p, q, k, v, variants):
+                for name, run in _hopper_runs(p, q, k, v):
                     try:
                         out = run()[0].float()
                         errors[name] = ((out - want).norm() / want.norm()).item()
                         times[name] = common.bench_ms(run, device)
                     except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
                         res.add(**case, provider=name, status="error", error=common.short_error(exc))
+                if variants:
+                    runs = _variant_runs(p, q, k, v, variants)
+                    for name, run in runs:
+                        out = run()[0].float()
+                        errors[name] = ((out - want).norm() / want.norm()).item()
+                    times.update(_timed_in_rounds(runs, device, args.rounds))
                 chosen = "persistent" if hopper.forward_persistent(p) else "tiles"
                 programs = hopper.forward_programs(p, True)
                 for prov, ms in times.items():

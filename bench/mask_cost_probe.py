@@ -73,9 +73,9 @@ def main():
                    help="the fused backward's mask tile loads at every head dim (default: hopper.BWD_MASK_LOADS)")
     p.add_argument("--ablate", choices=common.MASK_ABLATIONS, default=None,
                    help="swap stand-ins for parts of the masked kernels (mask_ablations.py); neutral rows only")
-    p.add_argument("--fwd-mask-runs", choices=("split", "single"), default=None,
-                   help="a masked forward tile's blocks in three loops or one (hopper.FWD_MASK_SPLIT_RUNS; "
-                        "default: its setting)")
+    p.add_argument("--mask-runs", choices=("split", "single"), default=None,
+                   help="a masked tile's blocks in three loops or one, forward and backward "
+                        "(hopper.FWD_MASK_SPLIT_RUNS, BWD_MASK_SPLIT_RUNS; default: their settings)")
     p.add_argument("--shapes", default=None,
                    help="only these (D, N) shapes, e.g. 64x1024 or 64x1024,128x4096 (default: all three)")
     args = p.parse_args()
@@ -94,12 +94,12 @@ def main():
     common.hopper_backward_everywhere()
     if args.mask_loads:
         common.hopper_mask_loads(args.mask_loads)
-    if args.fwd_mask_runs:
+    if args.mask_runs:
         from flashfuse.kernels import hopper
 
-        hopper.FWD_MASK_SPLIT_RUNS = args.fwd_mask_runs == "split"
+        hopper.FWD_MASK_SPLIT_RUNS = hopper.BWD_MASK_SPLIT_RUNS = args.mask_runs == "split"
     env = dict(common.env_info(device), backward_rule="hopper everywhere", mask_loads=args.mask_loads or "default",
-               fwd_mask_runs=args.fwd_mask_runs or "default",
+               mask_runs=args.mask_runs or "default",
                ablate="+".join(swapped) or "none")
     res = common.Results(args.out, "mask_cost_probe.csv", env)
     print(env, flush=True)

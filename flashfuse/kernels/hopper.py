@@ -208,6 +208,12 @@ TRACED_MASKED_BACKWARD = True
 # kernel times on an H100 (bench/NOTES.md run 29): coalesced 8-14 % faster
 # at D = 64, 2-4 % slower at D = 128.
 BWD_MASK_LOADS = {64: "coalesced", 128: "direct"}
+# The fused backward's masked key tile in three loops over each query
+# head's blocks or in one, as FWD_MASK_SPLIT_RUNS for the forward (with
+# the split's bounds opaque the neutral backward took 163.6 us against
+# 154.9 with them folded: bench/NOTES.md run 35). The one loop is not yet
+# measured.
+BWD_MASK_SPLIT_RUNS = True
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
@@ -737,7 +743,8 @@ def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, rows: RowInputs, d
     args, meta = _dkdv_args(p, grad_out, q, k, v, rows, dk, dv, dq_acc)
     mask, table, mask_strides = _mask_operands(p, query_table, (q, rows.shift))
     meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1,
-                MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP, COALESCED_MASK=BWD_MASK_LOADS[p.D] == "coalesced")
+                MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP, COALESCED_MASK=BWD_MASK_LOADS[p.D] == "coalesced",
+                SPLIT_RUNS=BWD_MASK_SPLIT_RUNS)
     return (*args, mask, table, *mask_strides), meta, backward_programs(p, persistent)
 
 

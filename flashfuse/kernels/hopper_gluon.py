@@ -1335,7 +1335,7 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem,
                     HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                     HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr,
-                    COL_GROUP: gl.constexpr, COALESCED_MASK: gl.constexpr):
+                    COL_GROUP: gl.constexpr, COALESCED_MASK: gl.constexpr, SPLIT_RUNS: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1402,15 +1402,16 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem,
         # query row), its q/dO blocks: unmasked, one run of them all;
         # masked, three runs, before the keys' neutral query rows, inside
         # them ([m_a, m_b), without the mask code, as the forward's split)
-        # and after. The blocks keep their order, so the ring and dS
-        # counters run as before.
+        # and after, or without SPLIT_RUNS one run whose blocks branch on
+        # whether they read the mask. The blocks keep their order, so the
+        # ring and dS counters run as before.
         n_heads = n_iters // n_m
-        if MASK_KIND != 0:
+        if MASK_KIND != 0 and SPLIT_RUNS:
             m_a = gl.minimum(gl.maximum(gl.cdiv(free_lo - lo_m, BLOCK_M), 0), n_m)
             m_b = gl.minimum(gl.maximum((free_hi - lo_m) // BLOCK_M, m_a), n_m)
         for hh in range(n_heads):
-            for run in gl.static_range(1 if MASK_KIND == 0 else 3):
-                if MASK_KIND == 0:
+            for run in gl.static_range(1 if MASK_KIND == 0 or not SPLIT_RUNS else 3):
+                if MASK_KIND == 0 or not SPLIT_RUNS:
                     m_lo = 0
                     m_hi = n_m
                 elif run == 0:
@@ -1431,7 +1432,8 @@ def _fused_consumer(DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem,
                                        stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, N, M, dqa_desc,
                                        DQacc, stride_dqa_b, stride_dqa_h, stride_dqa_n, dq_r, dq_c, HALF,
                                        HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HALF_D, STAGES, DQ_TMA,
-                                       DQ_BUFFERS, MASK_KIND, MASK_KIND != 0 and run != 1, COALESCED_MASK,
+                                       DQ_BUFFERS, MASK_KIND, MASK_KIND != 0 and (run != 1 or not SPLIT_RUNS),
+                                       COALESCED_MASK,
                                        st_layout, a_layout, col)
         async_copy.wait_group(0)  # the (empty) copy issued for the iteration past the last
         # This group's products of the tile are done (its last dQ read the
@@ -1464,7 +1466,7 @@ def _hopper_attn_bwd_fused(
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     DQ_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr, MASK_KIND: gl.constexpr, COL_GROUP: gl.constexpr,
-    COALESCED_MASK: gl.constexpr, num_warps: gl.constexpr,
+    COALESCED_MASK: gl.constexpr, SPLIT_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """dK, dV of 128-key tiles as ``_hopper_attn_bwd_dkdv`` computes them,
     and each tile's unscaled dS·K added into ``DQacc`` (zeroed float32, unit
@@ -1523,7 +1525,7 @@ def _hopper_attn_bwd_fused(
                            Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
                            stride_qtab_b, stride_qtab_h,
                            0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
-                           DQ_BUFFERS, MASK_KIND, COL_GROUP, COALESCED_MASK)),
+                           DQ_BUFFERS, MASK_KIND, COL_GROUP, COALESCED_MASK, SPLIT_RUNS)),
         (_fused_consumer, (DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                            stat_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, ds_ready,
                            stride_dk_b, stride_dk_h, stride_dk_n, stride_dv_b, stride_dv_h, stride_dv_n,
@@ -1532,7 +1534,7 @@ def _hopper_attn_bwd_fused(
                            Mask, QueryTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
                            stride_qtab_b, stride_qtab_h,
                            1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_TMA,
-                           DQ_BUFFERS, MASK_KIND, COL_GROUP, COALESCED_MASK)),
+                           DQ_BUFFERS, MASK_KIND, COL_GROUP, COALESCED_MASK, SPLIT_RUNS)),
         (_fused_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty,
                          q_ready, q_empty, do_ready, do_empty, Hq, Hkv, N, M, n_n, n_tiles, diag_off, window_left,
                          window_right, QueryTable, stride_qtab_b, stride_qtab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT,

@@ -604,6 +604,18 @@ def test_masked_backward_against_reference(monkeypatch, grid, D, kind, band, B, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("band", ["none", "causal", "two_sided_bottom_right"])
+def test_masked_backward_in_one_loop(monkeypatch, D, kind, band):
+    """A masked key tile's query blocks in one loop (``hopper.BWD_MASK_SPLIT_RUNS``
+    off), each branching on whether it reads the mask: as the split runs."""
+    monkeypatch.setattr(hopper, "BWD_MASK_SPLIT_RUNS", not hopper.BWD_MASK_SPLIT_RUNS)
+    test_masked_backward_against_reference(monkeypatch, "persistent", D, kind, band, 2, 4, 4, 1000, 1000)
+    test_masked_backward_against_reference(monkeypatch, "tiles", D, kind, band, 1, 2, 2, 1100, 4097)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind,D", [("bool_padding", 128), ("float_causal", 64), ("bool_blocks", 64)])
 @pytest.mark.parametrize("how", ["compiled_op", "backend_rewrite"])
 def test_masked_backward_in_a_compiled_graph(monkeypatch, kind, D, how):

@@ -273,6 +273,39 @@ def test_decode_lane_is_bitwise_the_op_as_the_cache_grows_past_the_kernels_thres
             assert _lane_hits() == before + lane, (M, m is not None)
 
 
+def test_decode_lane_on_a_growing_cache_takes_its_plan_directly(monkeypatch):
+    """A dynamic cache through the lane: each length a fresh contiguous
+    (B, Hkv, M, D) tensor (new strides every call). A length whose strides
+    specialise as a recorded one's takes that plan's call without
+    ``_cached_call`` (head dim 24: M * 24 is a multiple of 16 for even M
+    only, so each parity builds once), and each is bitwise the op's."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    decode.forget_plans()
+    built = []
+    real = decode._cached_call
+    monkeypatch.setattr(decode, "_cached_call", lambda *a: built.append(a[1].shape[2]) or real(*a))
+    Hkv, D = 2, 24
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 1, D, generator=g)
+    buf = torch.randn(Hkv * 64 * D, generator=g)
+    lengths = (30, 31, 32, 33, 34, 40, 41, 48)
+
+    def cache(M, source):
+        return torch.as_strided(source, (1, Hkv, M, D), (Hkv * M * D, M * D, D, 1))
+
+    got = {}
+    for M in lengths:
+        before = _lane_hits()
+        got[M] = flashfuse.attention(q, cache(M, buf), cache(M, buf.flip(0)), **DECODE)
+        assert _lane_hits() == before + (M != 30), M  # the first call makes the lane
+    # 30 passes the op (no lane yet); the lane builds 31 (odd) and 32 (even), then reuses.
+    assert [m for m in built if m != 30] == [31, 32], built
+    monkeypatch.setattr(decode, "_cached_call", real)
+    decode.forget_plans()
+    for M in lengths:
+        assert torch.equal(got[M], OP(q, cache(M, buf), cache(M, buf.flip(0)), **DECODE)), M
+
+
 @pytest.mark.parametrize("setting", ["FLASHFUSE_DECODE=0", "TRITON_INTERPRET=0"])
 def test_decode_lane_follows_settings_changed_between_calls(monkeypatch, setting):
     monkeypatch.setattr(decode, "MIN_KEYS", 1)

@@ -555,6 +555,7 @@ def forget_plans() -> None:
     _PLANS.clear()
     _CALLS.clear()
     _GROWN.clear()
+    _LANE_GROWN.clear()
 
 
 for _launcher in (_split_launcher, _combine_launcher, _bounds_launcher):
@@ -845,17 +846,60 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
         return decode_forward(q, k, v, scale=scale, window_left=window_left, window_right=window_right,
                               bottom_right=bottom_right, attn_mask=attn_mask, need_lse=False)[0]
     knobs = config.decode_knobs()
-    key = (token, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() & 15, k.data_ptr() & 15,
-           v.data_ptr() & 15, None if attn_mask is None else (attn_mask.shape, attn_mask.stride(),
-                                                              attn_mask.data_ptr() & 15), knobs, _dot_precision(q))
+    aligned = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    key = (token, q.stride(), k.shape, k.stride(), v.shape, v.stride(), *aligned,
+           None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15), knobs,
+           _dot_precision(q))
     call = _CALLS.get(key)
+    if call is None and attn_mask is None:
+        call = _lane_grown_call(token, q, k, v, aligned, knobs, window_left, window_right)
     if call is None:
         call = _cached_call(q, k, v, None, None, attn_mask, window_left, window_right, bottom_right, "bhsd", None,
                             knobs)
         if len(_CALLS) >= _MAX_PLANS:
             _CALLS.clear()
         _CALLS[key] = call
+        if attn_mask is None:
+            _lane_record_grown(token, q, k, v, aligned, knobs, call)
     return _run(call, q, k, v, None, None, attn_mask, scale, True, False)[0]
+
+
+# A lane's dynamic cache: one key longer at every call, so ``lane_forward``'s
+# key (k's and v's sizes and strides) is new each time, and building the call
+# through ``_cached_call`` (its exact key, then ``_GROWN``) cost the hook about
+# 12 us more per call than a fixed cache (bench/host_path_cpu.py). The lane
+# fixes everything ``_GROWN``'s key holds but q's strides, the alignments,
+# the knobs and the dot precision (``lane_forward``'s docstring), so
+# ``_LANE_GROWN`` keeps the plan per lane, those, k's and v's sizes but the
+# length, and the specialisation fingerprint of k's and v's strides (two
+# entries for a cache whose strides alternate, as M * 24 does); a call that
+# finds one takes that plan's call directly (``_finish_call``), and is not
+# kept: its length will not recur.
+_LANE_GROWN: dict = {}
+
+
+def _lane_grown_key(token, q, k, v, aligned, knobs) -> tuple:
+    """(the key of ``_LANE_GROWN``, k's length, k's and v's kernel strides)."""
+    ks, vs = k.shape, v.shape  # (B, Hkv, M, D): the length is dimension 2
+    _, m, kst, vst, _ = _kernel_strides(k, v, None, "bhsd")
+    kv = (*kst, *vst)
+    key = (token, q.stride(), ks[:2] + ks[3:], vs[:2] + vs[3:], aligned, knobs, _dot_precision(q), _fingerprint(kv))
+    return key, m, kv
+
+
+def _lane_grown_call(token, q, k, v, aligned, knobs, window_left, window_right) -> _Call | None:
+    key, m, kv = _lane_grown_key(token, q, k, v, aligned, knobs)
+    plan = _LANE_GROWN.get(key)
+    if plan is None:
+        return None
+    return _finish_call(plan, q, (*q.stride(), *kv, 0, 0, 0, 0, 0, 0), m, m, 1, window_left, window_right, None,
+                        True)
+
+
+def _lane_record_grown(token, q, k, v, aligned, knobs, call: _Call) -> None:
+    if len(_LANE_GROWN) >= _MAX_PLANS:
+        _LANE_GROWN.clear()
+    _LANE_GROWN[_lane_grown_key(token, q, k, v, aligned, knobs)[0]] = call.plan
 
 
 class _Call:

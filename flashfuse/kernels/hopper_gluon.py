@@ -57,8 +57,9 @@ def _mask_if_crossing(s, start_n, m0, key_end, full_end, right_edge, left_edge, 
 def _exp2_asm(poly: int, pack: int = 8) -> str:
     """PTX for 2^x of ``pack`` float32 scores at most 0 (or -inf, or NaN),
     the last ``poly`` of them on the FMA units instead of the special-function
-    unit (``ex2.approx``), which issues a quarter as many results per cycle
-    as there are FMA lanes and paces the D = 64 forward's softmax.
+    unit (``ex2.approx``), which gives an eighth as many results per cycle
+    as there are FMA lanes (at D = 64 a block's exponentials ask it for as
+    many cycles as the block's products take the tensor cores).
     2^x = 2^j * 2^f with j = x rounded to the nearest integer (adding
     1.5 * 2^23 leaves j in the sum's low bits), f = x - j in [-0.5, 0.5],
     2^f by a cubic with constant term 1 (so 2^0 = 1 exactly, as a row's

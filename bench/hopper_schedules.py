@@ -86,7 +86,8 @@ def _timed_in_rounds(runs, device, rounds: int) -> dict:
     fns = dict(runs)
     for fn in fns.values():
         fn()
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in common.alternating(names, r):

@@ -8,7 +8,13 @@ configuration, block mask built once) and ``naive`` (eager matmul-softmax-matmul
 fits in memory).
 
 For every configuration and provider it measures forward, backward and
-forward+backward: median milliseconds, TFLOP/s and peak memory.
+forward+backward: median milliseconds, TFLOP/s and peak memory. Each
+configuration's providers are built, compiled and run once first, then
+timed in ``--rounds`` rounds (``do_bench`` each), alternating their order
+from round to round; the median over the rounds is reported, with the
+spread (max - min over median). One timing per provider in a fixed order
+read whichever came first after a pause a few percent fast (bench/NOTES.md
+run 35).
 
 Default sweep: bf16, B*N = 16k tokens, H*D = 2048, D in {64, 128},
 N in {1k, 4k, 16k}, causal and not; then feature rows (masks, grouped heads,
@@ -48,6 +54,8 @@ def parse_args():
     p.add_argument("--no-host", action="store_true", help="skip the host-overhead row")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup (ms)")
     p.add_argument("--rep-ms", type=float, default=30.0, help="do_bench measurement time (ms)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds per configuration, providers in alternating order (median reported)")
     p.add_argument("--from-csv", default=None, help="redraw the tables and the plot of this CSV, measuring nothing")
     return p.parse_args()
 
@@ -91,50 +99,75 @@ def feature_cases(smoke: bool) -> list[tuple[str, AttnCase]]:
 
 
 def measure_case(results, section, label, case, providers, modes, device, args, budget):
-    """All providers and modes of one case; every failure becomes a row."""
-    for provider in providers:
-        base_row = dict(section=section, feature=label, provider=provider, **case.columns())
-        if budget.exceeded():
+    """All providers and modes of one case; every failure becomes a row.
+
+    Each provider's step is built and run once (compiles, autotuning, peak
+    memory), then every step that ran is timed in ``args.rounds`` rounds in
+    the order ``common.alternating`` gives, so a drift of the machine (or a
+    pause before the first timing) weighs on every provider alike."""
+    import statistics
+
+    if budget.exceeded():
+        for provider in providers:
             for mode in modes:
-                results.add(**base_row, mode=mode, status="skipped", error="time budget")
-            continue
-        q = k = v = mask = fn = None
+                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
+                            status="skipped", error="time budget")
+        return
+    torch.manual_seed(0)
+    q, k, v, mask = common.make_inputs(case, device)
+    fns = {}
+    for provider in providers:
         try:
-            torch.manual_seed(0)
-            q, k, v, mask = common.make_inputs(case, device)
-            fn = common.build_attention(provider, case, mask, device)
+            fns[provider] = common.build_attention(provider, case, mask, device)
         except Exception as exc:  # unsupported provider or OOM while building
             status = "skipped" if isinstance(exc, common.Unsupported) else "OOM" if common.is_oom(exc) else "error"
             for mode in modes:
-                results.add(**base_row, mode=mode, status=status, error=common.short_error(exc))
-            fn = None
-        if fn is None:
-            q = k = v = mask = None
+                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
+                            status=status, error=common.short_error(exc))
             common.free_memory(collect=True)
-            continue
-        for mode in modes:
-            step = None
+    for mode in modes:
+        steps = {}
+        for provider, fn in fns.items():
+            base_row = dict(section=section, feature=label, provider=provider, **case.columns(), mode=mode)
             try:
                 step, grads = common.attention_step(fn, q, k, v, mode)
                 step()  # warm-up: compiles, autotunes
                 common.sync(device)
                 peak, extra = common.peak_memory_mib(step, device, grads)
-                ms = common.bench_ms(step, device, args.warmup_ms, args.rep_ms, grads)
-                results.add(**base_row, mode=mode, status="ok", ms=ms,
-                            tflops=common.tflops(case.flops(mode), ms),
-                            peak_mem_mib=peak, extra_mem_mib=extra)
-                failed = False
+                steps[provider] = (step, grads, peak, extra)
             except Exception as exc:
                 oom = common.is_oom(exc)
-                results.add(**base_row, mode=mode, status="OOM" if oom else "error", error=common.short_error(exc))
-                failed = oom
-            # Outside the except block: the traceback no longer pins tensors.
-            step = None
-            for t in (q, k, v):
-                t.grad = None
-            common.free_memory(collect=failed)
-        q = k = v = mask = fn = None
+                results.add(**base_row, status="OOM" if oom else "error", error=common.short_error(exc))
+                for t in (q, k, v):
+                    t.grad = None
+                common.free_memory(collect=oom)
+        times = {provider: [] for provider in steps}
+        failed = set()
+        for r in range(max(1, args.rounds)):
+            for provider in common.alternating(tuple(steps), r):
+                if provider in failed:
+                    continue
+                step, grads = steps[provider][:2]
+                try:
+                    times[provider].append(common.bench_ms(step, device, args.warmup_ms, args.rep_ms, grads))
+                except Exception as exc:
+                    failed.add(provider)
+                    results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
+                                status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
+        for provider, (step, grads, peak, extra) in steps.items():
+            ts = times[provider]
+            if provider in failed or not ts:
+                continue
+            ms = statistics.median(ts)
+            results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
+                        status="ok", ms=ms, tflops=common.tflops(case.flops(mode), ms), peak_mem_mib=peak,
+                        extra_mem_mib=extra, rounds=len(ts), spread=(max(ts) - min(ts)) / ms)
+        steps = None
+        for t in (q, k, v):
+            t.grad = None
         common.free_memory()
+    q = k = v = mask = fns = None
+    common.free_memory()
 
 
 def host_overhead(results, device, smoke, budget):

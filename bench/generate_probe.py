@@ -19,6 +19,7 @@ graphs, CUDA graphs or allocator state weigh on the other's, and reports:
 
     python bench/generate_probe.py --cache dynamic --impl ffuse --batch 8 --prompt 8192
     python bench/generate_probe.py --cache static --impl both --batch 1 --prompt 512 --new 64
+    python bench/generate_probe.py --cache static --impl ffuse --batch 1 --prompt 512 --new 64 --no-kept-buffers
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def parse_args():
     p.add_argument("--prompt", type=int, default=8192)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--reps", type=int, default=2, help="timed generate() calls per implementation")
+    p.add_argument("--no-kept-buffers", action="store_true",
+                   help="the decode kernels allocate their partials and merge counters per call instead of "
+                        "keeping them (decode.WORKSPACES, FUSE_COMBINE off): does a kept buffer move the next "
+                        "static cache? (bench/NOTES.md run 35)")
     return p.parse_args()
 
 
@@ -83,6 +88,12 @@ def main():
     if device is None:
         return
     from torch._dynamo.utils import counters
+
+    if args.no_kept_buffers:
+        from flashfuse.kernels import decode
+
+        decode.WORKSPACES = False
+        decode.FUSE_COMBINE = False
 
     impls = ["sdpa", "ffuse"] if args.impl == "both" else [args.impl]
     cfg = bench_generate.config(False, args.prompt + args.new + 64)

@@ -16,6 +16,7 @@ machine's, so counts can differ there.
     python bench/kernel_report.py --d 128 --h 32 --kv-heads 8 --decode-keys 4096 --n 1
     python bench/kernel_report.py --hopper --d 128 --causal    # the Gluon kernels (Triton 3.6)
     python bench/kernel_report.py --hopper --mask causal-float --loops 16   # their inner loops too
+    python bench/kernel_report.py --hopper --mask causal-float --mask-runs single   # masked tiles in one loop
 
 ``--hopper`` compiles the Hopper (Gluon) kernels as their launchers would
 launch them for the problem (forward, the two deterministic backward
@@ -295,6 +296,9 @@ def main():
     p.add_argument("--fwd-softmax", metavar="FOLDS,POLY",
                    help="with --hopper: the forward's softmax variant at --d (hopper.FWD_SOFTMAX: row-max folds, "
                         "exponentials of each eight on the FMA units)")
+    p.add_argument("--mask-runs", choices=("split", "single"),
+                   help="with --hopper: a masked tile's blocks in three loops or one, forward and backward "
+                        "(hopper.FWD_MASK_SPLIT_RUNS, BWD_MASK_SPLIT_RUNS)")
     p.add_argument("--all-configs", action="store_true", help="every candidate, not just the first")
     p.add_argument("--dump", help="write each kernel's ttgir, ptx and sass into this folder")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -334,6 +338,8 @@ def main():
 
         if not hopper.gluon_available():
             sys.exit(f"--hopper: the Gluon kernels are written for Triton {', '.join(hopper.SUPPORTED_TRITON)}")
+        if a.mask_runs:
+            hopper.FWD_MASK_SPLIT_RUNS = hopper.BWD_MASK_SPLIT_RUNS = a.mask_runs == "split"
         if a.fwd_softmax:
             folds, poly = (int(x) for x in a.fwd_softmax.split(","))
             hopper.FWD_SOFTMAX = {**hopper.FWD_SOFTMAX, a.d: dict(row_max_folds=folds, exp_poly=poly)}

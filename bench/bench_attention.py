@@ -126,21 +126,35 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
                             status=status, error=common.short_error(exc))
             common.free_memory(collect=True)
     for mode in modes:
-        steps = {}
+        # Warm-up and peak memory one provider at a time (a backward step
+        # keeps its forward's graph, which must not count in another's peak).
+        peaks = {}
         for provider, fn in fns.items():
-            base_row = dict(section=section, feature=label, provider=provider, **case.columns(), mode=mode)
+            step = grads = None
             try:
                 step, grads = common.attention_step(fn, q, k, v, mode)
                 step()  # warm-up: compiles, autotunes
                 common.sync(device)
-                peak, extra = common.peak_memory_mib(step, device, grads)
-                steps[provider] = (step, grads, peak, extra)
+                peaks[provider] = common.peak_memory_mib(step, device, grads)
+                oom = False
             except Exception as exc:
                 oom = common.is_oom(exc)
-                results.add(**base_row, status="OOM" if oom else "error", error=common.short_error(exc))
-                for t in (q, k, v):
-                    t.grad = None
-                common.free_memory(collect=oom)
+                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
+                            status="OOM" if oom else "error", error=common.short_error(exc))
+            # Outside the except block: the traceback no longer pins tensors.
+            step = grads = None
+            for t in (q, k, v):
+                t.grad = None
+            common.free_memory(collect=oom)
+        steps = {}
+        for provider, (peak, extra) in peaks.items():
+            try:
+                step, grads = common.attention_step(fns[provider], q, k, v, mode)
+                steps[provider] = (step, grads, peak, extra)
+            except Exception as exc:
+                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
+                            status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
+        step = grads = None
         times = {provider: [] for provider in steps}
         failed = set()
         for r in range(max(1, args.rounds)):

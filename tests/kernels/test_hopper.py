@@ -514,18 +514,6 @@ def test_masked_forward_against_reference(monkeypatch, grid, D, kind, band, B, H
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kind", MASKS)
-@pytest.mark.parametrize("band", ["none", "causal", "two_sided_bottom_right"])
-def test_masked_forward_in_one_loop(monkeypatch, D, kind, band):
-    """A masked tile's blocks in one loop (``hopper.FWD_MASK_SPLIT_RUNS``
-    off), each branching on whether it reads the mask: as the split runs."""
-    monkeypatch.setattr(hopper, "FWD_MASK_SPLIT_RUNS", not hopper.FWD_MASK_SPLIT_RUNS)
-    test_masked_forward_against_reference(monkeypatch, "three_programs", D, kind, band, 2, 4, 2, 1000, 1000)
-    test_masked_forward_against_reference(monkeypatch, "persistent", D, kind, band, 1, 2, 1, 129, 4097)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bool_padding", "float_causal"])
 def test_masked_forward_through_the_op(monkeypatch, kind):
     """``flashfuse.attention`` with a mask takes the Hopper forward (eager,
@@ -604,15 +592,22 @@ def test_masked_backward_against_reference(monkeypatch, grid, D, kind, band, B, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("band", ["none", "causal", "two_sided_bottom_right"])
-def test_masked_backward_in_one_loop(monkeypatch, D, kind, band):
-    """A masked key tile's query blocks in one loop (``hopper.BWD_MASK_SPLIT_RUNS``
-    off), each branching on whether it reads the mask: as the split runs."""
-    monkeypatch.setattr(hopper, "BWD_MASK_SPLIT_RUNS", not hopper.BWD_MASK_SPLIT_RUNS)
-    test_masked_backward_against_reference(monkeypatch, "persistent", D, kind, band, 2, 4, 4, 1000, 1000)
-    test_masked_backward_against_reference(monkeypatch, "tiles", D, kind, band, 1, 2, 2, 1100, 4097)
+def test_masked_tiles_in_one_loop(monkeypatch, direction, D, kind, band):
+    """A masked tile's blocks in one loop (``hopper.FWD_MASK_SPLIT_RUNS`` /
+    ``BWD_MASK_SPLIT_RUNS`` flipped from their defaults), each branching on
+    whether it reads the mask: checked as the split runs are."""
+    setting = "FWD_MASK_SPLIT_RUNS" if direction == "forward" else "BWD_MASK_SPLIT_RUNS"
+    monkeypatch.setattr(hopper, setting, not getattr(hopper, setting))
+    if direction == "forward":
+        test_masked_forward_against_reference(monkeypatch, "three_programs", D, kind, band, 2, 4, 2, 1000, 1000)
+        test_masked_forward_against_reference(monkeypatch, "persistent", D, kind, band, 1, 2, 1, 129, 4097)
+    else:
+        test_masked_backward_against_reference(monkeypatch, "persistent", D, kind, band, 2, 4, 4, 1000, 1000)
+        test_masked_backward_against_reference(monkeypatch, "tiles", D, kind, band, 1, 2, 2, 1100, 4097)
 
 
 @pytest.mark.gpu

@@ -107,11 +107,16 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
     pause before the first timing) weighs on every provider alike."""
     import statistics
 
+    def add(provider, mode, **values):
+        results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode, **values)
+
+    def failure(exc) -> dict:
+        return dict(status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
+
     if budget.exceeded():
         for provider in providers:
             for mode in modes:
-                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
-                            status="skipped", error="time budget")
+                add(provider, mode, status="skipped", error="time budget")
         return
     torch.manual_seed(0)
     q, k, v, mask = common.make_inputs(case, device)
@@ -120,10 +125,9 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
         try:
             fns[provider] = common.build_attention(provider, case, mask, device)
         except Exception as exc:  # unsupported provider or OOM while building
-            status = "skipped" if isinstance(exc, common.Unsupported) else "OOM" if common.is_oom(exc) else "error"
+            why = dict(failure(exc), status="skipped") if isinstance(exc, common.Unsupported) else failure(exc)
             for mode in modes:
-                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
-                            status=status, error=common.short_error(exc))
+                add(provider, mode, **why)
             common.free_memory(collect=True)
     for mode in modes:
         # Warm-up and peak memory one provider at a time (a backward step
@@ -139,8 +143,7 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
                 oom = False
             except Exception as exc:
                 oom = common.is_oom(exc)
-                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
-                            status="OOM" if oom else "error", error=common.short_error(exc))
+                add(provider, mode, **failure(exc))
             # Outside the except block: the traceback no longer pins tensors.
             step = grads = None
             for t in (q, k, v):
@@ -152,8 +155,7 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
                 step, grads = common.attention_step(fns[provider], q, k, v, mode)
                 steps[provider] = (step, grads, peak, extra)
             except Exception as exc:
-                results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
-                            status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
+                add(provider, mode, **failure(exc))
         step = grads = None
         times = {provider: [] for provider in steps}
         failed = set()
@@ -166,16 +168,14 @@ def measure_case(results, section, label, case, providers, modes, device, args, 
                     times[provider].append(common.bench_ms(step, device, args.warmup_ms, args.rep_ms, grads))
                 except Exception as exc:
                     failed.add(provider)
-                    results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
-                                status="OOM" if common.is_oom(exc) else "error", error=common.short_error(exc))
+                    add(provider, mode, **failure(exc))
         for provider, (step, grads, peak, extra) in steps.items():
             ts = times[provider]
             if provider in failed or not ts:
                 continue
             ms = statistics.median(ts)
-            results.add(section=section, feature=label, provider=provider, **case.columns(), mode=mode,
-                        status="ok", ms=ms, tflops=common.tflops(case.flops(mode), ms), peak_mem_mib=peak,
-                        extra_mem_mib=extra, rounds=len(ts), spread=(max(ts) - min(ts)) / ms)
+            add(provider, mode, status="ok", ms=ms, tflops=common.tflops(case.flops(mode), ms), peak_mem_mib=peak,
+                extra_mem_mib=extra, rounds=len(ts), spread=(max(ts) - min(ts)) / ms)
         steps = None
         for t in (q, k, v):
             t.grad = None

@@ -274,6 +274,15 @@ def hopper_mask_loads(how: str) -> None:
     hopper.BWD_MASK_LOADS = {d: how for d in hopper.BWD_MASK_LOADS}
 
 
+def hopper_mask_runs(how: str) -> None:
+    """For this process: the Hopper forward and fused backward run a masked
+    tile's blocks ``how`` ("split": three loops; "single": one loop),
+    ``hopper.FWD_MASK_SPLIT_RUNS`` and ``BWD_MASK_SPLIT_RUNS``."""
+    from flashfuse.kernels import hopper
+
+    hopper.FWD_MASK_SPLIT_RUNS = hopper.BWD_MASK_SPLIT_RUNS = how == "split"
+
+
 # The stand-in sets of mask_ablations.py (here so that scripts can offer
 # them without importing Gluon).
 MASK_ABLATIONS = ("tables", "tables-opaque", "mask-code", "all")

@@ -339,7 +339,7 @@ def main():
         if not hopper.gluon_available():
             sys.exit(f"--hopper: the Gluon kernels are written for Triton {', '.join(hopper.SUPPORTED_TRITON)}")
         if a.mask_runs:
-            hopper.FWD_MASK_SPLIT_RUNS = hopper.BWD_MASK_SPLIT_RUNS = a.mask_runs == "split"
+            common.hopper_mask_runs(a.mask_runs)
         if a.fwd_softmax:
             folds, poly = (int(x) for x in a.fwd_softmax.split(","))
             hopper.FWD_SOFTMAX = {**hopper.FWD_SOFTMAX, a.d: dict(row_max_folds=folds, exp_poly=poly)}

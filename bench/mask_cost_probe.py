@@ -95,9 +95,7 @@ def main():
     if args.mask_loads:
         common.hopper_mask_loads(args.mask_loads)
     if args.mask_runs:
-        from flashfuse.kernels import hopper
-
-        hopper.FWD_MASK_SPLIT_RUNS = hopper.BWD_MASK_SPLIT_RUNS = args.mask_runs == "split"
+        common.hopper_mask_runs(args.mask_runs)
     env = dict(common.env_info(device), backward_rule="hopper everywhere", mask_loads=args.mask_loads or "default",
                mask_runs=args.mask_runs or "default",
                ablate="+".join(swapped) or "none")

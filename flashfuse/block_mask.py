@@ -227,7 +227,9 @@ def _band_rows_torch(mask, N, M, window_left, window_right, alignment):
     own4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(Bm, Hm, -1, -1)
     x2 = own4[0, 0].expand(N, M)  # the first batch and head; the others must equal it
     is_bool = mask.dtype == torch.bool
-    hidden_at = -65504.0 if mask.dtype == torch.float16 else -1.0e38  # mask_ranges.mask_hidden_at
+    # mask_ranges.mask_hidden_at's values, not imported from there: this
+    # path serves where the Triton kernels are not to be defined.
+    hidden_at = -65504.0 if mask.dtype == torch.float16 else -1.0e38
     dev = mask.device
     flags = torch.zeros((), dtype=torch.long, device=dev)
     firsts, lasts, counts = [], [], []

@@ -879,13 +879,13 @@ def attention(
     if attn_mask is not None and type(attn_mask) is not Tensor and isinstance(attn_mask, _block_mask_type()):
         # The mask, its band and its tables, built once by flashfuse.block_mask.
         kw = attn_mask.attention_args(query, key, is_causal, window_left, window_right, alignment, mask_fill)
-        if kw["attn_mask"] is None:
-            # A band in disguise (BlockMask.band): the band's own path, as if called with it.
-            return _fastpath.attention_op(query, key, value, None, dropout_p, False, scale, enable_gqa,
-                                          window_left=kw["window_left"], window_right=kw["window_right"],
-                                          alignment=kw["alignment"], mask_fill=None, softcap=softcap, sinks=sinks)
-        return torch.ops.flashfuse.attention(query, key, value, kw.pop("attn_mask"), dropout_p, kw.pop("is_causal"),
-                                             scale, enable_gqa, **kw, softcap=softcap, sinks=sinks)
+        if kw["attn_mask"] is not None:
+            return torch.ops.flashfuse.attention(query, key, value, kw.pop("attn_mask"), dropout_p,
+                                                 kw.pop("is_causal"), scale, enable_gqa, **kw, softcap=softcap,
+                                                 sinks=sinks)
+        # A band in disguise (BlockMask.band): called as that band, with no mask.
+        attn_mask, is_causal, mask_fill = None, False, None
+        window_left, window_right, alignment = kw["window_left"], kw["window_right"], kw["alignment"]
     # The op, or its eager fast path for a signature that passed it before.
     return _fastpath.attention_op(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,

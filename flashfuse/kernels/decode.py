@@ -550,6 +550,14 @@ _MAX_PLANS = 512  # signatures kept, each; past this a cache starts afresh
 PLAN_MISSES = [0]  # plans built (tests count them)
 
 
+def _keep(cache: dict, key, value) -> None:
+    """``cache[key] = value``, the cache started afresh when it holds
+    ``_MAX_PLANS`` entries."""
+    if len(cache) >= _MAX_PLANS:
+        cache.clear()
+    cache[key] = value
+
+
 def forget_plans() -> None:
     """Drop every launch plan (the next call of each signature builds one)."""
     _PLANS.clear()
@@ -824,9 +832,7 @@ def _cached_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wi
         else:
             call = _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, window_right,
                               bottom_right, layout, num_splits, True, knobs)
-        if len(_CALLS) >= _MAX_PLANS:
-            _CALLS.clear()
-        _CALLS[key] = call
+        _keep(_CALLS, key, call)
     return call
 
 
@@ -851,16 +857,18 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
            None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15), knobs,
            _dot_precision(q))
     call = _CALLS.get(key)
-    if call is None and attn_mask is None:
-        call = _lane_grown_call(token, q, k, v, aligned, knobs, window_left, window_right)
+    grown = None
+    if call is None and attn_mask is None:  # a dynamic cache's next length: its lane's kept plan
+        grown, m, kv = _lane_grown_key(token, q, k, v, aligned, knobs)
+        plan = _LANE_GROWN.get(grown)
+        if plan is not None:  # not kept: this length will not recur
+            call = _finish_grown(plan, q, q.stride(), m, kv, window_left, window_right, None)
     if call is None:
         call = _cached_call(q, k, v, None, None, attn_mask, window_left, window_right, bottom_right, "bhsd", None,
                             knobs)
-        if len(_CALLS) >= _MAX_PLANS:
-            _CALLS.clear()
-        _CALLS[key] = call
-        if attn_mask is None:
-            _lane_record_grown(token, q, k, v, aligned, knobs, call)
+        _keep(_CALLS, key, call)
+        if grown is not None:
+            _keep(_LANE_GROWN, grown, call.plan)
     return _run(call, q, k, v, None, None, attn_mask, scale, True, False)[0]
 
 
@@ -873,33 +881,31 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
 # ``_LANE_GROWN`` keeps the plan per lane, those, k's and v's sizes but the
 # length, and the specialisation fingerprint of k's and v's strides (two
 # entries for a cache whose strides alternate, as M * 24 does); a call that
-# finds one takes that plan's call directly (``_finish_call``), and is not
+# finds one takes that plan's call directly (``_finish_grown``), and is not
 # kept: its length will not recur.
 _LANE_GROWN: dict = {}
+
+
+def _grown_strides(k, v, layout: str) -> tuple:
+    """A cache without a block table: k's length, k's and v's strides in the
+    kernel's order, and their specialisation fingerprint."""
+    _, m, kst, vst, _ = _kernel_strides(k, v, None, layout)
+    kv = (*kst, *vst)
+    return m, kv, _fingerprint(kv)
+
+
+def _finish_grown(plan, q, q_strides, m, kv, window_left, window_right, num_splits) -> "_Call":
+    """The call of a kept ``plan`` for a cache without mask or block table
+    of ``m`` keys (``kv``: k's and v's strides in the kernel's order)."""
+    return _finish_call(plan, q, (*q_strides, *kv, 0, 0, 0, 0, 0, 0), m, m, 1, window_left, window_right,
+                        num_splits, True)
 
 
 def _lane_grown_key(token, q, k, v, aligned, knobs) -> tuple:
     """(the key of ``_LANE_GROWN``, k's length, k's and v's kernel strides)."""
     ks, vs = k.shape, v.shape  # (B, Hkv, M, D): the length is dimension 2
-    _, m, kst, vst, _ = _kernel_strides(k, v, None, "bhsd")
-    kv = (*kst, *vst)
-    key = (token, q.stride(), ks[:2] + ks[3:], vs[:2] + vs[3:], aligned, knobs, _dot_precision(q), _fingerprint(kv))
-    return key, m, kv
-
-
-def _lane_grown_call(token, q, k, v, aligned, knobs, window_left, window_right) -> _Call | None:
-    key, m, kv = _lane_grown_key(token, q, k, v, aligned, knobs)
-    plan = _LANE_GROWN.get(key)
-    if plan is None:
-        return None
-    return _finish_call(plan, q, (*q.stride(), *kv, 0, 0, 0, 0, 0, 0), m, m, 1, window_left, window_right, None,
-                        True)
-
-
-def _lane_record_grown(token, q, k, v, aligned, knobs, call: _Call) -> None:
-    if len(_LANE_GROWN) >= _MAX_PLANS:
-        _LANE_GROWN.clear()
-    _LANE_GROWN[_lane_grown_key(token, q, k, v, aligned, knobs)[0]] = call.plan
+    m, kv, fp = _grown_strides(k, v, "bhsd")
+    return (token, q.stride(), ks[:2] + ks[3:], vs[:2] + vs[3:], aligned, knobs, _dot_precision(q), fp), m, kv
 
 
 class _Call:
@@ -937,9 +943,7 @@ def _make_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wind
                           page_size, m_cap)
         if cache:
             PLAN_MISSES[0] += 1
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _keep(_PLANS, key, plan)
     elif attn_mask is not None:
         _check_mask_shape(attn_mask, (plan.B, plan.Hq, plan.N, m_cap))
     c = _finish_call(plan, q, (*q.stride(), *kst, *vst, *tst, *mst), m_cap, hint(m_cap), num_pages, window_left,
@@ -995,21 +999,16 @@ def _grown_call(q, k, v, rest, cache_seqlens, window_left, window_right, bottom_
     exact key less k's and v's sizes and strides, ``rest[1]`` q's strides):
     from ``_GROWN``'s plan when one matches, else through ``_make_call``,
     whose plan is then recorded."""
-    _, m, kst, vst, _ = _kernel_strides(k, v, None, layout)
-    kv = (*kst, *vst)
+    m, kv, fp = _grown_strides(k, v, layout)
     length = 2 if layout == "bhsd" else 1  # k's and v's length dimension: (B, Hkv, M, D) or (B, M, Hkv, D)
     ks, vs = k.shape, v.shape
     gkey = (ks[:length] + ks[length + 1:], vs[:length] + vs[length + 1:], rest)
-    fp = _fingerprint(kv)
     entry = _GROWN.get(gkey)
     if entry is not None and entry[1] == fp:
-        return _finish_call(entry[0], q, (*rest[1], *kv, 0, 0, 0, 0, 0, 0), m, m, 1, window_left, window_right,
-                            num_splits, True)
+        return _finish_grown(entry[0], q, rest[1], m, kv, window_left, window_right, num_splits)
     call = _make_call(q, k, v, cache_seqlens, None, None, window_left, window_right, bottom_right, layout,
                       num_splits, True, knobs)
-    if len(_GROWN) >= _MAX_PLANS:
-        _GROWN.clear()
-    _GROWN[gkey] = (call.plan, fp)
+    _keep(_GROWN, gkey, (call.plan, fp))
     return call
 
 

@@ -54,6 +54,7 @@ def _mask_if_crossing(s, start_n, m0, key_end, full_end, right_edge, left_edge, 
     return s
 
 
+@gluon.constexpr_function
 def _exp2_asm(poly: int, pack: int = 8) -> str:
     """PTX for 2^x of ``pack`` float32 scores at most 0 (or -inf, or NaN),
     the last ``poly`` of them on the FMA units instead of the special-function
@@ -89,9 +90,6 @@ def _exp2_asm(poly: int, pack: int = 8) -> str:
     return "\n".join(lines)
 
 
-EXP2_POLY_1 = gl.constexpr(_exp2_asm(1))
-EXP2_POLY_2 = gl.constexpr(_exp2_asm(2))
-EXP2_POLY_3 = gl.constexpr(_exp2_asm(3))
 EXP2_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
 
 
@@ -101,13 +99,9 @@ def _exp2(x, POLY: gl.constexpr):
     eight on the FMA units (``_exp2_asm``), the rest by ``ex2.approx``."""
     if POLY == 0:
         return gl.exp2(x)
-    elif POLY == 1:
-        return gl.inline_asm_elementwise(EXP2_POLY_1, EXP2_CONSTRAINTS, [x], gl.float32, True, 8)
-    elif POLY == 2:
-        return gl.inline_asm_elementwise(EXP2_POLY_2, EXP2_CONSTRAINTS, [x], gl.float32, True, 8)
     else:
-        gl.static_assert(POLY == 3, "POLY: 0 to 3 of each eight exponentials")
-        return gl.inline_asm_elementwise(EXP2_POLY_3, EXP2_CONSTRAINTS, [x], gl.float32, True, 8)
+        gl.static_assert((POLY > 0) & (POLY <= 8), "POLY: 0 to 8 of each eight exponentials")
+        return gl.inline_asm_elementwise(_exp2_asm(POLY), EXP2_CONSTRAINTS, [x], gl.float32, True, 8)
 
 
 @gluon.jit

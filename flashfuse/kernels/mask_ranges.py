@@ -204,11 +204,6 @@ def _or_bits(a, b):
     return a | b
 
 
-@triton.jit
-def _or_all(bits):
-    return tl.reduce(bits, 0, _or_bits)
-
-
 @triton.jit(do_not_specialize=["N", "M", "diag_off", "window_left", "window_right"])
 def _mask_band_rows(
     Mask, Rows, Flags,
@@ -264,7 +259,7 @@ def _mask_band_rows(
             mv = tl.load(rows + offs_n[None, :] * stride_mask_k, mask=inside, other=0)
             mv0 = tl.load(rows0 + offs_n[None, :] * stride_mask_k, mask=inside, other=0)
             bits = bits | tl.max((mv != mv0).to(tl.int32), 1) * 4
-    tl.atomic_or(Flags, _or_all(bits))
+    tl.atomic_or(Flags, tl.reduce(bits, 0, _or_bits))
 
 
 def mask_band_rows(mask: torch.Tensor, N: int, M: int, band: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,7 +283,8 @@ def mask_band_rows(mask: torch.Tensor, N: int, M: int, band: dict) -> tuple[torc
     meta = dict(HAS_WINDOW_LEFT=band["has_window_left"], HAS_WINDOW_RIGHT=band["has_window_right"], MASK_KIND=kind,
                 HIDDEN_AT=mask_hidden_at(mask.dtype == torch.float16), GROUP=ROW_GROUP)
     args = (mask, rows, flags, *mask.stride(), N, M, band["diag_off"], band["window_left"], band["window_right"])
-    _launch(_band_launcher, lambda: _BAND_CONFIG, mask, (cdiv(N, ROW_GROUP), Hm, Bm), args, meta)
+    # The key table's config: the same pass along each row group's keys.
+    _launch(_band_launcher, lambda: _KEY_CONFIG, mask, (cdiv(N, ROW_GROUP), Hm, Bm), args, meta)
     return rows, flags
 
 
@@ -436,7 +432,6 @@ def table_strides(table: torch.Tensor) -> tuple[int, int]:
 
 _KEY_CONFIG = triton.Config({"STEP": _ROW_STEP}, num_warps=4, num_stages=2)
 _QUERY_CONFIG = triton.Config({"STEP": _COL_STEP}, num_warps=4, num_stages=2)
-_BAND_CONFIG = triton.Config({"STEP": _ROW_STEP}, num_warps=4, num_stages=2)
 _key_launcher = ConfigLauncher(_mask_key_table)
 _band_launcher = ConfigLauncher(_mask_band_rows)
 _query_launcher = ConfigLauncher(_mask_query_table)

@@ -280,7 +280,8 @@ def hopper_mask_runs(how: str) -> None:
     ``hopper.FWD_MASK_SPLIT_RUNS`` and ``BWD_MASK_SPLIT_RUNS``."""
     from flashfuse.kernels import hopper
 
-    hopper.FWD_MASK_SPLIT_RUNS = hopper.BWD_MASK_SPLIT_RUNS = how == "split"
+    hopper.FWD_MASK_SPLIT_RUNS = how == "split"
+    hopper.BWD_MASK_SPLIT_RUNS = {d: how == "split" for d in hopper.BWD_MASK_SPLIT_RUNS}
 
 
 # The stand-in sets of mask_ablations.py (here so that scripts can offer

@@ -375,6 +375,18 @@ def flashfuse_attention_forward(
 # alternating sliding and full layers pass two masks per forward.
 _TABLE_CACHE: list = []
 _TABLE_CACHE_SIZE = 4
+
+
+def _drop_dead_tables(ref) -> None:
+    """A mask is gone: its tables go with it, at once. Kept until the next
+    masked call instead, they held device memory through a whole generate()
+    and moved what the allocator handed out next: a static cache's new
+    tensors, and with them the CUDA graphs recorded against their addresses
+    (three recordings in four generate() calls against SDPA's one;
+    bench/NOTES.md run 36)."""
+    _TABLE_CACHE[:] = [e for e in _TABLE_CACHE if e[0] is not ref]
+
+
 # The table op, a module attribute so tests can count its calls.
 _block_mask_op = None
 
@@ -403,7 +415,7 @@ def _shared_tables(mask: Tensor, query: Tensor, key: Tensor, value: Tensor) -> d
     want = _table_key(mask, query, key, queries)
     alive = []
     found = None
-    for ref, k, tables in _TABLE_CACHE:
+    for ref, k, tables in list(_TABLE_CACHE):  # a copy: _drop_dead_tables may run at any point
         held = ref()
         if held is None:
             continue  # the mask is gone: so are its tables
@@ -419,7 +431,7 @@ def _shared_tables(mask: Tensor, query: Tensor, key: Tensor, value: Tensor) -> d
         found = _block_mask_op(mask, query.shape[2], key.shape[2], bottom_right=True, queries=queries)
         # A stale entry for this object (changed since) is replaced.
         _TABLE_CACHE[:] = [e for e in _TABLE_CACHE if e[0]() is not mask][-(_TABLE_CACHE_SIZE - 1):]
-        _TABLE_CACHE.append((weakref.ref(mask), want, found))
+        _TABLE_CACHE.append((weakref.ref(mask, _drop_dead_tables), want, found))
     return {"mask_key_table": found[0], "mask_query_table": found[1]}
 
 

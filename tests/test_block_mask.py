@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import math
 import sys
+import weakref
 
 import pytest
 import torch
@@ -241,6 +242,24 @@ def test_hf_hook_builds_the_tables_once_per_mask(table_builds):
     assert len(calls) == 1
     want = flashfuse.attention(x, k, v, attn_mask=mask).transpose(1, 2)
     assert all(torch.equal(o, want) for o in outs)
+
+
+def test_hf_hook_frees_a_masks_tables_when_the_mask_dies(table_builds):
+    """Nothing the hook keeps outlives the mask: a kept table would hold
+    memory through the rest of a generate() and move where the next static
+    cache lands (and the CUDA graphs recorded against its addresses)."""
+    ffhf, calls = table_builds
+    gen = torch.Generator().manual_seed(8)
+    B, H, N, D = 1, 2, 20, 16
+    x, k, v = _qkv(B, H, N, N, D, gen)
+    layer = _Layer().train(False)
+    mask = _block_structured((B, 1, N, N), gen, "bool")
+    ffhf.flashfuse_attention_forward(layer, x, k, v, mask)
+    kept = weakref.ref(ffhf._TABLE_CACHE[0][2][0])
+    assert len(calls) == 1 and kept() is not None
+    del mask, calls[:]
+    gc.collect()
+    assert ffhf._TABLE_CACHE == [] and kept() is None  # no masked call since
 
 
 def test_hf_hook_never_reuses_tables_of_a_changed_or_other_mask(table_builds):

@@ -130,21 +130,23 @@ GRIDS_TRIED = 8
 # on the FMA units instead of the special-function unit. At D = 64 each
 # 128 x 128 block asks the special-function unit for as many cycles as the
 # tensor cores' products take (16 exponentials per cycle and SM against
-# 4096 flops). Both variants pass the GPU tests; neither has shown a gain
-# that held on a second run (bench/NOTES.md run 35: the variant timed first
-# ran fast, whichever it was), so the defaults stay off
-# until a run in alternating rounds (``bench/hopper_schedules.py --softmax``)
-# says otherwise.
-FWD_SOFTMAX = {64: dict(row_max_folds=0, exp_poly=0), 128: dict(row_max_folds=0, exp_poly=0)}
+# 4096 flops). Timed against the default in seven alternating rounds on an
+# H100 (bench/NOTES.md run 36, ``bench/hopper_schedules.py --softmax``):
+# three folds at D = 128 were 1.3-2.1 % faster in all four rows; at D = 64
+# the folds were slower and one FMA exponential in eight -2.4 to +3.0 %,
+# so D = 64 keeps neither.
+FWD_SOFTMAX = {64: dict(row_max_folds=0, exp_poly=0), 128: dict(row_max_folds=3, exp_poly=0)}
 
 # A masked forward tile's blocks in three loops (before its rows' neutral
 # keys, inside them without the mask code, after), or one loop in which each
 # block branches on whether it reads the mask. The split keeps the mask code
 # out of the hot loop, but its loops' bounds are known only at run time, and
 # with them opaque the masked forward's whole fixed cost over is_causal
-# returns (bench/NOTES.md run 35: 60.1 against 51.8 us at GPT-2's shape).
-# The one loop passes the GPU tests; its time is not measured yet.
-FWD_MASK_SPLIT_RUNS = True
+# returns (bench/NOTES.md run 35). The one loop spills less and was faster
+# at both head dims on an H100 (run 36, ``bench/mask_cost_probe.py
+# --mask-runs``): GPT-2's float causal mask 63.4-64.0 against 71.8 us, D =
+# 128 at 4k keys 472-474 against 495.
+FWD_MASK_SPLIT_RUNS = False
 
 # Fewest visible keys per query row (mean over the rows) for which the
 # Hopper kernel is taken. Each tile has a fixed cost (the pipeline's fill and
@@ -209,11 +211,12 @@ TRACED_MASKED_BACKWARD = True
 # at D = 64, 2-4 % slower at D = 128.
 BWD_MASK_LOADS = {64: "coalesced", 128: "direct"}
 # The fused backward's masked key tile in three loops over each query
-# head's blocks or in one, as FWD_MASK_SPLIT_RUNS for the forward (with
-# the split's bounds opaque the neutral backward took 163.6 us against
-# 154.9 with them folded: bench/NOTES.md run 35). The one loop is not yet
-# measured.
-BWD_MASK_SPLIT_RUNS = True
+# head's blocks or in one, per head dim, as FWD_MASK_SPLIT_RUNS for the
+# forward. On an H100 (bench/NOTES.md run 36) the one loop was faster at
+# D = 64 (GPT-2's float causal mask 168.7-168.8 against 176.3 us) and
+# slower at D = 128 (4k keys: 1931-1936 against 1803), where the split's
+# mask-free middle loop outweighs its spills.
+BWD_MASK_SPLIT_RUNS = {64: False, 128: True}
 # The fused backward (``hopper_gluon._hopper_attn_bwd_fused``): the dK/dV
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
@@ -744,7 +747,7 @@ def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, rows: RowInputs, d
     mask, table, mask_strides = _mask_operands(p, query_table, (q, rows.shift))
     meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1,
                 MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP, COALESCED_MASK=BWD_MASK_LOADS[p.D] == "coalesced",
-                SPLIT_RUNS=BWD_MASK_SPLIT_RUNS)
+                SPLIT_RUNS=BWD_MASK_SPLIT_RUNS[p.D])
     return (*args, mask, table, *mask_strides), meta, backward_programs(p, persistent)
 
 

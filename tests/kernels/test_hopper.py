@@ -601,8 +601,11 @@ def test_masked_tiles_in_one_loop(monkeypatch, direction, D, kind, band):
     """A masked tile's blocks in one loop (``hopper.FWD_MASK_SPLIT_RUNS`` /
     ``BWD_MASK_SPLIT_RUNS`` flipped from their defaults), each branching on
     whether it reads the mask: checked as the split runs are."""
-    setting = "FWD_MASK_SPLIT_RUNS" if direction == "forward" else "BWD_MASK_SPLIT_RUNS"
-    monkeypatch.setattr(hopper, setting, not getattr(hopper, setting))
+    if direction == "forward":
+        monkeypatch.setattr(hopper, "FWD_MASK_SPLIT_RUNS", not hopper.FWD_MASK_SPLIT_RUNS)
+    else:
+        monkeypatch.setattr(hopper, "BWD_MASK_SPLIT_RUNS", {**hopper.BWD_MASK_SPLIT_RUNS,
+                                                            D: not hopper.BWD_MASK_SPLIT_RUNS[D]})
     if direction == "forward":
         test_masked_forward_against_reference(monkeypatch, "three_programs", D, kind, band, 2, 4, 2, 1000, 1000)
         test_masked_forward_against_reference(monkeypatch, "persistent", D, kind, band, 1, 2, 1, 129, 4097)

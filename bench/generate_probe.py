@@ -15,11 +15,18 @@ graphs, CUDA graphs or allocator state weigh on the other's, and reports:
 * with the static cache (which transformers compiles with CUDA graphs): the
   cudagraph tree's functions, recorded graphs and re-recordings (a new
   static cache at a new address makes the tree record again), and the CUDA
-  graphs Inductor skipped.
+  graphs Inductor skipped;
+* with ``--host-split`` (eager caches): where the host's time per token goes,
+  without synchronising: inside the attention function (per call), inside
+  the mask function, and the rest of the forward and ``generate()``'s loop.
+  The dynamic cache is bound by the host (the device idles most of each
+  token), so this says whether flashfuse's extra time per token is its own
+  call or something around it (bench/NOTES.md run 36).
 
     python bench/generate_probe.py --cache dynamic --impl ffuse --batch 8 --prompt 8192
     python bench/generate_probe.py --cache static --impl both --batch 1 --prompt 512 --new 64
     python bench/generate_probe.py --cache static --impl ffuse --batch 1 --prompt 512 --new 64 --no-kept-buffers
+    python bench/generate_probe.py --cache dynamic --impl both --batch 1 --prompt 512 --host-split
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ def parse_args():
                    help="the decode kernels allocate their partials and merge counters per call instead of "
                         "keeping them (decode.WORKSPACES, FUSE_COMBINE off): does a kept buffer move the next "
                         "static cache? (bench/NOTES.md run 35)")
+    p.add_argument("--host-split", action="store_true",
+                   help="after the timed calls, one more per implementation with the host's time per token split "
+                        "into the attention function, the mask function and the rest (no synchronisation)")
     return p.parse_args()
 
 
@@ -65,6 +75,62 @@ def _token_times(model, impl: str, ids, new: int, cache: str) -> list[float]:
     bench_generate.generate(model, impl, ids, new, cache, logits_processor=LogitsProcessorList([stamp]))
     d = [(b - a) * 1e3 for a, b in zip(stamp.t, stamp.t[1:])]
     return [statistics.median(d[i:i + 32]) for i in range(0, len(d), 32)]
+
+
+class _Clock:
+    """Host time spent inside one function, and its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+
+
+def host_split(model, impl: str, ids, new: int, cache: str) -> dict:
+    """One ``generate()`` of ``new`` tokens with ``impl``'s attention and mask
+    functions timed on the host (no synchronisation anywhere but where the
+    model's own code waits): microseconds per decoding token in all, inside
+    the attention function and inside the mask function, and the attention
+    calls per token. The prefill (the first token) is left out."""
+    from transformers import AttentionInterface, AttentionMaskInterface, LogitsProcessor, LogitsProcessorList
+
+    import flashfuse.hf
+
+    name = flashfuse.hf.ATTN_IMPLEMENTATION if impl == "ffuse" else impl
+    originals = (AttentionInterface._global_mapping[name], AttentionMaskInterface._global_mapping[name])
+    attention, mask = _Clock(originals[0]), _Clock(originals[1])
+    marks = []
+
+    class Mark(LogitsProcessor):  # after each token's forward, before the next
+        def __call__(self, input_ids, scores):
+            marks.append((time.perf_counter(), attention.seconds, attention.calls, mask.seconds))
+            return scores
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    try:
+        bench_generate.generate(model, impl, ids, new, cache, logits_processor=LogitsProcessorList([Mark()]))
+    finally:
+        AttentionInterface.register(name, originals[0])
+        AttentionMaskInterface.register(name, originals[1])
+    (t0, a0, c0, m0), (t1, a1, c1, m1) = marks[0], marks[-1]
+    tokens = len(marks) - 1
+    return {"token_us": (t1 - t0) / tokens * 1e6, "attention_us_per_call": (a1 - a0) / max(c1 - c0, 1) * 1e6,
+            "attention_calls_per_token": (c1 - c0) / tokens, "attention_us": (a1 - a0) / tokens * 1e6,
+            "mask_us": (m1 - m0) / tokens * 1e6}
+
+
+def _print_host_split(impl: str, h: dict) -> None:
+    rest = h["token_us"] - h["attention_us"] - h["mask_us"]
+    print(f"{impl:5s} host per token {h['token_us']:.0f} us: attention {h['attention_us']:.0f} "
+          f"({h['attention_calls_per_token']:.0f} calls of {h['attention_us_per_call']:.1f} us), "
+          f"mask {h['mask_us']:.1f}, the rest {rest:.0f}", flush=True)
 
 
 def _cudagraph_tree() -> str:
@@ -114,6 +180,9 @@ def main():
           + ", ".join(f"{name} {after[key] - before[key]}" for name, key in
                       (("cudaMalloc", "num_device_alloc"), ("cudaFree", "num_device_free"),
                        ("retries", "num_alloc_retries"))), flush=True)
+    if args.host_split and args.cache == "dynamic":
+        for impl in impls:
+            _print_host_split(impl, host_split(model, impl, ids, args.new, args.cache))
     if args.cache == "static":
         print(f"{_cudagraph_tree()}; CUDA graphs skipped: {counters['inductor'].get('cudagraph_skips', 0)}",
               flush=True)

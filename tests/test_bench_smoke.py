@@ -338,3 +338,31 @@ def test_decode_host_smoke(tmp_path):
         ("device time", v) for v in ("flashfuse", "combine kernel", "sdpa")} | {
         ("capture check", "is_current_stream_capturing")}
     assert "us per call" in out and "tok/s" in out
+
+
+def test_generate_probe_host_split_times_the_implementations_own_functions():
+    """``generate_probe.host_split`` (a GPU script's helper, run here on the
+    CPU with the smoke model): per decoding token, the attention function
+    is called once per layer and its time and the mask function's are parts
+    of the token's; the interfaces are left as they were."""
+    pytest.importorskip("transformers")
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_generate
+        import generate_probe
+    finally:
+        sys.path.remove(BENCH)
+    import torch
+
+    cfg = bench_generate.config(True, 64)
+    model = bench_generate.build(cfg, torch.float32, torch.device("cpu"))
+    ids = torch.randint(1, cfg.vocab_size, (1, 8))
+    before = (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping))
+    for impl in ("sdpa", "ffuse"):
+        h = generate_probe.host_split(model, impl, ids, 6, "dynamic")
+        assert h["attention_calls_per_token"] == cfg.num_hidden_layers
+        assert 0 < h["attention_us"] and 0 < h["mask_us"]
+        assert h["attention_us"] + h["mask_us"] < h["token_us"]
+    assert (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping)) == before

@@ -25,9 +25,18 @@ the machine's speed). On this path a CPU tensor goes through one more
 dispatcher hop than a CUDA one (the opaque CPU op of
 ``attention_with_kvcache``), so its time is a little above a GPU host's.
 
-The last rows time the op on the Hopper route with its Gluon launches
+The Hopper rows time the op on the Hopper route with its Gluon launches
 stubbed (``hopper_rows``): flashfuse's own Python there, without Triton's
 launcher.
+
+The last rows (``generate_rows``, with transformers) time the hook where
+``generate()`` calls it: a 4-layer LLaMA-shaped model decoding on a dynamic
+cache, the rest of each layer running between two attention calls. A call
+there costs a multiple of the same call repeated in a loop (the loop keeps
+the path's code and dictionaries in the CPU's caches; a model's layer
+evicts them), so these rows say what a token pays, and where: the hook's
+own Python, the eager fast path (``flashfuse.fastpath``), the decode
+lane's call lookup, and the allocations and launch (bench/NOTES.md run 36).
 
     python bench/host_path_cpu.py
     python bench/host_path_cpu.py --smoke
@@ -213,6 +222,80 @@ def hopper_rows(loops: int, calls: int) -> None:
               f"{best_us(fn, loops, calls):6.1f} us, {python_calls(fn):4d} calls/op", flush=True)
 
 
+class _Clock:
+    """Host time inside one function (stands in for it while installed)."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name, self.fn = owner, name, getattr(owner, name)
+        self.seconds, self.calls = 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+
+    def install(self):
+        setattr(self.owner, self.name, self)
+
+    def remove(self):
+        setattr(self.owner, self.name, self.fn)
+
+
+def generate_rows(smoke: bool) -> None:
+    """The hook's host time per call inside ``generate()`` on a dynamic
+    cache (see the module docstring), by stage, and the same hook on the
+    same shapes called in a loop."""
+    try:
+        from transformers import LlamaConfig
+    except ImportError:
+        print("generate rows: transformers is not installed", flush=True)
+        return
+    import bench_generate
+    import generate_probe
+
+    from flashfuse import hf
+    from flashfuse.kernels import decode
+
+    os.environ["FLASHFUSE_DECODE"] = "1"  # whatever the (smoke) sizes
+    layers, heads, kv_heads, head_dim = (2, 4, 2, 16) if smoke else (4, 8, 2, 128)
+    prompt, new = (16, 6) if smoke else (256, 128)
+    # A narrow model (hidden 64) keeps the layers' own data small, so what
+    # evicts the path's state is mostly the layers' Python and dispatch, as
+    # on a GPU host, not their weights streaming through the CPU's caches.
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=prompt + new + 8)
+    model = bench_generate.build(cfg, torch.float32, torch.device("cpu"))
+    ids = torch.randint(1, cfg.vocab_size, (1, prompt))
+    # Outermost first: each stage's time includes the ones after it.
+    stages = [("fast path (fastpath.attention_op)", _Clock(hf, "_attention_op")),
+              ("decode lane (decode.lane_forward)", _Clock(decode, "lane_forward")),
+              ("allocations and launch (decode._run)", _Clock(decode, "_run"))]
+    generate_probe.host_split(model, "ffuse", ids, new, "dynamic")  # warm-up: plans and binaries
+    for _, clock in stages:
+        clock.install()
+    try:
+        split = generate_probe.host_split(model, "ffuse", ids, new, "dynamic")
+    finally:
+        for _, clock in stages:
+            clock.remove()
+    shape = (f"B=1 Hq={heads} Hkv={kv_heads} D={head_dim} fp32, hidden 64, {layers} layers, prompt {prompt}, "
+             f"{new} new tokens")
+    print(f"generate() host path, {shape}, launches stubbed: the hook {split['attention_us_per_call']:.1f} us "
+          f"a call, {split['token_us']:.0f} us a token in all", flush=True)
+    for name, clock in stages:
+        print(f"  of which {name}: {clock.seconds / max(clock.calls, 1) * 1e6:.1f} us", flush=True)
+    q = torch.randn(1, heads, 1, head_dim)
+    k = torch.randn(1, kv_heads, prompt, head_dim)
+    hook = _hf_hook(q, k, k, head_dim ** -0.5)
+    loops, calls = (2, 5) if smoke else (15, 200)
+    print(f"  the same hook in a loop, growing cache: {best_us(_growing(hook, k, loops * calls + 40), loops, calls):.1f}"
+          f" us a call", flush=True)
+
+
 def _growing(hook, k, calls: int):
     """``hook`` on a dynamic cache: one key more at every call, each length
     a fresh contiguous (B, Hkv, M, D) tensor as ``torch.cat`` leaves it (all
@@ -280,6 +363,7 @@ def main():
           f"(best of {loops} loops of {calls} calls)", flush=True)
     decode_rows(loops, calls, args.smoke)
     hopper_rows(loops, calls)
+    generate_rows(args.smoke)
 
 
 if __name__ == "__main__":

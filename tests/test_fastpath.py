@@ -306,6 +306,50 @@ def test_decode_lane_on_a_growing_cache_takes_its_plan_directly(monkeypatch):
         assert torch.equal(got[M], OP(q, cache(M, buf), cache(M, buf.flip(0)), **DECODE)), M
 
 
+def test_decode_lane_looks_up_exact_calls_only_for_a_repeated_length(monkeypatch):
+    """A dynamic cache never repeats a length, so once the lane's length
+    moves it goes to the lane's grown plan without building and missing the
+    exact key; a fixed cache repeats its length and finds its exact call.
+    Both bitwise the op's."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    decode.forget_plans()
+
+    class Lookups(dict):
+        gets = 0
+
+        def get(self, *args):
+            Lookups.gets += 1
+            return super().get(*args)
+
+    monkeypatch.setattr(decode, "_CALLS", Lookups())
+    Hkv, D = 2, 16
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 1, D, generator=g)
+    buf = torch.randn(Hkv * 64 * D, generator=g)
+
+    def cache(M, source):
+        return torch.as_strided(source, (1, Hkv, M, D), (Hkv * M * D, M * D, D, 1))
+
+    def call(M):
+        k, v = cache(M, buf), cache(M, buf.flip(0))
+        got = flashfuse.attention(q, k, v, **DECODE)
+        assert torch.equal(got, OP(q, k, v, **DECODE)), M
+
+    for M in (30, 30, 31, 32):  # the lane made, its exact key, its first grown plans
+        call(M)
+    before, hits = Lookups.gets, _lane_hits()
+    for M in range(33, 41):
+        call(M)
+    assert _lane_hits() == hits + 8
+    # Only the op's own calls above (OP, through the dispatcher) look up exact keys.
+    lane_gets = Lookups.gets - before - 8
+    assert lane_gets == 0, lane_gets
+    before = Lookups.gets
+    for _ in range(3):  # the length repeats: the exact key is looked up, and kept from the first
+        call(40)
+    assert Lookups.gets - before - 3 >= 2
+
+
 @pytest.mark.parametrize("setting", ["FLASHFUSE_DECODE=0", "TRITON_INTERPRET=0"])
 def test_decode_lane_follows_settings_changed_between_calls(monkeypatch, setting):
     monkeypatch.setattr(decode, "MIN_KEYS", 1)

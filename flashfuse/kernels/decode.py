@@ -564,6 +564,7 @@ def forget_plans() -> None:
     _CALLS.clear()
     _GROWN.clear()
     _LANE_GROWN.clear()
+    _LANE_LENGTH.clear()
 
 
 for _launcher in (_split_launcher, _combine_launcher, _bounds_launcher):
@@ -852,20 +853,35 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
         return decode_forward(q, k, v, scale=scale, window_left=window_left, window_right=window_right,
                               bottom_right=bottom_right, attn_mask=attn_mask, need_lse=False)[0]
     knobs = config.decode_knobs()
+    q_strides, ks, k_strides, vs, v_strides = q.stride(), k.shape, k.stride(), v.shape, v.stride()
     aligned = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
-    key = (token, q.stride(), k.shape, k.stride(), v.shape, v.stride(), *aligned,
-           None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15), knobs,
-           _dot_precision(q))
-    call = _CALLS.get(key)
-    grown = None
+    precision = _dot_precision(q)
+    m = ks[2]
+    # A length other than the lane's last one is a dynamic cache's next
+    # token: no exact key of it is kept, so its lane's grown plan is tried
+    # first (a fixed cache repeats its length and finds its exact key).
+    grown_first = attn_mask is None and _LANE_LENGTH.get(token, m) != m
+    if token not in _LANE_LENGTH and len(_LANE_LENGTH) >= _MAX_PLANS:
+        _LANE_LENGTH.clear()
+    _LANE_LENGTH[token] = m
+    call = grown = key = None
+    if not grown_first:
+        key = (token, q_strides, ks, k_strides, vs, v_strides, *aligned,
+               None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
+               knobs, precision)
+        call = _CALLS.get(key)
     if call is None and attn_mask is None:  # a dynamic cache's next length: its lane's kept plan
-        grown, m, kv = _lane_grown_key(token, q, k, v, aligned, knobs)
+        kv = (k_strides[0], k_strides[2], k_strides[1], k_strides[3], v_strides[0], v_strides[2], v_strides[1],
+              v_strides[3])  # the kernel's (batch row, slot, head, dim) order, as _kernel_strides gives them
+        grown = (token, q_strides, ks[:2] + ks[3:], vs[:2] + vs[3:], aligned, knobs, precision, _fingerprint(kv))
         plan = _LANE_GROWN.get(grown)
         if plan is not None:  # not kept: this length will not recur
-            call = _finish_grown(plan, q, q.stride(), m, kv, window_left, window_right, None)
+            call = _finish_grown(plan, q, q_strides, m, kv, window_left, window_right, None)
     if call is None:
         call = _cached_call(q, k, v, None, None, attn_mask, window_left, window_right, bottom_right, "bhsd", None,
                             knobs)
+        if key is None:
+            key = (token, q_strides, ks, k_strides, vs, v_strides, *aligned, None, knobs, precision)
         _keep(_CALLS, key, call)
         if grown is not None:
             _keep(_LANE_GROWN, grown, call.plan)
@@ -884,6 +900,9 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
 # finds one takes that plan's call directly (``_finish_grown``), and is not
 # kept: its length will not recur.
 _LANE_GROWN: dict = {}
+# Each lane's last key length (``lane_forward``: a new one tries the grown
+# plan before the exact key, which a dynamic cache never repeats).
+_LANE_LENGTH: dict = {}
 
 
 def _grown_strides(k, v, layout: str) -> tuple:
@@ -899,13 +918,6 @@ def _finish_grown(plan, q, q_strides, m, kv, window_left, window_right, num_spli
     of ``m`` keys (``kv``: k's and v's strides in the kernel's order)."""
     return _finish_call(plan, q, (*q_strides, *kv, 0, 0, 0, 0, 0, 0), m, m, 1, window_left, window_right,
                         num_splits, True)
-
-
-def _lane_grown_key(token, q, k, v, aligned, knobs) -> tuple:
-    """(the key of ``_LANE_GROWN``, k's length, k's and v's kernel strides)."""
-    ks, vs = k.shape, v.shape  # (B, Hkv, M, D): the length is dimension 2
-    m, kv, fp = _grown_strides(k, v, "bhsd")
-    return (token, q.stride(), ks[:2] + ks[3:], vs[:2] + vs[3:], aligned, knobs, _dot_precision(q), fp), m, kv
 
 
 class _Call:

@@ -274,6 +274,35 @@ def hopper_mask_loads(how: str) -> None:
     hopper.BWD_MASK_LOADS = {d: how for d in hopper.BWD_MASK_LOADS}
 
 
+def fwd_softmax_variant(D: int, folds: int, poly: int) -> dict:
+    """``hopper.FWD_SOFTMAX`` with head dim ``D`` set to ``folds`` row-max
+    folds and ``poly`` of each eight exponentials on the FMA units."""
+    from flashfuse.kernels import hopper
+
+    return {**hopper.FWD_SOFTMAX, D: dict(row_max_folds=folds, exp_poly=poly)}
+
+
+def softmax_pair(text: str) -> tuple[int, int]:
+    """A "FOLDS,POLY" argument as two ints."""
+    folds, poly = (int(x) for x in text.split(","))
+    return folds, poly
+
+
+class HostClock:
+    """Stands in for ``fn``: the host time spent inside it, and its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+
+
 def hopper_mask_runs(how: str) -> None:
     """For this process: the Hopper forward and fused backward run a masked
     tile's blocks ``how`` ("split": three loops; "single": one loop),

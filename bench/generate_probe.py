@@ -77,21 +77,6 @@ def _token_times(model, impl: str, ids, new: int, cache: str) -> list[float]:
     return [statistics.median(d[i:i + 32]) for i in range(0, len(d), 32)]
 
 
-class _Clock:
-    """Host time spent inside one function, and its calls."""
-
-    def __init__(self, fn):
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
-
-    def __call__(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t
-            self.calls += 1
-
-
 def host_split(model, impl: str, ids, new: int, cache: str) -> dict:
     """One ``generate()`` of ``new`` tokens with ``impl``'s attention and mask
     functions timed on the host (no synchronisation anywhere but where the
@@ -104,7 +89,7 @@ def host_split(model, impl: str, ids, new: int, cache: str) -> dict:
 
     name = flashfuse.hf.ATTN_IMPLEMENTATION if impl == "ffuse" else impl
     originals = (AttentionInterface._global_mapping[name], AttentionMaskInterface._global_mapping[name])
-    attention, mask = _Clock(originals[0]), _Clock(originals[1])
+    attention, mask = common.HostClock(originals[0]), common.HostClock(originals[1])
     marks = []
 
     class Mark(LogitsProcessor):  # after each token's forward, before the next

@@ -60,7 +60,7 @@ def _variant_runs(p, q, k, v, softmax_variants):
     def run(folds=None, poly=None):
         saved = hopper.FWD_SOFTMAX
         if folds is not None:
-            hopper.FWD_SOFTMAX = {**saved, p.D: dict(row_max_folds=folds, exp_poly=poly)}
+            hopper.FWD_SOFTMAX = common.fwd_softmax_variant(p.D, folds, poly)
         try:
             return hopper.hopper_forward(p, q, k, v, True)
         finally:
@@ -116,7 +116,7 @@ def main():
     if device.type != "cuda":
         sys.exit("the Hopper kernels need a CUDA GPU (compute capability 9.x)")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    variants = [tuple(int(x) for x in item.split(",")) for item in args.softmax.split()]
+    variants = [common.softmax_pair(item) for item in args.softmax.split()]
     providers = PROVIDERS + (["softmax default"] + [_variant_name(*v) for v in variants] if variants else [])
     res = common.Results(args.out, "hopper_schedules.csv", common.env_info(device))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]

@@ -222,28 +222,6 @@ def hopper_rows(loops: int, calls: int) -> None:
               f"{best_us(fn, loops, calls):6.1f} us, {python_calls(fn):4d} calls/op", flush=True)
 
 
-class _Clock:
-    """Host time inside one function (stands in for it while installed)."""
-
-    def __init__(self, owner, name: str):
-        self.owner, self.name, self.fn = owner, name, getattr(owner, name)
-        self.seconds, self.calls = 0.0, 0
-
-    def __call__(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t
-            self.calls += 1
-
-    def install(self):
-        setattr(self.owner, self.name, self)
-
-    def remove(self):
-        setattr(self.owner, self.name, self.fn)
-
-
 def generate_rows(smoke: bool) -> None:
     """The hook's host time per call inside ``generate()`` on a dynamic
     cache (see the module docstring), by stage, and the same hook on the
@@ -271,23 +249,24 @@ def generate_rows(smoke: bool) -> None:
     model = bench_generate.build(cfg, torch.float32, torch.device("cpu"))
     ids = torch.randint(1, cfg.vocab_size, (1, prompt))
     # Outermost first: each stage's time includes the ones after it.
-    stages = [("fast path (fastpath.attention_op)", _Clock(hf, "_attention_op")),
-              ("decode lane (decode.lane_forward)", _Clock(decode, "lane_forward")),
-              ("allocations and launch (decode._run)", _Clock(decode, "_run"))]
+    stages = [("fast path (fastpath.attention_op)", hf, "_attention_op"),
+              ("decode lane (decode.lane_forward)", decode, "lane_forward"),
+              ("allocations and launch (decode._run)", decode, "_run")]
     generate_probe.host_split(model, "ffuse", ids, new, "dynamic")  # warm-up: plans and binaries
-    for _, clock in stages:
-        clock.install()
+    clocks = [common.HostClock(getattr(owner, name)) for _, owner, name in stages]
+    for (_, owner, name), clock in zip(stages, clocks):
+        setattr(owner, name, clock)
     try:
         split = generate_probe.host_split(model, "ffuse", ids, new, "dynamic")
     finally:
-        for _, clock in stages:
-            clock.remove()
+        for (_, owner, name), clock in zip(stages, clocks):
+            setattr(owner, name, clock.fn)
     shape = (f"B=1 Hq={heads} Hkv={kv_heads} D={head_dim} fp32, hidden 64, {layers} layers, prompt {prompt}, "
              f"{new} new tokens")
     print(f"generate() host path, {shape}, launches stubbed: the hook {split['attention_us_per_call']:.1f} us "
           f"a call, {split['token_us']:.0f} us a token in all", flush=True)
-    for name, clock in stages:
-        print(f"  of which {name}: {clock.seconds / max(clock.calls, 1) * 1e6:.1f} us", flush=True)
+    for (label, _, _), clock in zip(stages, clocks):
+        print(f"  of which {label}: {clock.seconds / max(clock.calls, 1) * 1e6:.1f} us", flush=True)
     q = torch.randn(1, heads, 1, head_dim)
     k = torch.randn(1, kv_heads, prompt, head_dim)
     hook = _hf_hook(q, k, k, head_dim ** -0.5)

@@ -341,8 +341,7 @@ def main():
         if a.mask_runs:
             common.hopper_mask_runs(a.mask_runs)
         if a.fwd_softmax:
-            folds, poly = (int(x) for x in a.fwd_softmax.split(","))
-            hopper.FWD_SOFTMAX = {**hopper.FWD_SOFTMAX, a.d: dict(row_max_folds=folds, exp_poly=poly)}
+            hopper.FWD_SOFTMAX = common.fwd_softmax_variant(a.d, *common.softmax_pair(a.fwd_softmax))
         if a.ablate:
             import mask_ablations
 

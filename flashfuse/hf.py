@@ -413,16 +413,9 @@ def _shared_tables(mask: Tensor, query: Tensor, key: Tensor, value: Tensor) -> d
         return {}
     queries = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, mask))
     want = _table_key(mask, query, key, queries)
-    alive = []
-    found = None
-    for ref, k, tables in list(_TABLE_CACHE):  # a copy: _drop_dead_tables may run at any point
-        held = ref()
-        if held is None:
-            continue  # the mask is gone: so are its tables
-        if held is mask and k == want:
-            found = tables
-        alive.append((ref, k, tables))
-    _TABLE_CACHE[:] = alive
+    # A dead mask's entry is already gone (_drop_dead_tables); the copy
+    # because that callback may run at any point.
+    found = next((tables for ref, k, tables in list(_TABLE_CACHE) if ref() is mask and k == want), None)
     if found is None:
         if _block_mask_op is None:
             from . import block_mask as _bm  # noqa: F401  (registers the op)

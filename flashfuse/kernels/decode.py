@@ -861,18 +861,14 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
     # token: no exact key of it is kept, so its lane's grown plan is tried
     # first (a fixed cache repeats its length and finds its exact key).
     grown_first = attn_mask is None and _LANE_LENGTH.get(token, m) != m
-    if token not in _LANE_LENGTH and len(_LANE_LENGTH) >= _MAX_PLANS:
-        _LANE_LENGTH.clear()
-    _LANE_LENGTH[token] = m
-    call = grown = key = None
-    if not grown_first:
-        key = (token, q_strides, ks, k_strides, vs, v_strides, *aligned,
-               None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
-               knobs, precision)
-        call = _CALLS.get(key)
+    _keep(_LANE_LENGTH, token, m)
+    key = (token, q_strides, ks, k_strides, vs, v_strides, *aligned,
+           None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
+           knobs, precision)
+    call = None if grown_first else _CALLS.get(key)
+    grown = None
     if call is None and attn_mask is None:  # a dynamic cache's next length: its lane's kept plan
-        kv = (k_strides[0], k_strides[2], k_strides[1], k_strides[3], v_strides[0], v_strides[2], v_strides[1],
-              v_strides[3])  # the kernel's (batch row, slot, head, dim) order, as _kernel_strides gives them
+        kv = (*_bhsd_order(k_strides), *_bhsd_order(v_strides))
         grown = (token, q_strides, ks[:2] + ks[3:], vs[:2] + vs[3:], aligned, knobs, precision, _fingerprint(kv))
         plan = _LANE_GROWN.get(grown)
         if plan is not None:  # not kept: this length will not recur
@@ -880,8 +876,6 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
     if call is None:
         call = _cached_call(q, k, v, None, None, attn_mask, window_left, window_right, bottom_right, "bhsd", None,
                             knobs)
-        if key is None:
-            key = (token, q_strides, ks, k_strides, vs, v_strides, *aligned, None, knobs, precision)
         _keep(_CALLS, key, call)
         if grown is not None:
             _keep(_LANE_GROWN, grown, call.plan)
@@ -927,6 +921,12 @@ class _Call:
     __slots__ = ("plan", "L", "ints", "windows", "bounds_ints", "fuse")
 
 
+def _bhsd_order(strides) -> tuple:
+    """A (B, Hkv, M, D) cache's strides in the kernel's (batch row, slot,
+    head, dim) order."""
+    return strides[0], strides[2], strides[1], strides[3]
+
+
 def _kernel_strides(k, v, block_table, layout):
     """Hkv, the capacity, k's and v's strides in the kernel's (page or batch
     row, slot, head, dim) order, and the table's strides."""
@@ -934,7 +934,7 @@ def _kernel_strides(k, v, block_table, layout):
     if block_table is not None:
         return k.shape[2], block_table.shape[1] * k.shape[1], ks, vs, block_table.stride()
     if layout == "bhsd":
-        return k.shape[1], k.shape[2], (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3]), (0, 0)
+        return k.shape[1], k.shape[2], _bhsd_order(ks), _bhsd_order(vs), (0, 0)
     return k.shape[2], k.shape[1], ks, vs, (0, 0)
 
 

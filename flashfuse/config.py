@@ -105,6 +105,29 @@ def decode_knobs() -> tuple:
     return decode_splits(), autotune(), interpreter_on()
 
 
+# The raw values of the variables a decode call reads -> (decode(),
+# decode_knobs()) (``decode_settings``).
+_DECODE_VARS = ("FLASHFUSE_DECODE", "FLASHFUSE_DECODE_SPLITS", "FLASHFUSE_AUTOTUNE", "TRITON_INTERPRET")
+_DECODE_KEYS = tuple(map(_ENVIRON.encodekey, _DECODE_VARS)) if isinstance(_DATA, dict) else ()
+_DECODE_SETTINGS: dict = {}
+
+
+def decode_settings() -> tuple:
+    """``(decode(), decode_knobs())`` in one call: the four variables' raw
+    values are looked up together and their reading is kept per values
+    (a decode call reads them per layer per token; each ``_get`` is a
+    Python call of its own)."""
+    if os.environ is not _ENVIRON or not isinstance(_DATA, dict):
+        return decode(), decode_knobs()
+    raw = tuple(map(_DATA.get, _DECODE_KEYS))
+    found = _DECODE_SETTINGS.get(raw)
+    if found is None:
+        if len(_DECODE_SETTINGS) > 64:
+            _DECODE_SETTINGS.clear()
+        found = _DECODE_SETTINGS[raw] = (decode(), decode_knobs())
+    return found
+
+
 def kvcache_checks() -> bool:
     return _get("FLASHFUSE_KVCACHE_CHECKS", "1") != "0"
 

@@ -197,12 +197,12 @@ def attention_op(
                 # kernels; what is asked is what ``run_checked`` would ask.
                 # (Inline, not a helper: this runs per layer per token.)
                 M = key.shape[2]
-                mode = config.decode()
+                mode, knobs = config.decode_settings()
                 if (mode != "0" and M != 0 and (mode == "1" or _decode.size_refusal(lane.N, lane.G, M) is None)
                         and (lane.on_cuda or ops._use_triton(query))):
                     LANE_HITS[0] += 1
                     return _decode.lane_forward(lane.token, query, key, value, attn_mask, lane.scale,
-                                                lane.window_left, lane.window_right, lane.bottom_right)
+                                                lane.window_left, lane.window_right, lane.bottom_right, knobs)
             return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                    window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
                                    sinks, plain=True)

@@ -184,14 +184,16 @@ def flashfuse_mask(
 # The attention function
 # --------------------------------------------------------------------------
 
-def _config_attr(config, name: str):
+def _config_attr(config, name: str, compiling: bool):
     """``getattr(config, name, None)`` at about half the cost for a
     transformers config, whose ``__getattribute__`` is Python that only maps
     the class's ``attribute_map`` aliases: the alias is applied here, then
-    the ordinary lookup runs (this is read per layer per token)."""
+    the ordinary lookup runs (this is read per layer per token).
+    ``compiling``: ``torch.compiler.is_compiling()``, read once per call by
+    the caller."""
     if config is None:
         return None
-    if torch.compiler.is_compiling():
+    if compiling:
         # Dynamo cannot trace object.__getattribute__ (a graph break per
         # layer); there the read is free anyway, done once at trace time.
         return getattr(config, name, None)
@@ -204,7 +206,26 @@ def _config_attr(config, name: str):
         return None
 
 
-def _sliding_window(module, kwargs: dict) -> int | None:
+def _module_attr(module, name: str, compiling: bool):
+    """``getattr(module, name, None)`` without ``nn.Module.__getattr__``
+    raising, and formatting, an AttributeError for a name the module lacks
+    (about 1 us, per layer per token): a plain ``nn.Module`` keeps its
+    attributes in its ``__dict__`` and its parameters, buffers and
+    submodules in three dicts there, which that ``__getattr__`` reads."""
+    cls = type(module)
+    if (compiling or not isinstance(module, torch.nn.Module) or cls.__getattr__ is not torch.nn.Module.__getattr__
+            or hasattr(cls, name)):
+        return getattr(module, name, None)
+    d = module.__dict__
+    if name in d:
+        return d[name]
+    for store in (d.get("_parameters"), d.get("_buffers"), d.get("_modules")):
+        if store and name in store:
+            return store[name]
+    return None
+
+
+def _sliding_window(module, kwargs: dict, config, compiling: bool) -> int | None:
     """The sliding window of this layer, or None for full attention.
 
     Most models pass it as the ``sliding_window`` argument (as flash-attention-2
@@ -214,22 +235,22 @@ def _sliding_window(module, kwargs: dict) -> int | None:
     """
     if "sliding_window" in kwargs:
         return kwargs["sliding_window"]
-    config = getattr(module, "config", None)
-    layer_types = _config_attr(config, "layer_types")
+    layer_types = _config_attr(config, "layer_types", compiling)
     layer_idx = getattr(module, "layer_idx", None)
     if layer_types is not None and layer_idx is not None and 0 <= layer_idx < len(layer_types):
         if layer_types[layer_idx] != "sliding_attention":
             return None
-        return _config_attr(config, "sliding_window")
-    if getattr(module, "sliding_window", None) is not None:
-        return module.sliding_window
-    return _config_attr(config, "sliding_window")
+        return _config_attr(config, "sliding_window", compiling)
+    window = _module_attr(module, "sliding_window", compiling)
+    if window is not None:
+        return window
+    return _config_attr(config, "sliding_window", compiling)
 
 
-def _check_supported(module, query: Tensor, key: Tensor, value: Tensor, kwargs: dict) -> None:
+def _check_supported(module, query: Tensor, key: Tensor, value: Tensor, kwargs: dict, config,
+                     compiling: bool) -> None:
     """Raise for features a fused kernel cannot serve, naming the way out."""
-    config = getattr(module, "config", None)
-    if kwargs.get("output_attentions") or _config_attr(config, "output_attentions"):
+    if kwargs.get("output_attentions") or _config_attr(config, "output_attentions", compiling):
         raise ValueError(
             "flashfuse: output_attentions=True cannot be served by a fused attention kernel, "
             "which never materialises the attention probabilities. Load the model with "
@@ -314,7 +335,10 @@ def flashfuse_attention_forward(
     Returns:
         ``(output, None)``, output of shape (batch, q_len, q_heads, head_dim).
     """
-    _check_supported(module, query, key, value, kwargs)
+    # Read once: the helpers below take them (this runs per layer per token).
+    compiling = torch.compiler.is_compiling()
+    config = getattr(module, "config", None)
+    _check_supported(module, query, key, value, kwargs, config, compiling)
 
     qs, ks = query.shape, key.shape  # read once: this runs per layer per token
     if qs[0] != ks[0] and qs[0] == 1:
@@ -333,7 +357,7 @@ def flashfuse_attention_forward(
         # No mask means flashfuse_mask vouched for the plain pattern: causal with
         # the queries at the end of the keys (prefill or KV-cache decoding), plus
         # the layer's sliding window if it has one.
-        sliding_window = _sliding_window(module, kwargs)
+        sliding_window = _sliding_window(module, kwargs, config, compiling)
         if sliding_window is not None and sliding_window > 0:
             window_left = sliding_window - 1  # transformers: kv > q - sliding_window
     else:

@@ -251,6 +251,21 @@ def test_config_reads_follow_the_environment(monkeypatch):
     assert config.decode() == "0"
 
 
+@pytest.mark.parametrize("variable,values", [("FLASHFUSE_DECODE", ["0", "1", None]),
+                                             ("FLASHFUSE_DECODE_SPLITS", ["3", "7", None]),
+                                             ("FLASHFUSE_AUTOTUNE", ["0", "1", None]),
+                                             ("TRITON_INTERPRET", ["0", "1", None])])
+def test_decode_settings_read_what_the_single_reads_read(monkeypatch, variable, values):
+    """``config.decode_settings`` keeps its readings per raw values: each
+    change of any of its four variables shows at the next call."""
+    for value in values:
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
+        assert config.decode_settings() == (config.decode(), config.decode_knobs()), (variable, value)
+
+
 def _lane_hits():
     return fastpath.LANE_HITS[0]
 
@@ -306,12 +321,15 @@ def test_decode_lane_on_a_growing_cache_takes_its_plan_directly(monkeypatch):
         assert torch.equal(got[M], OP(q, cache(M, buf), cache(M, buf.flip(0)), **DECODE)), M
 
 
-def test_decode_lane_looks_up_exact_calls_only_for_a_repeated_length(monkeypatch):
-    """A dynamic cache never repeats a length, so once the lane's length
-    moves it goes to the lane's grown plan without building and missing the
-    exact key; a fixed cache repeats its length and finds its exact call.
-    Both bitwise the op's."""
+def test_decode_lane_step_serves_growing_and_repeated_lengths_without_lookups(monkeypatch):
+    """Once a lane has made a call without a mask, its next calls with the
+    same fixed arguments and strides of the same specialisation take its
+    step (``decode._LaneStep``): no exact-key and no grown-plan lookup,
+    whether the length grows (a dynamic cache, across split counts and
+    buckets) or repeats; each bitwise the op's, and each the call
+    ``decode_forward``'s own key keeps (split count, launches, integers)."""
     monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 16)  # one split up to 16 keys, then two
     decode.forget_plans()
 
     class Lookups(dict):
@@ -322,6 +340,7 @@ def test_decode_lane_looks_up_exact_calls_only_for_a_repeated_length(monkeypatch
             return super().get(*args)
 
     monkeypatch.setattr(decode, "_CALLS", Lookups())
+    monkeypatch.setattr(decode, "_LANE_GROWN", Lookups())
     Hkv, D = 2, 16
     g = torch.Generator().manual_seed(9)
     q = torch.randn(1, 4, 1, D, generator=g)
@@ -330,24 +349,30 @@ def test_decode_lane_looks_up_exact_calls_only_for_a_repeated_length(monkeypatch
     def cache(M, source):
         return torch.as_strided(source, (1, Hkv, M, D), (Hkv * M * D, M * D, D, 1))
 
+    launches = set()
+
     def call(M):
         k, v = cache(M, buf), cache(M, buf.flip(0))
         got = flashfuse.attention(q, k, v, **DECODE)
         assert torch.equal(got, OP(q, k, v, **DECODE)), M
+        if not decode._LANE_STEPS:  # the first call: the op's, which makes the lane
+            return
+        (step,) = decode._LANE_STEPS.values()
+        own = decode._cached_call(q, k, v, None, None, None, None, 0, True, "bhsd", None, config.decode_knobs())
+        assert (step.call.plan, step.call.L, step.call.ints, step.call.windows, step.call.fuse) == (
+            own.plan, own.L, own.ints, own.windows, own.fuse), M
+        launches.add((step.call.L.S, id(step.call.L)))
 
-    for M in (30, 30, 31, 32):  # the lane made, its exact key, its first grown plans
+    for M in (5, 6):  # the lane made, its step
         call(M)
-    before, hits = Lookups.gets, _lane_hits()
-    for M in range(33, 41):
+    for M in [*range(7, 41), 40, 40, 40]:  # growing, then repeated
+        before, hits = Lookups.gets, _lane_hits()
         call(M)
-    assert _lane_hits() == hits + 8
-    # Only the op's own calls above (OP, through the dispatcher) look up exact keys.
-    lane_gets = Lookups.gets - before - 8
-    assert lane_gets == 0, lane_gets
-    before = Lookups.gets
-    for _ in range(3):  # the length repeats: the exact key is looked up, and kept from the first
-        call(40)
-    assert Lookups.gets - before - 3 >= 2
+        assert _lane_hits() == hits + 1, M
+        # Only the op's call and the check's own _cached_call look up exact keys.
+        assert Lookups.gets - before == 2, M
+    # Both split counts (the interpreter's plans have one bucket each).
+    assert {S for S, _ in launches} == {1, 2}, launches
 
 
 @pytest.mark.parametrize("setting", ["FLASHFUSE_DECODE=0", "TRITON_INTERPRET=0"])
@@ -438,3 +463,41 @@ def test_decode_lane_calls_go_with_the_plans():
     decode.forget_plans()
     flashfuse.attention(q, k, v, **DECODE)
     assert _lane_call(q, k, v) is not call
+
+
+@pytest.mark.gpu
+def test_gpu_decode_lane_step_on_a_growing_cache_is_bitwise_the_op():
+    """The lane's step on the GPU, where its plans have buckets of keys per
+    split: a cache grown from 700 to 40k keys in uneven strides (several
+    split counts and buckets), each call bitwise the op's through the
+    dispatcher, each the call ``decode_forward``'s own key keeps, and close
+    to the float64 reference."""
+    from flashfuse import reference as ref
+
+    decode.forget_plans()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    Hq, Hkv, D, top = 32, 8, 128, 40000
+    q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    buf = torch.randn(2, Hkv * top * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def cache(M, i):  # a fresh contiguous (B, Hkv, M, D) cache of M keys, as torch.cat leaves it
+        return buf[i, :Hkv * M * D].view(1, Hkv, M, D)
+
+    lengths = [700, 701, *range(702, 3000, 97), *range(3000, top, 1531)]
+    flashfuse.attention(q, cache(699, 0), cache(699, 1), **DECODE)  # the op; the lane is made
+    seen = set()
+    for M in lengths:
+        k, v = cache(M, 0), cache(M, 1)
+        before = _lane_hits()
+        got = flashfuse.attention(q, k, v, **DECODE)
+        assert _lane_hits() == before + 1, M
+        assert torch.equal(got, OP(q, k, v, **DECODE)), M
+        (step,) = decode._LANE_STEPS.values()
+        own = decode._cached_call(q, k, v, None, None, None, None, 0, True, "bhsd", None, config.decode_knobs())
+        assert (step.call.plan, step.call.L, step.call.ints, step.call.windows, step.call.fuse) == (
+            own.plan, own.L, own.ints, own.windows, own.fuse), M
+        seen.add((own.L.S, id(own.L)))
+        if M in (lengths[0], lengths[len(lengths) // 2], lengths[-1]):
+            want = ref.reference_attention(q.double(), k.double(), v.double(), window_right=0, bottom_right=True)
+            torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    assert len({S for S, _ in seen}) >= 3 and len(seen) >= 6, seen

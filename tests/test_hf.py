@@ -489,3 +489,38 @@ def test_hook_traces_without_a_graph_break(family, fresh_dynamo):
         got = torch.compile(hook, fullgraph=True, backend="eager")(q, k, v)
         want = hook(q, k, v)
     torch.testing.assert_close(got, want)
+
+
+def test_module_attribute_reads_what_getattr_reads():
+    """``hf._module_attr`` skips ``nn.Module.__getattr__``'s raise for a
+    name a layer lacks; everywhere else it must read what ``getattr(module,
+    name, None)`` reads: instance attributes, parameters, buffers,
+    submodules, class attributes and properties, and objects that are not
+    plain modules."""
+
+    class Layer(torch.nn.Module):
+        window_of_class = 7
+
+        @property
+        def window_property(self):
+            return self.width * 2
+
+    class Custom(torch.nn.Module):
+        def __getattr__(self, name):
+            return 5 if name == "sliding_window" else super().__getattr__(name)
+
+    layer = Layer()
+    layer.width = 3
+    layer.sliding_window = 4
+    layer.weight = torch.nn.Parameter(torch.ones(1))
+    layer.register_buffer("kept", torch.zeros(1))
+    layer.child = torch.nn.Linear(1, 1)
+    import types
+
+    plain = types.SimpleNamespace(sliding_window=9)
+    for obj, name in [(layer, "sliding_window"), (layer, "width"), (layer, "weight"), (layer, "kept"),
+                      (layer, "child"), (layer, "window_of_class"), (layer, "window_property"),
+                      (layer, "missing"), (Layer(), "sliding_window"), (Custom(), "sliding_window"),
+                      (plain, "sliding_window"), (plain, "missing")]:
+        for compiling in (False, True):
+            assert ffhf._module_attr(obj, name, compiling) is getattr(obj, name, None), (name, compiling)

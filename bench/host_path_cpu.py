@@ -93,6 +93,7 @@ def force_cuda_path_on_cpu():
     backward._max_shared_mem = lambda device: 227 * 1024
     torch.cuda.device = lambda device: contextlib.nullcontext()
     torch.cuda.is_current_stream_capturing = lambda: False
+    decode._CUDA_CAPTURING = decode._CUDA_DEVICE = None  # the two above, not their C functions
     launch._capability = lambda index: (9, 0)  # a Hopper GPU
 
 
@@ -299,7 +300,9 @@ def _hf_hook(q, k, v, scale):
         from flashfuse import hf
     except ImportError:
         return None
-    layer = types.SimpleNamespace(training=False, is_causal=True, config=None, layer_idx=0)
+    layer = torch.nn.Module()  # a layer's attributes as the hook reads them
+    layer.eval()
+    layer.is_causal, layer.config, layer.layer_idx = True, None, 0
 
     def hook(key=k, value=v):
         with torch.no_grad():

@@ -43,6 +43,7 @@ This module imports ``transformers``; ``import flashfuse`` alone never does.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -257,6 +258,11 @@ def _check_supported(module, query: Tensor, key: Tensor, value: Tensor, kwargs: 
             "attn_implementation='eager' (or call model.set_attn_implementation('eager')) "
             "to get attention weights."
         )
+    _check_shapes(query, key, value)
+
+
+def _check_shapes(query: Tensor, key: Tensor, value: Tensor) -> None:
+    """The part of ``_check_supported`` that the tensors decide."""
     d, dv = query.shape[-1], value.shape[-1]
     if not (_MIN_HEAD_DIM <= d <= _MAX_HEAD_DIM and _MIN_HEAD_DIM <= dv <= _MAX_HEAD_DIM):
         raise ValueError(
@@ -337,6 +343,18 @@ def flashfuse_attention_forward(
     """
     # Read once: the helpers below take them (this runs per layer per token).
     compiling = torch.compiler.is_compiling()
+    if attention_mask is None and position_bias is None and not compiling:
+        reads = _LAYER_READS.get(id(module))
+        if reads is not None and reads.hold(module, dropout, scaling, is_causal, kwargs):
+            # What this layer's reads decided last time, still true (see
+            # _LayerReads); the tensors are checked as below.
+            _check_shapes(query, key, value)
+            qs, ks = query.shape, key.shape
+            if qs[0] != ks[0] and qs[0] == 1:
+                query = query.expand(ks[0], *qs[1:])
+            out = _attention_op(query, key, value, None, reads.dropout_p, reads.causal, scaling, qs[1] != ks[1],
+                                window_left=reads.window_left, alignment="bottom_right")
+            return out.transpose(1, 2).contiguous(), None
     config = getattr(module, "config", None)
     _check_supported(module, query, key, value, kwargs, config, compiling)
 
@@ -385,9 +403,113 @@ def flashfuse_attention_forward(
 
     out = _attention_op(query, key, value, attention_mask, dropout_p, bool(causal), scaling, qs[1] != ks[1],
                         window_left=window_left, alignment="bottom_right", **extra)
+    if attention_mask is None and position_bias is None and not extra and not compiling:
+        _LayerReads.record(module, config, dropout, scaling, is_causal, kwargs, dropout_p, bool(causal), window_left)
     # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
     # contiguous() is then free and gives callers the layout they expect.
     return out.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------
+# A layer's reads, kept
+# --------------------------------------------------------------------------
+
+_MISSING = object()
+# id(layer) -> its _LayerReads; started afresh when full.
+_LAYER_READS: dict = {}
+_LAYER_READS_SIZE = 1024
+# The names the hook reads of a layer's kwargs (``hold``).
+_READ_KWARGS = ("output_attentions", "sliding_window", "softcap", "s_aux", "sinks")
+
+
+class _LayerReads:
+    """What the hook read of a layer, its config and its arguments for a call
+    without a mask, and what that decided (``dropout_p``, ``causal``,
+    ``window_left``), kept so that the layer's next such call skips the
+    reads when nothing they read has changed.
+
+    Why: inside ``generate()`` the hook's reads of the config (its
+    ``output_attentions`` property, ``layer_types``, ``sliding_window``,
+    each through Python) cost about 8 of the hook's 55 µs a decode call on
+    a CPU, most of what the hook adds to the op (bench/NOTES.md run 37).
+
+    What ``hold`` compares, all in C (no Python call): the arguments and the
+    kwargs the hook reads, by identity; the layer's and its config's
+    instance ``__dict__``, keys and values, by identity, so any attribute
+    set, added or deleted since shows (``training``, ``is_causal``, the
+    config object, ``sliding_window``, the config's ``_output_attentions``
+    behind its property ...); and what lives inside those values that the
+    reads looked into: the entries of ``config.layer_types`` and the
+    layer's parameter, buffer and submodule names (where ``nn.Module``
+    looks up a missing ``sliding_window``). Not covered: a class attribute
+    or property of the layer's or the config's class changed between two
+    calls."""
+
+    __slots__ = ("module", "args", "kw", "module_keys", "module_values", "config_dict", "config_keys",
+                 "config_values", "layer_types", "layer_types_entries", "stores", "dropout_p", "causal",
+                 "window_left")
+
+    @classmethod
+    def record(cls, module, config, dropout, scaling, is_causal, kwargs, dropout_p, causal, window_left) -> None:
+        """Keep the reads of a call that took the full path (mask, bias,
+        soft-capping and sinks all absent), where they can be compared."""
+        md = getattr(module, "__dict__", None)
+        if md is None or md.get("config", _MISSING) is not config or not type(module).__weakrefoffset__:
+            return  # no instance dict, a config found elsewhere, or no weak reference (a SimpleNamespace)
+        r = cls()
+        r.module = weakref.ref(module)
+        r.args = (dropout, scaling, is_causal)
+        r.kw = tuple(kwargs.get(name, _MISSING) for name in _READ_KWARGS)
+        r.module_keys, r.module_values = tuple(md), tuple(md.values())
+        r.config_dict = r.config_keys = r.config_values = r.layer_types = r.layer_types_entries = None
+        if config is not None:
+            cd = getattr(config, "__dict__", None)
+            if cd is None:
+                return
+            r.config_dict, r.config_keys, r.config_values = cd, tuple(cd), tuple(cd.values())
+            types = cd.get("layer_types")
+            if types is not None:
+                if not isinstance(types, (list, tuple)):
+                    return
+                r.layer_types, r.layer_types_entries = types, tuple(types)
+        r.stores = tuple(md.get(name) for name in ("_parameters", "_buffers", "_modules")
+                         if isinstance(md.get(name), dict))
+        if any("sliding_window" in store for store in r.stores):
+            return  # a parameter or buffer named so: leave it to the full path
+        r.dropout_p, r.causal, r.window_left = dropout_p, causal, window_left
+        if len(_LAYER_READS) >= _LAYER_READS_SIZE:
+            _LAYER_READS.clear()
+        _LAYER_READS[id(module)] = r
+
+    def hold(self, module, dropout, scaling, is_causal, kwargs) -> bool:
+        """Whether the reads kept are still what the full path would read."""
+        if self.module() is not module:
+            return False  # another layer at a dead one's address
+        args = self.args
+        if dropout is not args[0] or scaling is not args[1] or is_causal is not args[2]:
+            return False
+        kw = self.kw
+        get = kwargs.get
+        if (get("output_attentions", _MISSING) is not kw[0] or get("sliding_window", _MISSING) is not kw[1]
+                or get("softcap", _MISSING) is not kw[2] or get("s_aux", _MISSING) is not kw[3]
+                or get("sinks", _MISSING) is not kw[4]):
+            return False
+        md = module.__dict__
+        if (len(md) != len(self.module_keys) or not all(map(operator.is_, md, self.module_keys))
+                or not all(map(operator.is_, md.values(), self.module_values))):
+            return False
+        cd = self.config_dict
+        if cd is not None and (len(cd) != len(self.config_keys) or not all(map(operator.is_, cd, self.config_keys))
+                               or not all(map(operator.is_, cd.values(), self.config_values))):
+            return False
+        types = self.layer_types
+        if types is not None and (len(types) != len(self.layer_types_entries)
+                                  or not all(map(operator.is_, types, self.layer_types_entries))):
+            return False
+        for store in self.stores:
+            if "sliding_window" in store:
+                return False
+        return True
 
 
 # --------------------------------------------------------------------------

@@ -524,3 +524,121 @@ def test_module_attribute_reads_what_getattr_reads():
                       (plain, "sliding_window"), (plain, "missing")]:
         for compiling in (False, True):
             assert ffhf._module_attr(obj, name, compiling) is getattr(obj, name, None), (name, compiling)
+
+
+# --------------------------------------------------------------------------
+# A layer's kept reads (hf._LayerReads)
+# --------------------------------------------------------------------------
+
+DROPOUT = 0.3
+
+
+def _decode_tensors(layer, keys=9):
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d = layer.config.num_attention_heads, layer.config.num_key_value_heads, layer.head_dim
+    return (torch.randn(1, heads, 1, d, generator=g), torch.randn(1, kv_heads, keys, d, generator=g),
+            torch.randn(1, kv_heads, keys, d, generator=g))
+
+
+def _hook(layer, tensors, **kw):
+    torch.manual_seed(0)  # dropout's seed, the same for both paths
+    return ffhf.flashfuse_attention_forward(layer, *tensors, None, **kw)[0]
+
+
+def _full_path(layer, tensors, **kw):
+    """The hook's call without the layer's kept reads."""
+    ffhf._LAYER_READS.clear()
+    return _hook(layer, tensors, **kw)
+
+
+def _change(case, model, layer, kw):
+    """Change what ``case`` names between two calls of ``layer``; returns the
+    next call's kwargs."""
+    kw = dict(kw)
+    if case == "training":
+        layer.train()
+    elif case == "is_causal":
+        layer.is_causal = False
+    elif case == "config output_attentions":
+        # What its property reads (its setter refuses any implementation but eager).
+        model.config._output_attentions = True
+        assert model.config.output_attentions
+    elif case == "layer_types entry":
+        model.config.layer_types[1] = "full_attention"  # in place: the list object stays
+    elif case == "config sliding_window":
+        model.config.sliding_window = 2
+    elif case == "layer sliding_window":
+        layer.sliding_window = 3
+    elif case == "sliding_window argument":
+        kw["sliding_window"] = 5
+    elif case == "scaling":
+        kw["scaling"] = 0.5
+    elif case == "dropout":
+        kw["dropout"] = 0.0
+    elif case == "softcap":
+        kw["softcap"] = 5.0
+    return kw
+
+
+@pytest.mark.parametrize("case", ["training", "is_causal", "config output_attentions", "layer_types entry",
+                                  "config sliding_window", "layer sliding_window", "sliding_window argument",
+                                  "scaling", "dropout", "softcap"])
+def test_kept_layer_reads_follow_every_change_they_read(op_calls, case):
+    """A layer's second call takes its kept reads; after any change of what
+    the hook reads (the layer's and config's attributes, an entry of
+    ``layer_types`` changed in place, the arguments) the next call makes
+    the full path's op call, bitwise, or raises what it raises."""
+    factory = _llama if case == "layer sliding_window" else _qwen2
+    model = _build(factory)
+    model.eval()
+    layer = model.model.layers[1].self_attn
+    tensors = _decode_tensors(layer)
+    kw = dict(dropout=DROPOUT, scaling=layer.scaling)
+    _full_path(layer, tensors, **kw)
+    reads = ffhf._LAYER_READS[id(layer)]
+    assert reads.hold(layer, DROPOUT, layer.scaling, None, {})
+    kw = _change(case, model, layer, kw)
+    if case == "config output_attentions":
+        with pytest.raises(ValueError, match="output_attentions"):
+            _hook(layer, tensors, **kw)
+        return
+    got = _hook(layer, tensors, **kw)
+    got_call = op_calls[-1]
+    assert not reads.hold(layer, kw["dropout"], kw["scaling"], None,
+                          {k: v for k, v in kw.items() if k not in ("dropout", "scaling")}), case
+    want = _full_path(layer, tensors, **kw)
+    assert got_call == op_calls[-1], case
+    assert torch.equal(got, want), case
+
+
+def test_kept_layer_reads_refuse_a_parameter_or_buffer_named_sliding_window():
+    model = _build(_llama)
+    layer = model.model.layers[0].self_attn
+    tensors = _decode_tensors(layer)
+    _full_path(layer, tensors, dropout=0.0, scaling=layer.scaling)
+    reads = ffhf._LAYER_READS[id(layer)]
+    assert reads.hold(layer, 0.0, layer.scaling, None, {})
+    layer.register_buffer("sliding_window", torch.tensor(4))
+    assert not reads.hold(layer, 0.0, layer.scaling, None, {})
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_mixed_sliding", "mistral_sliding"])
+def test_generation_with_kept_layer_reads_is_the_full_paths(monkeypatch, name):
+    """Greedy decoding takes the layers' kept reads at every step after the
+    first, and gives bitwise the logits of the hook without them."""
+    model = _build(DECODERS[name]).eval()
+    model.set_attn_implementation(IMPL)
+    ids, _ = _inputs(batch=1, left_pad=0)
+    taken = []
+    real_hold = ffhf._LayerReads.hold
+    monkeypatch.setattr(ffhf._LayerReads, "hold", lambda self, *a: taken.append(real_hold(self, *a)) or taken[-1])
+    with torch.no_grad():
+        kept = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert taken and all(taken), name
+    ffhf._LAYER_READS.clear()
+    monkeypatch.setattr(ffhf._LayerReads, "record", classmethod(lambda cls, *a: None))
+    with torch.no_grad():
+        full = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    assert torch.equal(kept.sequences, full.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(kept.logits, full.logits))

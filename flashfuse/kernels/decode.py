@@ -1171,9 +1171,9 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
     # An eager call on real tensors outside graph capture may merge its
     # partials in the split kernel and take its scratch from its stream's
     # workspace (see FUSE_COMBINE and _workspace).
-    eager = cache and not torch.cuda.is_current_stream_capturing()
+    eager = cache and not (_CUDA_CAPTURING or torch.cuda.is_current_stream_capturing)()
     index = plan.device_index
-    current = torch.cuda.current_device()
+    current = _CUDA_DEVICE() if _CUDA_DEVICE is not None else torch.cuda.current_device()
     if index is None or index == current:  # a device without an index is the current one
         # The current device read once: the stream Triton's own launch would
         # take (``launch._current_stream``), without reading it again.
@@ -1182,6 +1182,16 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
     with torch.cuda.device(q.device):
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
                                     eager, _device_stream(index))
+
+
+# The C functions behind ``torch.cuda.is_current_stream_capturing()`` and
+# ``torch.cuda.current_device()`` (which first makes sure CUDA is
+# initialised: it is, a call's tensors are on it), called directly where
+# this torch has them (a CPU build has dummies): a Python frame or two less
+# per decode call.
+_CUDA_BUILT = torch.backends.cuda.is_built()
+_CUDA_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if _CUDA_BUILT else None
+_CUDA_DEVICE = getattr(torch._C, "_cuda_getDevice", None) if _CUDA_BUILT else None
 
 
 def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool,

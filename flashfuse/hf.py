@@ -418,8 +418,10 @@ _MISSING = object()
 # id(layer) -> its _LayerReads; started afresh when full.
 _LAYER_READS: dict = {}
 _LAYER_READS_SIZE = 1024
-# The names the hook reads of a layer's kwargs (``hold``).
+# The names the hook reads of a layer's kwargs, and of the layer (``hold``).
 _READ_KWARGS = ("output_attentions", "sliding_window", "softcap", "s_aux", "sinks")
+_READ_ATTRIBUTES = ("training", "is_causal", "config", "layer_idx", "sliding_window")
+_MISSINGS = (_MISSING,) * len(_READ_ATTRIBUTES)
 
 
 class _LayerReads:
@@ -434,18 +436,18 @@ class _LayerReads:
     a CPU, most of what the hook adds to the op (bench/NOTES.md run 37).
 
     What ``hold`` compares, all in C (no Python call): the arguments and the
-    kwargs the hook reads, by identity; the layer's and its config's
-    instance ``__dict__``, keys and values, by identity, so any attribute
-    set, added or deleted since shows (``training``, ``is_causal``, the
-    config object, ``sliding_window``, the config's ``_output_attentions``
-    behind its property ...); and what lives inside those values that the
-    reads looked into: the entries of ``config.layer_types`` and the
-    layer's parameter, buffer and submodule names (where ``nn.Module``
-    looks up a missing ``sliding_window``). Not covered: a class attribute
-    or property of the layer's or the config's class changed between two
-    calls."""
+    kwargs the hook reads, by identity; the layer's instance attributes the
+    hook reads (``training``, ``is_causal``, ``config``, ``layer_idx``,
+    ``sliding_window``, present or not), by identity, and that none of
+    them has become a parameter, buffer or submodule (where
+    ``nn.Module.__getattr__`` finds a name missing from the instance); the
+    config's whole instance ``__dict__``, keys and values, by identity (its
+    ``output_attentions`` is a property, which may read anything there);
+    and the entries of ``config.layer_types``, which can change in place.
+    Not covered: a class attribute or property of the layer's or the
+    config's class changed between two calls."""
 
-    __slots__ = ("module", "args", "kw", "module_keys", "module_values", "config_dict", "config_keys",
+    __slots__ = ("module", "args", "kw", "module_values", "config_dict", "config_keys",
                  "config_values", "layer_types", "layer_types_entries", "stores", "dropout_p", "causal",
                  "window_left")
 
@@ -460,7 +462,7 @@ class _LayerReads:
         r.module = weakref.ref(module)
         r.args = (dropout, scaling, is_causal)
         r.kw = tuple(kwargs.get(name, _MISSING) for name in _READ_KWARGS)
-        r.module_keys, r.module_values = tuple(md), tuple(md.values())
+        r.module_values = tuple(md.get(name, _MISSING) for name in _READ_ATTRIBUTES)
         r.config_dict = r.config_keys = r.config_values = r.layer_types = r.layer_types_entries = None
         if config is not None:
             cd = getattr(config, "__dict__", None)
@@ -474,8 +476,8 @@ class _LayerReads:
                 r.layer_types, r.layer_types_entries = types, tuple(types)
         r.stores = tuple(md.get(name) for name in ("_parameters", "_buffers", "_modules")
                          if isinstance(md.get(name), dict))
-        if any("sliding_window" in store for store in r.stores):
-            return  # a parameter or buffer named so: leave it to the full path
+        if any(name in store for store in r.stores for name in _READ_ATTRIBUTES):
+            return  # a parameter, buffer or submodule of a name read: leave it to the full path
         r.dropout_p, r.causal, r.window_left = dropout_p, causal, window_left
         if len(_LAYER_READS) >= _LAYER_READS_SIZE:
             _LAYER_READS.clear()
@@ -495,8 +497,7 @@ class _LayerReads:
                 or get("sinks", _MISSING) is not kw[4]):
             return False
         md = module.__dict__
-        if (len(md) != len(self.module_keys) or not all(map(operator.is_, md, self.module_keys))
-                or not all(map(operator.is_, md.values(), self.module_values))):
+        if not all(map(operator.is_, map(md.get, _READ_ATTRIBUTES, _MISSINGS), self.module_values)):
             return False
         cd = self.config_dict
         if cd is not None and (len(cd) != len(self.config_keys) or not all(map(operator.is_, cd, self.config_keys))
@@ -507,7 +508,7 @@ class _LayerReads:
                                   or not all(map(operator.is_, types, self.layer_types_entries))):
             return False
         for store in self.stores:
-            if "sliding_window" in store:
+            if not store.keys().isdisjoint(_READ_ATTRIBUTES):
                 return False
         return True
 

@@ -424,6 +424,13 @@ _READ_ATTRIBUTES = ("training", "is_causal", "config", "layer_idx", "sliding_win
 _MISSINGS = (_MISSING,) * len(_READ_ATTRIBUTES)
 
 
+def _forget_reads(key: int, ref) -> None:
+    """A layer died: its kept reads go (unless another layer's replaced them)."""
+    reads = _LAYER_READS.get(key)
+    if reads is not None and reads.module is ref:
+        del _LAYER_READS[key]
+
+
 class _LayerReads:
     """What the hook read of a layer, its config and its arguments for a call
     without a mask, and what that decided (``dropout_p``, ``causal``,
@@ -459,7 +466,10 @@ class _LayerReads:
         if md is None or md.get("config", _MISSING) is not config or not type(module).__weakrefoffset__:
             return  # no instance dict, a config found elsewhere, or no weak reference (a SimpleNamespace)
         r = cls()
-        r.module = weakref.ref(module)
+        key = id(module)
+        # The entry goes when the layer does: it holds the layer's parameter
+        # dicts (``stores``), which must not keep its weights alive.
+        r.module = weakref.ref(module, lambda ref: _forget_reads(key, ref))
         r.args = (dropout, scaling, is_causal)
         r.kw = tuple(kwargs.get(name, _MISSING) for name in _READ_KWARGS)
         r.module_values = tuple(md.get(name, _MISSING) for name in _READ_ATTRIBUTES)
@@ -481,7 +491,7 @@ class _LayerReads:
         r.dropout_p, r.causal, r.window_left = dropout_p, causal, window_left
         if len(_LAYER_READS) >= _LAYER_READS_SIZE:
             _LAYER_READS.clear()
-        _LAYER_READS[id(module)] = r
+        _LAYER_READS[key] = r
 
     def hold(self, module, dropout, scaling, is_causal, kwargs) -> bool:
         """Whether the reads kept are still what the full path would read."""

@@ -642,3 +642,20 @@ def test_generation_with_kept_layer_reads_is_the_full_paths(monkeypatch, name):
                               return_dict_in_generate=True)
     assert torch.equal(kept.sequences, full.sequences)
     assert all(torch.equal(a, b) for a, b in zip(kept.logits, full.logits))
+
+
+def test_kept_layer_reads_go_with_their_layer():
+    """A layer's kept reads hold its parameter dicts: they must go when the
+    layer does, or a deleted model's weights would stay in memory."""
+    import gc
+    import weakref
+
+    model = _build(_llama)
+    layer = model.model.layers[0].self_attn
+    _full_path(layer, _decode_tensors(layer), dropout=0.0, scaling=layer.scaling)
+    key, weight = id(layer), weakref.ref(layer.q_proj.weight)
+    assert key in ffhf._LAYER_READS
+    del model, layer
+    gc.collect()
+    assert key not in ffhf._LAYER_READS
+    assert weight() is None

@@ -420,8 +420,20 @@ _LAYER_READS: dict = {}
 _LAYER_READS_SIZE = 1024
 # The names the hook reads of a layer's kwargs, and of the layer (``hold``).
 _READ_KWARGS = ("output_attentions", "sliding_window", "softcap", "s_aux", "sinks")
-_READ_ATTRIBUTES = ("training", "is_causal", "config", "layer_idx", "sliding_window")
+_READ_ATTRIBUTES = ("training", "is_causal", "config", "layer_idx", "sliding_window")  # "config" third
 _MISSINGS = (_MISSING,) * len(_READ_ATTRIBUTES)
+
+
+_object_getattr = object.__getattribute__
+
+
+def _instance_dict(obj):
+    """``obj.__dict__`` without its class's ``__getattribute__`` (a
+    transformers config's is Python); None when it has none."""
+    try:
+        return _object_getattr(obj, "__dict__")
+    except AttributeError:
+        return None
 
 
 def _forget_reads(key: int, ref) -> None:
@@ -475,7 +487,7 @@ class _LayerReads:
         r.module_values = tuple(md.get(name, _MISSING) for name in _READ_ATTRIBUTES)
         r.config_dict = r.config_keys = r.config_values = r.layer_types = r.layer_types_entries = None
         if config is not None:
-            cd = getattr(config, "__dict__", None)
+            cd = _instance_dict(config)
             if cd is None:
                 return
             r.config_dict, r.config_keys, r.config_values = cd, tuple(cd), tuple(cd.values())
@@ -510,7 +522,9 @@ class _LayerReads:
         if not all(map(operator.is_, map(md.get, _READ_ATTRIBUTES, _MISSINGS), self.module_values)):
             return False
         cd = self.config_dict
-        if cd is not None and (len(cd) != len(self.config_keys) or not all(map(operator.is_, cd, self.config_keys))
+        if cd is not None and (_object_getattr(self.module_values[2], "__dict__") is not cd
+                               or len(cd) != len(self.config_keys)
+                               or not all(map(operator.is_, cd, self.config_keys))
                                or not all(map(operator.is_, cd.values(), self.config_values))):
             return False
         types = self.layer_types

@@ -501,3 +501,51 @@ def test_gpu_decode_lane_step_on_a_growing_cache_is_bitwise_the_op():
             want = ref.reference_attention(q.double(), k.double(), v.double(), window_right=0, bottom_right=True)
             torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     assert len({S for S, _ in seen}) >= 3 and len(seen) >= 6, seen
+
+
+_STEP_ON_THE_CUDA_PATH = r'''
+import os, sys
+os.environ.update(FLASHFUSE_AUTOTUNE="0", TRITON_INTERPRET="0", FLASHFUSE_DECODE="1")
+sys.path.insert(0, sys.argv[1])
+import torch
+import host_path_cpu
+import flashfuse
+from flashfuse import config
+from flashfuse.kernels import decode
+
+host_path_cpu.force_cuda_path_on_cpu()  # CUDA's plans (buckets) on CPU tensors, launches stubbed
+kw = dict(is_causal=True, alignment="bottom_right", enable_gqa=True)
+Hq, Hkv, D, top = 32, 8, 128, 70000
+q = torch.randn(1, Hq, 1, D, dtype=torch.bfloat16)
+buf = torch.empty(2, Hkv * top * D, dtype=torch.bfloat16)
+seen = set()
+for M in [600, 601, 602, *range(603, 5000, 37), *range(5000, top, 2111)]:
+    k, v = (buf[i, :Hkv * M * D].view(1, Hkv, M, D) for i in (0, 1))
+    flashfuse.attention(q, k, v, **kw)
+    if M == 600:  # the op's call, which makes the lane
+        continue
+    (step,) = decode._LANE_STEPS.values()
+    own = decode._cached_call(q, k, v, None, None, None, None, 0, True, "bhsd", None, config.decode_knobs())
+    got = (step.call.plan, step.call.L, step.call.ints, step.call.windows, step.call.fuse)
+    assert got == (own.plan, own.L, own.ints, own.windows, own.fuse), M
+    seen.add((own.L.S, id(own.L)))
+print(len({S for S, _ in seen}), len(seen))
+'''
+
+
+def test_decode_lane_step_on_the_cuda_path_builds_the_calls_decode_forward_keeps():
+    """The step's split counts and buckets (which the interpreter's plans do
+    not have) on CUDA's launch path, run on CPU tensors with the launches
+    stubbed (``bench/host_path_cpu.py``, in a subprocess: it patches
+    torch.cuda): a cache grown from 600 to 70k keys, each call the one
+    ``decode_forward``'s own key keeps."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _STEP_ON_THE_CUDA_PATH, os.path.join(root, "bench")], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    splits, launches = map(int, done.stdout.split()[-2:])
+    assert splits >= 10 and launches > splits, done.stdout

@@ -334,7 +334,8 @@ def run_binary(binary, tail, grid3, args, stream) -> None:
     # Every parameter in order, constexprs included: Triton's launcher
     # takes the bound arguments as they are and skips the constexprs.
     enter, leave = _launch_hooks()
-    metadata = binary.launch_metadata(grid3, stream, *args, *tail) if enter is not None else None
+    metadata = (binary.launch_metadata(grid3, stream, *args, *tail)
+                if enter is not None or leave is not None else None)
     binary.run(grid3[0], grid3[1], grid3[2], stream, binary.function, binary.packed_metadata, metadata, enter, leave,
                *args, *tail)
 
@@ -587,11 +588,25 @@ def _current_stream():
 
 
 def _launch_hooks():
-    """Triton's global launch hooks (profilers set them), or (None, None)."""
+    """Triton's global launch hooks (profilers set them), each None when
+    there is none to call.
+
+    Triton 3.5+ keeps each as a chain of hooks that is never None: passed
+    as it is, an empty chain costs every launch three Python calls for
+    nothing (the binary's ``launch_metadata``, then the launcher calls
+    each chain), per decode call and per kernel of a step. An empty chain
+    calls nothing, so it is passed as None: the launcher then skips it, and
+    ``run_binary`` the metadata, which only hooks read."""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:
         return None, None
-    return runtime.launch_enter_hook, runtime.launch_exit_hook
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # A chain's hooks are its ``calls``; a plain hook (older Tritons) has none.
+    if enter is not None and not getattr(enter, "calls", True):
+        enter = None
+    if leave is not None and not getattr(leave, "calls", True):
+        leave = None
+    return enter, leave
 
 
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1

@@ -363,3 +363,43 @@ def test_symbolic_sizes_are_hinted_without_a_guard_and_head_dims_specialised():
     assert not env.guards, "hints take no guard"
     assert launch.static_int(d) == 80 and len(env.guards) == 1, "a head dim is specialised with a guard"
     assert hash((launch.static_int(d), "key")) is not None  # the launchers' keys hold it
+
+
+def test_empty_launch_hook_chains_are_passed_as_none(monkeypatch):
+    """Triton keeps its launch hooks in chains that are never None; an empty
+    chain calls nothing, so a direct launch passes None and builds no
+    launch metadata, and a chain with a hook is passed with the metadata."""
+    import triton
+
+    from flashfuse.kernels import launch
+
+    runtime = triton.knobs.runtime
+    HookChain = getattr(triton.knobs, "HookChain", None)
+    if HookChain is None:
+        pytest.skip("this Triton has no hook chains")
+    monkeypatch.setattr(runtime, "launch_enter_hook", HookChain())
+    monkeypatch.setattr(runtime, "launch_exit_hook", HookChain(reversed=True))
+    assert launch._launch_hooks() == (None, None)
+
+    class Binary:
+        function, packed_metadata = 7, 8
+
+        def __init__(self):
+            self.metadata_calls, self.runs = 0, []
+
+        def launch_metadata(self, grid, stream, *args):
+            self.metadata_calls += 1
+            return {"grid": grid}
+
+        def run(self, gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
+            self.runs.append((metadata, enter, leave, args))
+
+    binary = Binary()
+    launch.run_binary(binary, (5,), (1, 2, 3), (4,), 0)
+    assert binary.metadata_calls == 0 and binary.runs[-1] == (None, None, None, (4, 5))
+    seen = []
+    runtime.launch_exit_hook.add(seen.append)
+    launch.run_binary(binary, (5,), (1, 2, 3), (4,), 0)
+    metadata, enter, leave, _ = binary.runs[-1]
+    assert binary.metadata_calls == 1 and metadata == {"grid": (1, 2, 3)}
+    assert enter is None and leave is runtime.launch_exit_hook

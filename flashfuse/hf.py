@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -343,27 +344,53 @@ def flashfuse_attention_forward(
     """
     # Read once: the helpers below take them (this runs per layer per token).
     compiling = torch.compiler.is_compiling()
+    reads = None
     if attention_mask is None and position_bias is None and not compiling:
         reads = _LAYER_READS.get(id(module))
-        if reads is not None and reads.hold(module, dropout, scaling, is_causal, kwargs):
-            # What this layer's reads decided last time, still true (see
-            # _LayerReads); the tensors are checked as below.
-            _check_shapes(query, key, value)
-            qs, ks = query.shape, key.shape
-            if qs[0] != ks[0] and qs[0] == 1:
-                query = query.expand(ks[0], *qs[1:])
-            out = _attention_op(query, key, value, None, reads.dropout_p, reads.causal, scaling, qs[1] != ks[1],
-                                window_left=reads.window_left, alignment="bottom_right")
-            return out.transpose(1, 2).contiguous(), None
-    config = getattr(module, "config", None)
-    _check_supported(module, query, key, value, kwargs, config, compiling)
+        if reads is not None and not reads.hold(module, dropout, scaling, is_causal, kwargs):
+            reads = None
+    if reads is None:
+        config = getattr(module, "config", None)
+        _check_supported(module, query, key, value, kwargs, config, compiling)
+    else:  # the layer's reads are what they were: so is what they decided
+        _check_shapes(query, key, value)
 
     qs, ks = query.shape, key.shape  # read once: this runs per layer per token
     if qs[0] != ks[0] and qs[0] == 1:
         # Learned queries shared across the batch (SDPA broadcasts them).
         query = query.expand(ks[0], *qs[1:])
 
-    kv_length = ks[2]
+    if reads is None:
+        decision = _decide(module, query, key, value, attention_mask, dropout, is_causal, position_bias, kwargs,
+                           config, compiling)
+    else:
+        decision = reads.decision
+    out = _attention_op(query, key, value, decision.attention_mask, decision.dropout_p, decision.causal, scaling,
+                        qs[1] != ks[1], window_left=decision.window_left, alignment="bottom_right", **decision.extra)
+    if (reads is None and attention_mask is None and position_bias is None and not decision.extra
+            and not compiling):
+        _LayerReads.record(module, config, dropout, scaling, is_causal, kwargs, decision)
+    # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
+    # contiguous() is then free and gives callers the layout they expect.
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _Decision(NamedTuple):
+    """What the hook hands the op besides the tensors, the scale and the
+    grouped-heads flag (``_decide``)."""
+
+    attention_mask: Tensor | None
+    dropout_p: float
+    causal: bool
+    window_left: int | None
+    extra: dict  # the op's keywords that apply: block-mask tables, softcap, sinks
+
+
+def _decide(module, query, key, value, attention_mask, dropout, is_causal, position_bias, kwargs, config,
+            compiling: bool) -> _Decision:
+    """The op's mask, dropout, band and keywords from the layer, its config
+    and its arguments (the hook's reads; ``query`` already expanded)."""
+    kv_length = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_length:
         # Some callers hand over a mask sized for a longer cache; its first
         # kv_length columns are the keys, as in eager attention.
@@ -400,14 +427,7 @@ def flashfuse_attention_forward(
         extra["softcap"] = softcap
     if sinks is not None:
         extra["sinks"] = sinks
-
-    out = _attention_op(query, key, value, attention_mask, dropout_p, bool(causal), scaling, qs[1] != ks[1],
-                        window_left=window_left, alignment="bottom_right", **extra)
-    if attention_mask is None and position_bias is None and not extra and not compiling:
-        _LayerReads.record(module, config, dropout, scaling, is_causal, kwargs, dropout_p, bool(causal), window_left)
-    # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
-    # contiguous() is then free and gives callers the layout they expect.
-    return out.transpose(1, 2).contiguous(), None
+    return _Decision(attention_mask, dropout_p, bool(causal), window_left, extra)
 
 
 # --------------------------------------------------------------------------
@@ -420,7 +440,8 @@ _LAYER_READS: dict = {}
 _LAYER_READS_SIZE = 1024
 # The names the hook reads of a layer's kwargs, and of the layer (``hold``).
 _READ_KWARGS = ("output_attentions", "sliding_window", "softcap", "s_aux", "sinks")
-_READ_ATTRIBUTES = ("training", "is_causal", "config", "layer_idx", "sliding_window")  # "config" third
+_READ_ATTRIBUTES = ("training", "is_causal", "config", "layer_idx", "sliding_window")
+_CONFIG_AT = _READ_ATTRIBUTES.index("config")
 _MISSINGS = (_MISSING,) * len(_READ_ATTRIBUTES)
 
 
@@ -445,9 +466,9 @@ def _forget_reads(key: int, ref) -> None:
 
 class _LayerReads:
     """What the hook read of a layer, its config and its arguments for a call
-    without a mask, and what that decided (``dropout_p``, ``causal``,
-    ``window_left``), kept so that the layer's next such call skips the
-    reads when nothing they read has changed.
+    without a mask, and what that decided (``decision``), kept so that the
+    layer's next such call skips the reads when nothing they read has
+    changed.
 
     Why: inside ``generate()`` the hook's reads of the config (its
     ``output_attentions`` property, ``layer_types``, ``sliding_window``,
@@ -467,11 +488,10 @@ class _LayerReads:
     config's class changed between two calls."""
 
     __slots__ = ("module", "args", "kw", "module_values", "config_dict", "config_keys",
-                 "config_values", "layer_types", "layer_types_entries", "stores", "dropout_p", "causal",
-                 "window_left")
+                 "config_values", "layer_types", "layer_types_entries", "stores", "decision")
 
     @classmethod
-    def record(cls, module, config, dropout, scaling, is_causal, kwargs, dropout_p, causal, window_left) -> None:
+    def record(cls, module, config, dropout, scaling, is_causal, kwargs, decision: _Decision) -> None:
         """Keep the reads of a call that took the full path (mask, bias,
         soft-capping and sinks all absent), where they can be compared."""
         md = getattr(module, "__dict__", None)
@@ -500,7 +520,7 @@ class _LayerReads:
                          if isinstance(md.get(name), dict))
         if any(name in store for store in r.stores for name in _READ_ATTRIBUTES):
             return  # a parameter, buffer or submodule of a name read: leave it to the full path
-        r.dropout_p, r.causal, r.window_left = dropout_p, causal, window_left
+        r.decision = decision
         if len(_LAYER_READS) >= _LAYER_READS_SIZE:
             _LAYER_READS.clear()
         _LAYER_READS[key] = r
@@ -522,7 +542,7 @@ class _LayerReads:
         if not all(map(operator.is_, map(md.get, _READ_ATTRIBUTES, _MISSINGS), self.module_values)):
             return False
         cd = self.config_dict
-        if cd is not None and (_object_getattr(self.module_values[2], "__dict__") is not cd
+        if cd is not None and (_object_getattr(self.module_values[_CONFIG_AT], "__dict__") is not cd
                                or len(cd) != len(self.config_keys)
                                or not all(map(operator.is_, cd, self.config_keys))
                                or not all(map(operator.is_, cd.values(), self.config_values))):

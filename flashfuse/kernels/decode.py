@@ -564,7 +564,6 @@ def forget_plans() -> None:
     _CALLS.clear()
     _GROWN.clear()
     _LANE_GROWN.clear()
-    _LANE_LENGTH.clear()
     _LANE_STEPS.clear()
 
 
@@ -873,13 +872,13 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
                 return _run(step.call, q, k, v, None, None, None, scale, True, False)[0]
             if step.kv == kv or step.fp == _fingerprint(kv):
                 return _step_forward(step, q, k, v, m, kv, scale, window_left, window_right)
+        # A length other than the lane's last one is a dynamic cache's next
+        # token: no exact key of it is kept, so its lane's grown plan is
+        # tried first (a fixed cache repeats its length, its exact key).
+        grown_first = step is not None and step.m != m
     else:
         kv = fixed = None
-    # A length other than the lane's last one is a dynamic cache's next
-    # token: no exact key of it is kept, so its lane's grown plan is tried
-    # first (a fixed cache repeats its length and finds its exact key).
-    grown_first = attn_mask is None and _LANE_LENGTH.get(token, m) != m
-    _keep(_LANE_LENGTH, token, m)
+        grown_first = False
     key = (token, q_strides, ks, k_strides, vs, v_strides, *aligned,
            None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.data_ptr() & 15),
            knobs, precision)
@@ -913,9 +912,6 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
 # finds one takes that plan's call directly (``_finish_grown``), and is not
 # kept: its length will not recur.
 _LANE_GROWN: dict = {}
-# Each lane's last key length (``lane_forward``: a new one tries the grown
-# plan before the exact key, which a dynamic cache never repeats).
-_LANE_LENGTH: dict = {}
 
 
 class _LaneStep:

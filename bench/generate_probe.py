@@ -27,6 +27,7 @@ graphs, CUDA graphs or allocator state weigh on the other's, and reports:
     python bench/generate_probe.py --cache static --impl both --batch 1 --prompt 512 --new 64
     python bench/generate_probe.py --cache static --impl ffuse --batch 1 --prompt 512 --new 64 --no-kept-buffers
     python bench/generate_probe.py --cache dynamic --impl both --batch 1 --prompt 512 --host-split
+    python bench/generate_probe.py --cache dynamic --impl both --batch 1 --prompt 512 --host-split --host-parts
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def parse_args():
     p.add_argument("--host-split", action="store_true",
                    help="after the timed calls, one more per implementation with the host's time per token split "
                         "into the attention function, the mask function and the rest (no synchronisation)")
+    p.add_argument("--host-parts", action="store_true",
+                   help="with --host-split: one more generate() per implementation with the attention function's "
+                        "parts timed as well (flashfuse: the op's fast path, the decode lane, the kernels' run, "
+                        "the launches; SDPA: the torch function)")
     return p.parse_args()
 
 
@@ -77,12 +82,15 @@ def _token_times(model, impl: str, ids, new: int, cache: str) -> list[float]:
     return [statistics.median(d[i:i + 32]) for i in range(0, len(d), 32)]
 
 
-def host_split(model, impl: str, ids, new: int, cache: str) -> dict:
+def host_split(model, impl: str, ids, new: int, cache: str, parts: tuple = ()) -> dict:
     """One ``generate()`` of ``new`` tokens with ``impl``'s attention and mask
     functions timed on the host (no synchronisation anywhere but where the
     model's own code waits): microseconds per decoding token in all, inside
     the attention function and inside the mask function, and the attention
-    calls per token. The prefill (the first token) is left out."""
+    calls per token. The prefill (the first token) is left out. ``parts``:
+    more ``common.HostClock`` objects, whose microseconds per attention
+    call come back as ``parts_us_per_call``, and their calls per attention
+    call as ``parts_calls_per_call``."""
     from transformers import AttentionInterface, AttentionMaskInterface, LogitsProcessor, LogitsProcessorList
 
     import flashfuse.hf
@@ -94,7 +102,8 @@ def host_split(model, impl: str, ids, new: int, cache: str) -> dict:
 
     class Mark(LogitsProcessor):  # after each token's forward, before the next
         def __call__(self, input_ids, scores):
-            marks.append((time.perf_counter(), attention.seconds, attention.calls, mask.seconds))
+            marks.append((time.perf_counter(), attention.seconds, attention.calls, mask.seconds,
+                          [(p.seconds, p.calls) for p in parts]))
             return scores
 
     AttentionInterface.register(name, attention)
@@ -104,11 +113,52 @@ def host_split(model, impl: str, ids, new: int, cache: str) -> dict:
     finally:
         AttentionInterface.register(name, originals[0])
         AttentionMaskInterface.register(name, originals[1])
-    (t0, a0, c0, m0), (t1, a1, c1, m1) = marks[0], marks[-1]
-    tokens = len(marks) - 1
-    return {"token_us": (t1 - t0) / tokens * 1e6, "attention_us_per_call": (a1 - a0) / max(c1 - c0, 1) * 1e6,
+    (t0, a0, c0, m0, p0), (t1, a1, c1, m1, p1) = marks[0], marks[-1]
+    tokens, calls = len(marks) - 1, max(c1 - c0, 1)
+    return {"token_us": (t1 - t0) / tokens * 1e6, "attention_us_per_call": (a1 - a0) / calls * 1e6,
             "attention_calls_per_token": (c1 - c0) / tokens, "attention_us": (a1 - a0) / tokens * 1e6,
-            "mask_us": (m1 - m0) / tokens * 1e6}
+            "mask_us": (m1 - m0) / tokens * 1e6,
+            "parts_us_per_call": [(b[0] - a[0]) / calls * 1e6 for a, b in zip(p0, p1)],
+            "parts_calls_per_call": [(b[1] - a[1]) / calls for a, b in zip(p0, p1)]}
+
+
+# The parts of each implementation's attention function timed by
+# ``--host-parts``, outermost first: (label, module, attribute); a part the
+# code has not is left out. Each runs inside the ones before it (the two
+# fast-path entries are alternatives: the hook takes the second with a
+# layer's kept reads); every clock adds its own frame and two clock reads
+# (about 0.5 us) to the parts around it.
+HOST_PARTS = {
+    "ffuse": (("fast path (attention_op)", "flashfuse.hf", "_attention_op"),
+              ("fast path (not compiling)", "flashfuse.hf", "_attention_op_not_compiling"),
+              ("decode lane (lane_forward)", "flashfuse.kernels.decode", "lane_forward"),
+              ("outputs and launches (_run)", "flashfuse.kernels.decode", "_run"),
+              ("one launch (run_binary)", "flashfuse.kernels.decode", "run_binary")),
+    "sdpa": (("torch's SDPA", "torch.nn.functional", "scaled_dot_product_attention"),),
+}
+
+
+def host_parts(model, impl: str, ids, new: int, cache: str) -> list[tuple[str, float, float]]:
+    """``host_split``'s generate() with the parts of ``impl``'s attention
+    function (``HOST_PARTS``) timed too: (part, us per attention call, calls
+    per attention call), the attention function itself first."""
+    import importlib
+
+    patched = []
+    try:
+        for label, module, attr in HOST_PARTS[impl]:
+            mod = importlib.import_module(module)
+            original = getattr(mod, attr, None)
+            if original is None:  # this code has no such part
+                continue
+            setattr(mod, attr, common.HostClock(original))
+            patched.append((label, mod, attr, original))
+        h = host_split(model, impl, ids, new, cache, parts=tuple(getattr(mod, attr) for _, mod, attr, _ in patched))
+    finally:
+        for _, mod, attr, original in patched:
+            setattr(mod, attr, original)
+    return [("attention function", h["attention_us_per_call"], 1.0)] + [
+        (label, us, n) for (label, *_), us, n in zip(patched, h["parts_us_per_call"], h["parts_calls_per_call"])]
 
 
 def _print_host_split(impl: str, h: dict) -> None:
@@ -168,6 +218,12 @@ def main():
     if args.host_split and args.cache == "dynamic":
         for impl in impls:
             _print_host_split(impl, host_split(model, impl, ids, args.new, args.cache))
+        if args.host_parts:
+            for impl in impls:
+                print(f"{impl:5s} host time by part, us per attention call (each part inside the one above):",
+                      flush=True)
+                for label, us, n in host_parts(model, impl, ids, args.new, args.cache):
+                    print(f"      {label:30s} {us:7.1f}  ({n:.2f} calls)", flush=True)
     if args.cache == "static":
         print(f"{_cudagraph_tree()}; CUDA graphs skipped: {counters['inductor'].get('cudagraph_skips', 0)}",
               flush=True)

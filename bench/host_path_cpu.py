@@ -93,7 +93,8 @@ def force_cuda_path_on_cpu():
     backward._max_shared_mem = lambda device: 227 * 1024
     torch.cuda.device = lambda device: contextlib.nullcontext()
     torch.cuda.is_current_stream_capturing = lambda: False
-    decode._CUDA_CAPTURING = decode._CUDA_DEVICE = None  # the two above, not their C functions
+    # the two above and the stub driver's stream, not their C functions
+    decode._CUDA_CAPTURING = decode._CUDA_DEVICE = decode._CUDA_STREAM = None
     launch._capability = lambda index: (9, 0)  # a Hopper GPU
 
 

@@ -64,9 +64,9 @@ from torch import Tensor
 
 from . import config, ops
 
-__all__ = ["attention_op", "may_skip_dispatch", "forget_signatures", "decode_lane_off"]
+__all__ = ["attention_op", "attention_op_not_compiling", "may_skip_dispatch", "forget_signatures",
+           "decode_lane_off"]
 
-_PLAIN = (Tensor, torch.nn.Parameter)
 # Signatures that passed the op's checks (``_signature``) -> their
 # ``_DecodeLane``, or None (not a decode call); cleared when full. One dict,
 # so that a call hashes its signature once.
@@ -185,37 +185,82 @@ def attention_op(
     """``torch.ops.flashfuse.attention`` with the same arguments and
     results, minus the dispatcher and the checks for a plain eager call
     whose signature passed them before (see the module docstring)."""
-    sig = None
     if may_skip_dispatch(query, key, value, attn_mask, sinks, mask_key_table, mask_query_table):
-        sig = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
-                         window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
-        lane = _LANES.get(sig, _UNSEEN)
-        if lane is not _UNSEEN:
-            HITS[0] += 1
-            if lane is not None:
-                # ``decode_forward``'s output when this call takes the decode
-                # kernels; what is asked is what ``run_checked`` would ask.
-                # (Inline, not a helper: this runs per layer per token.)
-                M = key.shape[2]
-                mode, knobs = config.decode_settings()
-                if (mode != "0" and M != 0 and (mode == "1" or _decode.size_refusal(lane.N, lane.G, M) is None)
-                        and (lane.on_cuda or ops._use_triton(query))):
-                    LANE_HITS[0] += 1
-                    return _decode.lane_forward(lane.token, query, key, value, attn_mask, lane.scale,
-                                                lane.window_left, lane.window_right, lane.bottom_right, knobs)
-            return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
-                                   window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
-                                   sinks, plain=True)
+        return _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
+                           window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+    return torch.ops.flashfuse.attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
+        window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
+        mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
+
+
+def attention_op_not_compiling(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_left: int | None = None,
+    alignment: str = "top_left",
+) -> Tensor:
+    """:func:`attention_op` (without the block-mask tables, soft-capping,
+    sinks, a right window or a mask fill) for a caller that has just read
+    ``torch.compiler.is_compiling()`` as False: the Hugging Face hook's
+    decode calls (``flashfuse.hf``). ``may_skip_dispatch`` less that read,
+    inline: four Python calls fewer per layer per token."""
+    if ((type(query) is Tensor or type(query) is _PARAMETER) and (type(key) is Tensor or type(key) is _PARAMETER)
+            and (type(value) is Tensor or type(value) is _PARAMETER)
+            and (attn_mask is None or type(attn_mask) is Tensor or type(attn_mask) is _PARAMETER)
+            and _C._len_torch_dispatch_stack() == 0 and _C._functorch.peek_interpreter_stack() is None
+            and _C._get_tracing_state() is None and not _C._is_torch_function_mode_enabled()
+            and not torch.autograd.profiler._is_profiler_enabled):
+        return _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left, None,
+                           alignment, None, None, None, None, None)
+    return attention_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        window_left=window_left, alignment=alignment)
+
+
+_C = torch._C
+_PARAMETER = torch.nn.Parameter
+
+
+def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left, window_right,
+                alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks) -> Tensor:
+    """A plain eager call (``may_skip_dispatch``): its decode lane or
+    ``run_checked`` when its signature passed before, else the op, whose
+    signature is then remembered."""
+    sig = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
+                     window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+    lane = _LANES.get(sig, _UNSEEN)
+    if lane is not _UNSEEN:
+        HITS[0] += 1
+        if lane is not None:
+            # ``decode_forward``'s output when this call takes the decode
+            # kernels; what is asked is what ``run_checked`` would ask.
+            # (Inline, not a helper: this runs per layer per token.)
+            M = key.shape[2]
+            mode, knobs = config.decode_settings()
+            if (mode != "0" and M != 0 and (mode == "1" or _decode.size_refusal(lane.N, lane.G, M) is None)
+                    and (lane.on_cuda or ops._use_triton(query))):
+                LANE_HITS[0] += 1
+                return _decode.lane_forward(lane.token, query, key, value, attn_mask, lane.scale,
+                                            lane.window_left, lane.window_right, lane.bottom_right, knobs)
+        return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
+                               window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
+                               sinks, plain=True)
     out = torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
         window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
         mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
-    if sig is not None:
-        # Reached only when the op's checks passed (a bad input raised above).
-        if len(_LANES) >= _MAX_SIGNATURES:
-            _LANES.clear()
-        _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
-                                   window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+    # Reached only when the op's checks passed (a bad input raised above).
+    if len(_LANES) >= _MAX_SIGNATURES:
+        _LANES.clear()
+    _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
+                               window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
     return out
 
 

@@ -74,9 +74,11 @@ __all__ = [
 #: "flash" (see the module docstring).
 ATTN_IMPLEMENTATION = "ffuse"
 
-# The op (through its eager fast path, ``flashfuse.fastpath``); a module
-# attribute so tests can wrap it to observe calls.
+# The op (through its eager fast path, ``flashfuse.fastpath``), and the same
+# for a call the hook knows is not compiled; module attributes so tests can
+# wrap them to observe calls.
 _attention_op = _fastpath.attention_op
+_attention_op_not_compiling = _fastpath.attention_op_not_compiling
 
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = _ops.MIN_HEAD_DIM, _ops.MAX_HEAD_DIM
 
@@ -363,10 +365,14 @@ def flashfuse_attention_forward(
     if reads is None:
         decision = _decide(module, query, key, value, attention_mask, dropout, is_causal, position_bias, kwargs,
                            config, compiling)
-    else:
+        out = _attention_op(query, key, value, decision.attention_mask, decision.dropout_p, decision.causal, scaling,
+                            qs[1] != ks[1], window_left=decision.window_left, alignment="bottom_right",
+                            **decision.extra)
+    else:  # not compiling, and no keywords (``_LayerReads.record``)
         decision = reads.decision
-    out = _attention_op(query, key, value, decision.attention_mask, decision.dropout_p, decision.causal, scaling,
-                        qs[1] != ks[1], window_left=decision.window_left, alignment="bottom_right", **decision.extra)
+        out = _attention_op_not_compiling(query, key, value, decision.attention_mask, decision.dropout_p,
+                                          decision.causal, scaling, qs[1] != ks[1], window_left=decision.window_left,
+                                          alignment="bottom_right")
     if (reads is None and attention_mask is None and position_bias is None and not decision.extra
             and not compiling):
         _LayerReads.record(module, config, dropout, scaling, is_causal, kwargs, decision)

@@ -4,6 +4,7 @@ dispatcher and the checks. It must give bitwise the op's results, raise the
 op's errors for every bad input, never reuse a signature whose keyed
 properties changed, and leave tracing to the op."""
 
+import contextlib
 import math
 
 import pytest
@@ -238,6 +239,59 @@ def test_profiled_calls_take_the_op():
     assert any(e.name == "flashfuse::attention" for e in prof.events())
     flashfuse.attention(q, k, v, **DECODE)
     assert _hits() == before + 1
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _context(name, q, k, v):
+    """Where the fast path must or may run, and the tensors to pass there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    if name == "plain":
+        return contextlib.nullcontext(), (q, k, v)
+    if name == "parameter":
+        return contextlib.nullcontext(), (torch.nn.Parameter(q, requires_grad=False), k, v)
+    if name == "subclass":
+        return contextlib.nullcontext(), (q.as_subclass(_Sub), k, v)
+    if name == "fake":
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        return mode, tuple(mode.from_tensor(t) for t in (q, k, v))
+    if name == "torch function mode":
+        class Passing(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        return Passing(), (q, k, v)
+    if name == "profiler":
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]), (q, k, v)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["plain", "parameter", "subclass", "fake", "torch function mode", "profiler"])
+def test_not_compiling_entry_takes_the_fast_path_where_attention_op_does(name):
+    """``attention_op_not_compiling`` (the Hugging Face hook's entry for a
+    call it knows is not compiled) is ``attention_op`` less its
+    ``is_compiling`` read: the same results, and the fast path (a hit)
+    exactly where ``attention_op`` takes it."""
+    q, k, v = _qkv()
+    kw = dict(window_left=None, alignment="bottom_right")
+    hits = {}
+    for fn in (fastpath.attention_op, fastpath.attention_op_not_compiling):
+        fastpath.forget_signatures()
+        ctx, (a, b, c) = _context(name, q, k, v)
+        with ctx:
+            first = fn(a, b, c, None, 0.0, True, None, True, **kw)  # remembers a plain call's signature
+            before = _hits()
+            got = fn(a, b, c, None, 0.0, True, None, True, **kw)
+            hits[fn] = _hits() - before
+        if name != "fake":
+            want = OP(q, k, v, None, 0.0, True, None, True, alignment="bottom_right")
+            assert torch.equal(first, want) and torch.equal(got, want)
+    assert hits[fastpath.attention_op] == hits[fastpath.attention_op_not_compiling]
+    assert hits[fastpath.attention_op] == (1 if name in ("plain", "parameter") else 0)
 
 
 def test_config_reads_follow_the_environment(monkeypatch):

@@ -52,6 +52,17 @@ def op_calls(monkeypatch):
         return real(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, **kw)
 
     monkeypatch.setattr(ffhf, "_attention_op", spy)
+
+    real_not_compiling = ffhf._attention_op_not_compiling
+
+    def spy_not_compiling(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, **kw):
+        calls.append(
+            dict(q=q.shape, k=k.shape, mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                 enable_gqa=enable_gqa, **kw)
+        )
+        return real_not_compiling(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, **kw)
+
+    monkeypatch.setattr(ffhf, "_attention_op_not_compiling", spy_not_compiling)
     return calls
 
 

@@ -58,7 +58,8 @@ from .. import config
 from .forward import _LOG2E, _dot
 from .launch import (
     _DRY_RUN, ConfigLauncher, _autotune_enabled, _bucket, _device_stream, _dot_precision, _fingerprint,
-    _interpreting, bool_mask_as_bytes, cdiv, clamp_window, device_shared_mem, hint, next_pow2, run_binary, static_int,
+    _interpreting, _launch_hooks, bool_mask_as_bytes, cdiv, clamp_window, device_shared_mem, hint, next_pow2, run_binary,
+    static_int,
 )
 from .launch import multiprocessors as _sm_count
 
@@ -585,7 +586,7 @@ class _Launches:
     keys and, once known, the binaries (``ConfigLauncher.binary``)."""
 
     __slots__ = ("S", "direct", "fusable", "grid", "comb_grid", "part_numel", "counters", "meta", "launch_meta",
-                 "fused_meta", "comb_meta", "key", "comb_key", "bounds_key", "binaries")
+                 "fused_meta", "comb_meta", "key", "comb_key", "bounds_key", "binaries", "c_launch")
 
 
 def _mask_strides(mask: torch.Tensor) -> tuple:
@@ -687,6 +688,7 @@ def _make_launches(p: _Plan, S: int, bucket: int, q) -> _Launches:
     L.comb_key = (q.device, tuple(L.comb_meta.items()))
     L.bounds_key = (q.device, tuple(p.bounds_meta.items())) if p.meta["HAS_MASK"] else None
     L.binaries = [None] * 4  # indexed by _SPLIT, _COMBINE, _BOUNDS, _FUSED_SPLIT
+    L.c_launch = False  # whether a binary kept has a C launch (``_launch``)
     return L
 
 
@@ -726,18 +728,26 @@ def split_candidates(configs):
 _SPLIT, _COMBINE, _BOUNDS, _FUSED_SPLIT = range(4)
 
 
-def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream, cache: bool) -> None:
+def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream, cache: bool,
+            pointers: tuple | None = None) -> None:
     """Launch kernel ``i`` of ``L``: its binary directly once known, else
     through its launcher (which chooses the config and compiles), then ask
-    the launcher for the binary."""
-    binary = L.binaries[i]
-    if binary is not None:
-        run_binary(binary[0], binary[1], grid, args, stream)
+    the launcher for the binary. ``pointers``: ``args`` with every tensor
+    as its address, for the binary's C launch when no launch hook is set
+    (``_allocate_and_launch``)."""
+    kept = L.binaries[i]
+    if kept is not None:
+        if pointers is not None and kept.c_launch is not None:
+            kept.c_launch(grid[0], grid[1], grid[2], stream, *kept.c_head, *pointers, *kept.tail)
+        else:
+            run_binary(kept, grid, args, stream)
         return
     cands = (lambda: _split_configs(meta["HAS_MASK"])) if launcher is _split_launcher else _one_config
     launcher(key, cands, lambda m: grid, *args, tune=tune, **meta)
     if cache:
-        L.binaries[i] = launcher.binary(key, args, meta, tune)
+        kept = L.binaries[i] = launcher.binary(key, args, meta, tune)
+        if kept is not None and kept.c_launch is not None:
+            L.c_launch = True
 
 
 def decode_forward(
@@ -1174,20 +1184,23 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
         # The current device read once: the stream Triton's own launch would
         # take (``launch._current_stream``), without reading it again.
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
-                                    eager, _device_stream(current))
+                                    eager, _CUDA_STREAM(current) if _CUDA_STREAM is not None else
+                                    _device_stream(current))
     with torch.cuda.device(q.device):
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
                                     eager, _device_stream(index))
 
 
-# The C functions behind ``torch.cuda.is_current_stream_capturing()`` and
+# The C functions behind ``torch.cuda.is_current_stream_capturing()``,
 # ``torch.cuda.current_device()`` (which first makes sure CUDA is
-# initialised: it is, a call's tensors are on it), called directly where
-# this torch has them (a CPU build has dummies): a Python frame or two less
-# per decode call.
+# initialised: it is, a call's tensors are on it) and Triton's current raw
+# stream (its CUDA driver's ``get_current_stream`` is this function),
+# called directly where this torch has them (a CPU build has dummies): a
+# Python frame or two less each per decode call.
 _CUDA_BUILT = torch.backends.cuda.is_built()
 _CUDA_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if _CUDA_BUILT else None
 _CUDA_DEVICE = getattr(torch._C, "_cuda_getDevice", None) if _CUDA_BUILT else None
+_CUDA_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if _CUDA_BUILT else None
 
 
 def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool,
@@ -1237,7 +1250,9 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
             count = _workspace(dev, stream, "counters", L.counters, torch.int32, zeroed=True)
     else:
         count = lse
-    args = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count, *c.ints, float(scale) * _LOG2E, *c.windows)
+    tensors = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count)
+    scalars = (*c.ints, float(scale) * _LOG2E, *c.windows)
+    args = (*tensors, *scalars)
     # The combine kernel's arguments, when it runs.
     comb_args = None if L.direct or fused else (part, out, lse, *plan.sizes[:-1], L.S)
     if plan.interp:
@@ -1247,14 +1262,35 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
         if not L.direct and not fused:
             _decode_combine[L.comb_grid](*comb_args, **L.comb_meta)
     else:
+        # Kept binaries with a C launch (``launch.KeptBinary``) take the
+        # tensors as addresses: Triton's launcher would otherwise call each
+        # one's data_ptr() and ask the driver about the address, per launch.
+        # Only without launch hooks, which may read the tensors.
+        pointers = comb_pointers = bounds_pointers = None
+        if L.c_launch and _launch_hooks() == (None, None):
+            p = tuple(map(_DATA_PTR, tensors))
+            pointers = (*p, *scalars)
+            comb_pointers = None if comb_args is None else (p[7], p[8], p[9], *comb_args[3:])
+            bounds_pointers = None if attn_mask is None else (p[5], p[6], *bounds_args[2:])
         if attn_mask is not None:
             _launch(_BOUNDS, L, _bounds_launcher, L.bounds_key, (plan.chunks, B, 1), bounds_args, plan.bounds_meta,
-                    False, stream, cache)
+                    False, stream, cache, bounds_pointers)
         if fused:
-            _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream, cache)
+            kept = L.binaries[_FUSED_SPLIT]
+            if pointers is not None and kept is not None and kept.c_launch is not None:
+                # ``_launch``'s C launch, inline: the decode lane's one launch
+                g = L.grid
+                kept.c_launch(g[0], g[1], g[2], stream, *kept.c_head, *pointers, *kept.tail)
+            else:
+                _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream,
+                        cache, pointers)
         else:
-            _launch(_SPLIT, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache)
+            _launch(_SPLIT, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache,
+                    pointers)
             if not L.direct:
                 _launch(_COMBINE, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
-                        cache)
+                        cache, comb_pointers)
     return out, (lse if need_lse else None)
+
+
+_DATA_PTR = torch.Tensor.data_ptr

@@ -92,8 +92,8 @@ class ConfigLauncher:
             hook()
 
     def binary(self, key, args, kwargs, tune=False):
-        """``(binary, tail)`` this launcher launches for these arguments
-        under ``key`` (``run_binary`` takes them), or None while it has none
+        """The ``KeptBinary`` this launcher launches for these arguments
+        under ``key`` (``run_binary`` takes it), or None while it has none
         yet (the first launches of a key go through the chooser and Triton's
         own path). For callers that cache a launch whole: the same key and
         specialisation fingerprint then launch the same binary."""
@@ -264,10 +264,9 @@ class ConfigLauncher:
             if binary is not None and hasattr(binary, "packed_metadata"):
                 # Keyword arguments, then the config's meta-parameters: fixed by
                 # the fingerprint, so computed once per binary.
-                self._binaries[fp] = (binary, _param_tail(self._params, args, kwargs, cfg.kwargs))
+                self._binaries[fp] = KeptBinary(binary, _param_tail(self._params, args, kwargs, cfg.kwargs))
             return
-        binary, tail = cached
-        run_binary(binary, tail, _grid3(grid(cfg.kwargs)), args, _current_stream())
+        run_binary(cached, _grid3(grid(cfg.kwargs)), args, _current_stream())
 
 
 class DirectLaunch:
@@ -301,9 +300,9 @@ class DirectLaunch:
         if cached is None:
             binary = self.kernel[grid](*args, **meta)
             if binary is not None and hasattr(binary, "packed_metadata"):
-                self._binaries[key] = (binary, _param_tail(self._params, args, meta))
+                self._binaries[key] = KeptBinary(binary, _param_tail(self._params, args, meta))
             return
-        run_binary(cached[0], cached[1], _grid3(grid), args, _device_stream(device))
+        run_binary(cached, _grid3(grid), args, _device_stream(device))
 
 
 def _param_tail(params, args: tuple, *sources: dict) -> tuple:
@@ -328,16 +327,84 @@ def _grid3(grid: tuple) -> tuple[int, int, int]:
     return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
 
 
-def run_binary(binary, tail, grid3, args, stream) -> None:
-    """Launch a compiled binary on ``grid3`` (three ints) with the runtime
-    ``args``; ``tail`` the parameters after them (``ConfigLauncher.binary``)."""
+class KeptBinary:
+    """A compiled binary kept for direct launches (``run_binary``): the
+    binary, ``tail`` (the values of the parameters after the runtime
+    arguments: keywords, then the config's meta-parameters, fixed per
+    binary), and, where Triton's launcher allows it, its C launch and what
+    to pass it before the arguments (``c_launch``, ``c_head``; see
+    ``_c_launch_of``)."""
+
+    __slots__ = ("binary", "tail", "c_launch", "c_head")
+
+    def __init__(self, binary, tail: tuple):
+        self.binary, self.tail = binary, tail
+        self.c_launch, self.c_head = _c_launch_of(binary)
+
+
+def run_binary(kept: KeptBinary, grid3, args, stream) -> None:
+    """Launch a kept binary on ``grid3`` (three ints) with the runtime
+    ``args``."""
     # Every parameter in order, constexprs included: Triton's launcher
     # takes the bound arguments as they are and skips the constexprs.
     enter, leave = _launch_hooks()
-    metadata = (binary.launch_metadata(grid3, stream, *args, *tail)
-                if enter is not None or leave is not None else None)
+    if enter is None and leave is None:
+        if kept.c_launch is not None:
+            kept.c_launch(grid3[0], grid3[1], grid3[2], stream, *kept.c_head, *args, *kept.tail)
+            return
+        metadata = None
+    else:
+        metadata = kept.binary.launch_metadata(grid3, stream, *args, *kept.tail)
+    binary = kept.binary
     binary.run(grid3[0], grid3[1], grid3[2], stream, binary.function, binary.packed_metadata, metadata, enter, leave,
-               *args, *tail)
+               *args, *kept.tail)
+
+
+# Triton's CUDA launcher (a compiled binary's ``run``, a ``CudaLauncher``) is
+# Python around a compiled C launch: at every launch it defines a closure and
+# calls it twice to ask for scratch buffers, then calls the C launch with
+# the cooperative-grid and PDL flags and the scratch buffers before the
+# binary's arguments. For a binary that needs no scratch, ``run_binary``
+# makes that C call itself (``KeptBinary.c_launch``): three Python calls a
+# launch fewer (bench/NOTES.md run 38). Only where the wrapper is the one
+# this was written against (Triton 3.6's), checked from its source once;
+# any other launcher is called as it is.
+_C_LAUNCH_WRAPPER = (
+    "def__call__(self,gridX,gridY,gridZ,stream,function,*args):",
+    "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,"
+    "global_scratch,profile_scratch,*args)",
+)
+# Launcher class -> whether its wrapper is that one (read once per class).
+_C_LAUNCH_CLASSES: dict = {}
+
+
+def _known_c_launch_wrapper(cls) -> bool:
+    known = _C_LAUNCH_CLASSES.get(cls)
+    if known is None:
+        try:
+            source = "".join(inspect.getsource(cls.__call__).split())
+        except (OSError, TypeError, AttributeError):
+            source = ""
+        # The two lines above, the scratch requests, and nothing else that
+        # the wrapper could add (a sanitiser's arguments, say).
+        known = (source.startswith(_C_LAUNCH_WRAPPER[0]) and source.endswith(_C_LAUNCH_WRAPPER[1])
+                 and source.count("self.launch(") == 1 and "gsan" not in source)
+        _C_LAUNCH_CLASSES[cls] = known
+    return known
+
+
+def _c_launch_of(binary) -> tuple:
+    """``(C launch, head)`` for a binary whose launcher ``run_binary`` may
+    bypass (see ``_C_LAUNCH_WRAPPER``): ``c_launch(gx, gy, gz, stream,
+    *head, *args, *tail)`` is then the launcher's own C call without
+    launch hooks. ``(None, None)`` otherwise."""
+    run = getattr(binary, "run", None)
+    if (run is None or type(run).__name__ != "CudaLauncher" or not _known_c_launch_wrapper(type(run))
+            or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0):
+        return None, None
+    head = (binary.function, run.launch_cooperative_grid, run.launch_pdl, None, None, binary.packed_metadata,
+            None, None, None)  # function, flags, no scratch, metadata, no launch metadata or hooks
+    return run.launch, head
 
 
 # Set by ``dry_run``: launchers choose their configs but launch nothing.
@@ -587,6 +654,11 @@ def _current_stream():
     return _device_stream(triton.runtime.driver.active.get_current_device())
 
 
+# Triton's runtime settings, where the hooks live (Triton 3.4+; one object
+# for the process, whose attributes profilers set).
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
 def _launch_hooks():
     """Triton's global launch hooks (profilers set them), each None when
     there is none to call.
@@ -597,10 +669,9 @@ def _launch_hooks():
     each chain), per decode call and per kernel of a step. An empty chain
     calls nothing, so it is passed as None: the launcher then skips it, and
     ``run_binary`` the metadata, which only hooks read."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None:
+    if _RUNTIME_KNOBS is None:
         return None, None
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
     # A chain's hooks are its ``calls``; a plain hook (older Tritons) has none.
     if enter is not None and not getattr(enter, "calls", True):
         enter = None

@@ -656,3 +656,94 @@ def test_split_candidates_override_and_restore():
         with decode.split_candidates(only):
             raise RuntimeError("inside")
     assert decode._split_configs(False) is tuned
+
+
+_POINTERS_ON_THE_CUDA_PATH = r'''
+import os, sys
+os.environ.update(FLASHFUSE_AUTOTUNE="0", TRITON_INTERPRET="0", FLASHFUSE_DECODE="1")
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import torch
+import host_path_cpu
+import flashfuse
+from flashfuse.kernels import decode, launch
+from tests.kernels.test_launch import CudaLauncher
+
+host_path_cpu.force_cuda_path_on_cpu()  # CUDA's launch path on CPU tensors
+
+
+class Binary:
+    function, packed_metadata = 7, (4, 1, 0)
+
+    def __init__(self):
+        self.run = CudaLauncher()
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+binaries = []
+launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: binaries.append(Binary()) or binaries[-1]
+hooks = [(None, None)]
+decode._launch_hooks = launch._launch_hooks = lambda: hooks[0]
+q = torch.randn(2, 8, 1, 64)
+buf = torch.randn(2, 2 * 2 * 900 * 64)
+masks = {"none": None, "bool": torch.rand(2, 1, 1, 900) > 0.3}
+as_addresses = 0
+for name, mask in masks.items():
+    for M in (700, 701, 702, 900, 900):
+        k, v = (buf[i, :2 * 2 * M * 64].view(2, 2, M, 64) for i in (0, 1))
+        m = None if mask is None else mask[..., :M]
+        for hook in ((None, None), (object(), None)):
+            hooks[0] = hook
+            for b in binaries:
+                b.run.c_calls.clear(); b.run.wrapper_calls = 0
+            torch.ops.flashfuse.attention(q, k, v, m, 0.0, m is None, None, True, alignment="bottom_right")
+            calls = [(b, c) for b in binaries for c in b.run.c_calls]
+            if hook[0] is None:
+                assert all(b.run.wrapper_calls == 0 for b in binaries), "the C launch, not the wrapper"
+                c_args = {id(b): c for b, c in calls}
+                as_addresses += sum(not any(isinstance(a, torch.Tensor) for a in c) for _, c in calls)
+                continue
+            assert all(id(b) in c_args for b, _ in calls) and len(calls) == len(c_args)
+            # Buffers that outlive a call (the inputs, the kept workspaces)
+            # are at the same address in both calls; each call's output and
+            # lse are fresh.
+            kept = {t.data_ptr() for t in (q, k, v, *decode._WORKSPACES.values())}
+            if m is not None:
+                kept.add(m.data_ptr())
+            for b, c in calls:
+                want = c_args[id(b)]
+                assert b.run.wrapper_calls and len(c) == len(want) and c[:9] == want[:9], name
+                assert c[10:13] == (None, hook[0], None) and want[10:13] == (None, None, None)
+                checked = 0
+                for got, sent in zip(c[13:], want[13:]):
+                    if isinstance(got, torch.Tensor):
+                        address = sent.data_ptr() if isinstance(sent, torch.Tensor) else sent
+                        assert type(address) is int and (got.data_ptr() not in kept or got.data_ptr() == address), name
+                        checked += got.data_ptr() in kept
+                    else:
+                        assert got == sent and type(got) is type(sent), name
+                assert checked >= 1, name
+print("ok", as_addresses)
+'''
+
+
+def test_c_launches_take_every_tensor_as_its_address():
+    """On CUDA's launch path (CPU tensors, launches stubbed:
+    ``bench/host_path_cpu.py``, in a subprocess), with kept binaries whose
+    launcher is the wrapper ``launch.run_binary`` bypasses: without a launch
+    hook every launch takes the C launch, the decode calls' kept launches
+    with their tensors as addresses; with a hook the wrapper gets the
+    tensors. Everything else each kernel gets is the same, and every
+    address of a buffer that outlives the call is that buffer's, with and
+    without a mask."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _POINTERS_ON_THE_CUDA_PATH, os.path.join(root, "bench"), root],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[0] == "ok" and int(done.stdout.split()[1]) >= 2, done.stdout

@@ -395,11 +395,129 @@ def test_empty_launch_hook_chains_are_passed_as_none(monkeypatch):
             self.runs.append((metadata, enter, leave, args))
 
     binary = Binary()
-    launch.run_binary(binary, (5,), (1, 2, 3), (4,), 0)
+    kept = launch.KeptBinary(binary, (5,))
+    assert kept.c_launch is None, "not Triton's CUDA launcher: launched through its run"
+    launch.run_binary(kept, (1, 2, 3), (4,), 0)
     assert binary.metadata_calls == 0 and binary.runs[-1] == (None, None, None, (4, 5))
     seen = []
     runtime.launch_exit_hook.add(seen.append)
-    launch.run_binary(binary, (5,), (1, 2, 3), (4,), 0)
+    launch.run_binary(kept, (1, 2, 3), (4,), 0)
     metadata, enter, leave, _ = binary.runs[-1]
     assert binary.metadata_calls == 1 and metadata == {"grid": (1, 2, 3)}
     assert enter is None and leave is runtime.launch_exit_hook
+
+
+class CudaLauncher:
+    """A stand-in with the calling convention of Triton 3.6's CUDA launcher
+    wrapper (``launch._C_LAUNCH_WRAPPER``): scratch buffers asked for, then
+    the C launch with the flags and the scratch before the arguments."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, global_scratch_size=0, profile_scratch_size=0):
+        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, profile_scratch_size
+        self.c_calls, self.wrapper_calls = [], 0
+        self.launch = lambda *a: self.c_calls.append(a)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.wrapper_calls += 1
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+def test_kept_binary_calls_the_c_launch_as_the_known_wrapper_would(monkeypatch):
+    """Where a binary's launcher is the wrapper ``run_binary`` knows (from
+    its source) and needs no scratch, the launch skips the wrapper and
+    passes the C launch exactly what the wrapper passes; with a launch hook
+    set, or scratch needed, or another wrapper, the launcher runs as it is."""
+    import triton
+
+    from flashfuse.kernels import launch
+
+    class Binary:
+        function, packed_metadata = 7, (4, 1, 0)
+
+        def __init__(self, run):
+            self.run = run
+
+        def launch_metadata(self, grid, stream, *args):
+            return {"grid": grid}
+
+    monkeypatch.setattr(launch, "_launch_hooks", lambda: (None, None))
+    launcher = CudaLauncher()
+    kept = launch.KeptBinary(Binary(launcher), (5, 6))
+    assert kept.c_launch is launcher.launch
+    launch.run_binary(kept, (1, 2, 3), (4, 0x1000), 99)
+    wrapped = CudaLauncher()
+    Binary(wrapped).run(1, 2, 3, 99, 7, (4, 1, 0), None, None, None, 4, 0x1000, 5, 6)
+    assert launcher.wrapper_calls == 0 and launcher.c_calls == wrapped.c_calls
+    assert launcher.c_calls == [(1, 2, 3, 99, 7, False, True, None, None, (4, 1, 0), None, None, None, 4, 0x1000, 5, 6)]
+
+    hook = object()
+    monkeypatch.setattr(launch, "_launch_hooks", lambda: (hook, None))
+    launch.run_binary(kept, (1, 2, 3), (4,), 99)
+    assert launcher.wrapper_calls == 1, "a launch hook: Triton's launcher, with the metadata and hooks"
+    assert launcher.c_calls[-1][9:13] == ((4, 1, 0), {"grid": (1, 2, 3)}, hook, None)
+
+    assert launch.KeptBinary(Binary(CudaLauncher(global_scratch_size=64)), ()).c_launch is None
+    assert launch.KeptBinary(Binary(CudaLauncher(profile_scratch_size=64)), ()).c_launch is None
+
+    class OtherCudaLauncher(CudaLauncher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, *args)
+
+    OtherCudaLauncher.__name__ = "CudaLauncher"
+    assert launch.KeptBinary(Binary(OtherCudaLauncher()), ()).c_launch is None, "another wrapper: not bypassed"
+    driver = getattr(getattr(triton.backends, "nvidia", None), "driver", None)
+    if driver is not None and hasattr(driver, "CudaLauncher"):
+        # Whatever this Triton's own wrapper is, the check reads it without error.
+        assert launch._known_c_launch_wrapper(driver.CudaLauncher) in (True, False)
+
+
+@pytest.mark.gpu
+def test_gpu_c_launches_match_the_launchers():
+    """On the GPU: a decode call (its tensors as addresses) and a Hopper or
+    portable forward launched through their kept binaries' C launches give
+    bitwise what Triton's launcher gives; on Triton 3.6, whose wrapper
+    ``run_binary`` knows, the kept binaries have C launches."""
+    import gc
+
+    import flashfuse
+    from flashfuse.kernels import launch
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 3000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qf, kf, vf = (torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kw = dict(is_causal=True, alignment="bottom_right", enable_gqa=True)
+
+    def run():
+        return [flashfuse.attention(q, k, v, **kw) for _ in range(3)][-1], [
+            flashfuse.attention(qf, kf, vf, is_causal=True) for _ in range(3)][-1]
+
+    fast = run()
+    kept = [b for L in _decode_launches() for b in L.binaries if b is not None]
+    assert kept, "the decode call kept its binaries"
+    kept_elsewhere = [b for obj in gc.get_objects() if isinstance(obj, (launch.ConfigLauncher, launch.DirectLaunch))
+                      for b in obj._binaries.values()]
+    assert len(kept_elsewhere) > len(kept), "the forward kept its binaries too"
+    if triton.__version__.startswith("3.6"):
+        assert all(b.c_launch is not None for b in kept + kept_elsewhere)
+    for b in kept + kept_elsewhere:
+        b.c_launch = None
+    for L in _decode_launches():
+        L.c_launch = False
+    slow = run()
+    torch.cuda.synchronize()
+    for got, want in zip(fast, slow):
+        assert torch.equal(got, want)
+    want = flashfuse.reference.reference_attention(q.double(), k.double(), v.double(), window_right=0,
+                                                   bottom_right=True)
+    torch.testing.assert_close(fast[0].double(), want, atol=2e-2, rtol=2e-2)
+
+
+def _decode_launches():
+    from flashfuse.kernels import decode
+
+    return [L for plan in decode._PLANS.values() for L in plan.launches.values()]

@@ -187,7 +187,8 @@ def attention_op(
     whose signature passed them before (see the module docstring)."""
     if may_skip_dispatch(query, key, value, attn_mask, sinks, mask_key_table, mask_query_table):
         return _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
-                           window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
+                           window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks,
+                           False)
     return torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
         window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
@@ -206,12 +207,17 @@ def attention_op_not_compiling(
     *,
     window_left: int | None = None,
     alignment: str = "top_left",
+    transpose_out: bool = False,
 ) -> Tensor:
     """:func:`attention_op` (without the block-mask tables, soft-capping,
     sinks, a right window or a mask fill) for a caller that has just read
     ``torch.compiler.is_compiling()`` as False: the Hugging Face hook's
     decode calls (``flashfuse.hf``). ``may_skip_dispatch`` less that read,
-    inline: four Python calls fewer per layer per token."""
+    inline: four Python calls fewer per layer per token.
+
+    ``transpose_out``: return ``out.transpose(1, 2).contiguous()``, of shape
+    (B, N, Hq, Dv), as the hook does; the decode lane allocates it in that
+    order (the op's output lies in memory so), without the view."""
     if ((type(query) is Tensor or type(query) is _PARAMETER) and (type(key) is Tensor or type(key) is _PARAMETER)
             and (type(value) is Tensor or type(value) is _PARAMETER)
             and (attn_mask is None or type(attn_mask) is Tensor or type(attn_mask) is _PARAMETER)
@@ -219,9 +225,10 @@ def attention_op_not_compiling(
             and _C._get_tracing_state() is None and not _C._is_torch_function_mode_enabled()
             and not torch.autograd.profiler._is_profiler_enabled):
         return _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left, None,
-                           alignment, None, None, None, None, None)
-    return attention_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        window_left=window_left, alignment=alignment)
+                           alignment, None, None, None, None, None, transpose_out)
+    out = attention_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       window_left=window_left, alignment=alignment)
+    return out.transpose(1, 2).contiguous() if transpose_out else out
 
 
 _C = torch._C
@@ -229,10 +236,11 @@ _PARAMETER = torch.nn.Parameter
 
 
 def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left, window_right,
-                alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks) -> Tensor:
+                alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks, transpose_out) -> Tensor:
     """A plain eager call (``may_skip_dispatch``): its decode lane or
     ``run_checked`` when its signature passed before, else the op, whose
-    signature is then remembered."""
+    signature is then remembered. ``transpose_out``: see
+    ``attention_op_not_compiling``."""
     sig = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left,
                      window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
     lane = _LANES.get(sig, _UNSEEN)
@@ -248,10 +256,12 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
                     and (lane.on_cuda or ops._use_triton(query))):
                 LANE_HITS[0] += 1
                 return _decode.lane_forward(lane.token, query, key, value, attn_mask, lane.scale,
-                                            lane.window_left, lane.window_right, lane.bottom_right, knobs)
-        return ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
-                               window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
-                               sinks, plain=True)
+                                            lane.window_left, lane.window_right, lane.bottom_right, knobs,
+                                            transpose_out)
+        out = ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
+                              window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
+                              sinks, plain=True)
+        return out.transpose(1, 2).contiguous() if transpose_out else out
     out = torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
         window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
@@ -261,7 +271,7 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         _LANES.clear()
     _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
-    return out
+    return out.transpose(1, 2).contiguous() if transpose_out else out
 
 
 def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right, alignment,

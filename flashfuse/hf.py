@@ -370,11 +370,12 @@ def flashfuse_attention_forward(
                             **decision.extra)
     else:  # not compiling, and no keywords (``_LayerReads.record``)
         decision = reads.decision
-        out = _attention_op_not_compiling(query, key, value, decision.attention_mask, decision.dropout_p,
-                                          decision.causal, scaling, qs[1] != ks[1], window_left=decision.window_left,
-                                          alignment="bottom_right")
-    if (reads is None and attention_mask is None and position_bias is None and not decision.extra
-            and not compiling):
+        # (B, N, H, Dv) as it comes: made in that order, without a view
+        return _attention_op_not_compiling(query, key, value, decision.attention_mask, decision.dropout_p,
+                                           decision.causal, scaling, qs[1] != ks[1],
+                                           window_left=decision.window_left, alignment="bottom_right",
+                                           transpose_out=True), None
+    if attention_mask is None and position_bias is None and not decision.extra and not compiling:
         _LayerReads.record(module, config, dropout, scaling, is_causal, kwargs, decision)
     # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
     # contiguous() is then free and gives callers the layout they expect.

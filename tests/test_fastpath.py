@@ -294,6 +294,23 @@ def test_not_compiling_entry_takes_the_fast_path_where_attention_op_does(name):
     assert hits[fastpath.attention_op] == (1 if name in ("plain", "parameter") else 0)
 
 
+@pytest.mark.parametrize("N,mask", [(1, False), (1, True), (5, False), (40, False)])
+def test_not_compiling_entry_transposes_its_output_as_the_hook_did(monkeypatch, N, mask):
+    """``transpose_out=True`` gives ``out.transpose(1, 2).contiguous()``
+    bitwise, on the decode lane (which makes the output in that order) and
+    off it, first call and later ones."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)  # the decode kernels at these sizes
+    q, k, v = _qkv(N=N, M=41)
+    m = (torch.rand(1, 1, N, 41, generator=torch.Generator().manual_seed(1)) > 0.3) if mask else None
+    kw = dict(window_left=None, alignment="bottom_right")
+    want = OP(q, k, v, m, 0.0, m is None, None, True, alignment="bottom_right").transpose(1, 2).contiguous()
+    lanes = fastpath.LANE_HITS[0]
+    for _ in range(3):
+        got = fastpath.attention_op_not_compiling(q, k, v, m, 0.0, m is None, None, True, transpose_out=True, **kw)
+        assert got.shape == (1, N, 4, 16) and got.is_contiguous() and torch.equal(got, want)
+    assert fastpath.LANE_HITS[0] == lanes + (0 if N == 40 else 2)  # 40 queries: not a decode call
+
+
 def test_config_reads_follow_the_environment(monkeypatch):
     monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "3")
     assert config.decode_splits() == 3

@@ -848,7 +848,7 @@ def _cached_call(q, k, v, cache_seqlens, block_table, attn_mask, window_left, wi
 
 
 def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bottom_right,
-                 knobs: tuple | None = None) -> torch.Tensor:
+                 knobs: tuple | None = None, transpose_out: bool = False) -> torch.Tensor:
     """``decode_forward(q, k, v, scale=scale, window_left=window_left,
     window_right=window_right, bottom_right=bottom_right,
     attn_mask=attn_mask, need_lse=False)[0]``, for the eager fast path's
@@ -861,10 +861,14 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
     each the call ``decode_forward``'s own key finds (``_cached_call``):
     a repeated call builds the shorter key and skips the call's checks.
     Without a mask, the lane's last plan is its ``_LaneStep`` (below).
-    ``knobs``: ``config.decode_knobs()`` when the caller has read them."""
+    ``knobs``: ``config.decode_knobs()`` when the caller has read them.
+    ``transpose_out``: return the output as (B, N, Hq, Dv), contiguous:
+    ``out.transpose(1, 2)`` (the output lies in memory in that order), made
+    without the view."""
     if _DRY_RUN.get():
-        return decode_forward(q, k, v, scale=scale, window_left=window_left, window_right=window_right,
-                              bottom_right=bottom_right, attn_mask=attn_mask, need_lse=False)[0]
+        out = decode_forward(q, k, v, scale=scale, window_left=window_left, window_right=window_right,
+                             bottom_right=bottom_right, attn_mask=attn_mask, need_lse=False)[0]
+        return out.transpose(1, 2) if transpose_out else out
     if knobs is None:
         knobs = config.decode_knobs()
     q_strides, ks, k_strides, vs, v_strides = q.stride(), k.shape, k.stride(), v.shape, v.stride()
@@ -879,9 +883,9 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
         step = _LANE_STEPS.get(token)
         if step is not None and step.fixed == fixed:
             if step.kv == kv and step.m == m:  # the last call again (a fixed length)
-                return _run(step.call, q, k, v, None, None, None, scale, True, False)[0]
+                return _run(step.call, q, k, v, None, None, None, scale, True, False, transpose_out)[0]
             if step.kv == kv or step.fp == _fingerprint(kv):
-                return _step_forward(step, q, k, v, m, kv, scale, window_left, window_right)
+                return _step_forward(step, q, k, v, m, kv, scale, window_left, window_right, transpose_out)
         # A length other than the lane's last one is a dynamic cache's next
         # token: no exact key of it is kept, so its lane's grown plan is
         # tried first (a fixed cache repeats its length, its exact key).
@@ -907,7 +911,7 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
             _keep(_LANE_GROWN, grown, call.plan)
     if grown is not None:
         _keep(_LANE_STEPS, token, _LaneStep(fixed, kv, grown[-1], call, m))
-    return _run(call, q, k, v, None, None, attn_mask, scale, True, False)[0]
+    return _run(call, q, k, v, None, None, attn_mask, scale, True, False, transpose_out)[0]
 
 
 # A lane's dynamic cache: one key longer at every call, so ``lane_forward``'s
@@ -954,7 +958,8 @@ class _LaneStep:
 _LANE_STEPS: dict = {}
 
 
-def _step_forward(step: _LaneStep, q, k, v, m: int, kv: tuple, scale, window_left, window_right) -> torch.Tensor:
+def _step_forward(step: _LaneStep, q, k, v, m: int, kv: tuple, scale, window_left, window_right,
+                  transpose_out: bool) -> torch.Tensor:
     """``lane_forward``'s result for a call that ``step`` serves (see
     ``_LaneStep``): ``_finish_grown`` of the step's plan, inline."""
     last = step.call
@@ -986,7 +991,7 @@ def _step_forward(step: _LaneStep, q, k, v, m: int, kv: tuple, scale, window_lef
     c.bounds_ints = None
     c.fuse = L.fusable and plan.cache_bytes_per_key * m <= FUSED_MAX_BYTES
     step.kv, step.call, step.m = kv, c, m
-    return _run(c, q, k, v, None, None, None, scale, True, False)[0]
+    return _run(c, q, k, v, None, None, None, scale, True, False, transpose_out)[0]
 
 
 _BUCKET_CAP = 1 << 16  # the cap on the launches' bucket of keys per split (_finish_call)
@@ -1167,13 +1172,15 @@ def _workspace(dev: torch.device, stream, what: str, n: int, dtype: torch.dtype,
     return buf
 
 
-def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool, need_lse: bool = True):
-    """Allocate the outputs of call ``c`` and launch its kernels."""
+def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool, need_lse: bool = True,
+         transpose_out: bool = False):
+    """Allocate the outputs of call ``c`` and launch its kernels; the output
+    as (B, N, Hq, Dv) with ``transpose_out`` (``lane_forward``)."""
     plan = c.plan
     if plan.interp:
         # eager as below: no graph capture under the interpreter.
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
-                                    cache, None)
+                                    cache, None, transpose_out)
     # An eager call on real tensors outside graph capture may merge its
     # partials in the split kernel and take its scratch from its stream's
     # workspace (see FUSE_COMBINE and _workspace).
@@ -1185,10 +1192,10 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
         # take (``launch._current_stream``), without reading it again.
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
                                     eager, _CUDA_STREAM(current) if _CUDA_STREAM is not None else
-                                    _device_stream(current))
+                                    _device_stream(current), transpose_out)
     with torch.cuda.device(q.device):
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
-                                    eager, _device_stream(index))
+                                    eager, _device_stream(index), transpose_out)
 
 
 # The C functions behind ``torch.cuda.is_current_stream_capturing()``,
@@ -1204,7 +1211,7 @@ _CUDA_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if _CUDA_BUI
 
 
 def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool,
-                         need_lse: bool, eager: bool, stream):
+                         need_lse: bool, eager: bool, stream, transpose_out: bool = False):
     """``_run`` on the current device; ``stream`` None under the interpreter."""
     plan, L = c.plan, c.L
     B, Hq, N, Dv = plan.B, plan.Hq, plan.N, plan.Dv
@@ -1213,7 +1220,10 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
     # Fresh allocations are 16-byte aligned (PyTorch's allocators align far
     # more), as the binaries kept for these arguments assume; so are the
     # workspaces, fresh allocations that are kept.
-    out = torch.empty_strided((B, Hq, N, Dv), plan.sizes[:4], dtype=q.dtype, device=dev)  # out's strides
+    if transpose_out:  # the same memory, allocated in its own order: no view made
+        out = torch.empty((B, N, Hq, Dv), dtype=q.dtype, device=dev)
+    else:
+        out = torch.empty_strided((B, Hq, N, Dv), plan.sizes[:4], dtype=q.dtype, device=dev)  # out's strides
     if need_lse or not kept:
         lse = torch.empty((B, Hq, N), dtype=torch.float32, device=dev)
     else:  # written, never read

@@ -1262,13 +1262,14 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
         count = lse
     tensors = (q, k, v, seqlens, table, mask, bounds, part, out, lse, count)
     scalars = (*c.ints, float(scale) * _LOG2E, *c.windows)
-    args = (*tensors, *scalars)
+    # The split kernel's arguments are (*tensors, *scalars), built where a
+    # launch takes them as tensors (the C launches take addresses).
     # The combine kernel's arguments, when it runs.
     comb_args = None if L.direct or fused else (part, out, lse, *plan.sizes[:-1], L.S)
     if plan.interp:
         if attn_mask is not None:
             _mask_bounds[(plan.chunks, B)](*bounds_args, **plan.bounds_meta)
-        _decode_split[L.grid](*args, **(L.fused_meta if fused else L.launch_meta))
+        _decode_split[L.grid](*tensors, *scalars, **(L.fused_meta if fused else L.launch_meta))
         if not L.direct and not fused:
             _decode_combine[L.comb_grid](*comb_args, **L.comb_meta)
     else:
@@ -1292,11 +1293,11 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
                 g = L.grid
                 kept.c_launch(g[0], g[1], g[2], stream, *kept.c_head, *pointers, *kept.tail)
             else:
-                _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, args, L.fused_meta, plan.tune, stream,
-                        cache, pointers)
+                _launch(_FUSED_SPLIT, L, _split_launcher, L.key, L.grid, (*tensors, *scalars), L.fused_meta, plan.tune,
+                        stream, cache, pointers)
         else:
-            _launch(_SPLIT, L, _split_launcher, L.key, L.grid, args, L.launch_meta, plan.tune, stream, cache,
-                    pointers)
+            _launch(_SPLIT, L, _split_launcher, L.key, L.grid, (*tensors, *scalars), L.launch_meta, plan.tune, stream,
+                    cache, pointers)
             if not L.direct:
                 _launch(_COMBINE, L, _combine_launcher, L.comb_key, L.comb_grid, comb_args, L.comb_meta, False, stream,
                         cache, comb_pointers)

@@ -692,22 +692,19 @@ def _fingerprint(args) -> tuple:
     honours ``do_not_specialize``), never coarser, so one fingerprint never
     maps to two binaries.
     """
-    out = []
-    add = out.append
-    for a in args:
-        t = type(a)
-        if t is int:  # most arguments: strides and sizes
-            if a == 1:
-                add(1)
-            else:
-                add((2 if a & 15 == 0 else 0) + (0 if _INT32_MIN <= a <= _INT32_MAX else 4))
-        elif t is bool:
-            add(("bool", a))
-        elif isinstance(a, torch.Tensor):
-            add((a.dtype, a.data_ptr() & 15 == 0))
-        else:
-            add(t)
-    return tuple(out)
+    # One comprehension (integers inline: most arguments are strides and
+    # sizes), not a loop of appends: it runs for every direct launch.
+    return tuple([(1 if a == 1 else (2 if a & 15 == 0 else 0) + (0 if _INT32_MIN <= a <= _INT32_MAX else 4))
+                  if type(a) is int else _other_fingerprint(a) for a in args])
+
+
+def _other_fingerprint(a):
+    """``_fingerprint`` of an argument that is not an int."""
+    if type(a) is bool:
+        return ("bool", a)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    return type(a)
 
 
 def config_tuple(cfg) -> tuple:

@@ -622,6 +622,37 @@ def test_kept_layer_reads_follow_every_change_they_read(op_calls, case):
     assert torch.equal(got, want), case
 
 
+def test_kept_layer_reads_compare_the_config_by_value():
+    """The config's instance dict is compared with a copy: a value replaced
+    by an equal one reads the same (the kept reads hold, and give the full
+    path's result); one that cannot be compared counts as changed."""
+    import numpy as np
+
+    model = _build(_qwen2)
+    model.eval()
+    layer = model.model.layers[1].self_attn
+    tensors = _decode_tensors(layer)
+    kw = dict(dropout=0.0, scaling=layer.scaling)
+    model.config.stand_in_array = np.arange(3)
+    _full_path(layer, tensors, **kw)
+    reads = ffhf._LAYER_READS[id(layer)]
+    assert reads.hold(layer, 0.0, layer.scaling, None, {})
+    model.config.layer_types = list(model.config.layer_types)  # an equal list, another object
+    assert reads.hold(layer, 0.0, layer.scaling, None, {})
+    assert torch.equal(_hook(layer, tensors, **kw), _full_path(layer, tensors, **kw))
+    _full_path(layer, tensors, **kw)
+    reads = ffhf._LAYER_READS[id(layer)]
+    model.config.stand_in_array = np.arange(3)  # equal, but == gives an array
+    assert not reads.hold(layer, 0.0, layer.scaling, None, {})
+    model.config.layer_types = ["full_attention"] * len(model.config.layer_types)
+    assert not reads.hold(layer, 0.0, layer.scaling, None, {})
+
+
+def test_hold_compares_the_attributes_it_names():
+    """``hold`` unrolls its comparison of ``_READ_ATTRIBUTES`` in this order."""
+    assert ffhf._READ_ATTRIBUTES == ("training", "is_causal", "config", "layer_idx", "sliding_window")
+
+
 def test_kept_layer_reads_refuse_a_parameter_or_buffer_named_sliding_window():
     model = _build(_llama)
     layer = model.model.layers[0].self_attn

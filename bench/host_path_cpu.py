@@ -94,7 +94,8 @@ def force_cuda_path_on_cpu():
     torch.cuda.device = lambda device: contextlib.nullcontext()
     torch.cuda.is_current_stream_capturing = lambda: False
     # the two above and the stub driver's stream, not their C functions
-    decode._CUDA_CAPTURING = decode._CUDA_DEVICE = decode._CUDA_STREAM = None
+    decode._CUDA_CAPTURING = decode._CUDA_DEVICE = None
+    decode._device_stream = launch._device_stream = launch._triton_device_stream
     launch._capability = lambda index: (9, 0)  # a Hopper GPU
 
 

@@ -125,7 +125,13 @@ def may_skip_dispatch(*tensors: Tensor | None) -> bool:
     dispatcher hands the op to one; the private ops skipped by the
     composite's own eager path have no such hop), and no profiler running
     (its traces name the op only when the dispatcher runs it)."""
-    return (ops._plain_eager_call(*tensors) and not torch._C._is_torch_function_mode_enabled()
+    return not torch.compiler.is_compiling() and _may_skip_when_not_compiling(tensors)
+
+
+def _may_skip_when_not_compiling(tensors: tuple) -> bool:
+    """``may_skip_dispatch`` for a caller that has read
+    ``torch.compiler.is_compiling()`` as False itself."""
+    return (ops._plain_when_not_compiling(tensors) and not torch._C._is_torch_function_mode_enabled()
             and not torch.autograd.profiler._is_profiler_enabled)
 
 
@@ -212,27 +218,22 @@ def attention_op_not_compiling(
     """:func:`attention_op` (without the block-mask tables, soft-capping,
     sinks, a right window or a mask fill) for a caller that has just read
     ``torch.compiler.is_compiling()`` as False: the Hugging Face hook's
-    decode calls (``flashfuse.hf``). ``may_skip_dispatch`` less that read,
-    inline: four Python calls fewer per layer per token.
+    decode calls (``flashfuse.hf``). ``may_skip_dispatch`` less that read:
+    two Python calls fewer per layer per token than ``attention_op``.
 
     ``transpose_out``: return ``out.transpose(1, 2).contiguous()``, of shape
     (B, N, Hq, Dv), as the hook does; the decode lane allocates it in that
     order (the op's output lies in memory so), without the view."""
-    if ((type(query) is Tensor or type(query) is _PARAMETER) and (type(key) is Tensor or type(key) is _PARAMETER)
-            and (type(value) is Tensor or type(value) is _PARAMETER)
-            and (attn_mask is None or type(attn_mask) is Tensor or type(attn_mask) is _PARAMETER)
-            and _C._len_torch_dispatch_stack() == 0 and _C._functorch.peek_interpreter_stack() is None
-            and _C._get_tracing_state() is None and not _C._is_torch_function_mode_enabled()
-            and not torch.autograd.profiler._is_profiler_enabled):
+    if _may_skip_when_not_compiling((query, key, value, attn_mask)):
         return _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left, None,
                            alignment, None, None, None, None, None, transpose_out)
-    out = attention_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                       window_left=window_left, alignment=alignment)
+    return _as_asked(attention_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                  window_left=window_left, alignment=alignment), transpose_out)
+
+
+def _as_asked(out: Tensor, transpose_out: bool) -> Tensor:
+    """The op's output, or with ``transpose_out`` (B, N, Hq, Dv) contiguous."""
     return out.transpose(1, 2).contiguous() if transpose_out else out
-
-
-_C = torch._C
-_PARAMETER = torch.nn.Parameter
 
 
 def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left, window_right,
@@ -258,10 +259,9 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
                 return _decode.lane_forward(lane.token, query, key, value, attn_mask, lane.scale,
                                             lane.window_left, lane.window_right, lane.bottom_right, knobs,
                                             transpose_out)
-        out = ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
-                              window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap,
-                              sinks, plain=True)
-        return out.transpose(1, 2).contiguous() if transpose_out else out
+        return _as_asked(ops.run_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
+                                         window_right, alignment, mask_fill, mask_key_table, mask_query_table,
+                                         softcap, sinks, plain=True), transpose_out)
     out = torch.ops.flashfuse.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
         window_right=window_right, alignment=alignment, mask_fill=mask_fill, mask_key_table=mask_key_table,
@@ -271,7 +271,7 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         _LANES.clear()
     _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
-    return out.transpose(1, 2).contiguous() if transpose_out else out
+    return _as_asked(out, transpose_out)
 
 
 def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right, alignment,

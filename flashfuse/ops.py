@@ -439,12 +439,17 @@ def _plain_eager_call(*tensors: Tensor | None) -> bool:
     compiler, tracer, dispatch mode or functorch transform watching. Only then
     may the op skip its private ops (see ``_EagerAttention``); anything that
     records or transforms the call must see the ops."""
+    return not torch.compiler.is_compiling() and _plain_when_not_compiling(tensors)
+
+
+def _plain_when_not_compiling(tensors: tuple) -> bool:
+    """``_plain_eager_call`` for a caller that has read
+    ``torch.compiler.is_compiling()`` as False itself."""
     for t in tensors:  # a loop, not all(...): this runs at every eager call
         if t is not None and type(t) is not Tensor and type(t) is not torch.nn.Parameter:
             return False
     return (
-        not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
+        torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None
         and torch._C._get_tracing_state() is None
     )

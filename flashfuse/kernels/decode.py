@@ -1191,23 +1191,20 @@ def _run(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache:
         # The current device read once: the stream Triton's own launch would
         # take (``launch._current_stream``), without reading it again.
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
-                                    eager, _CUDA_STREAM(current) if _CUDA_STREAM is not None else
-                                    _device_stream(current), transpose_out)
+                                    eager, _device_stream(current), transpose_out)
     with torch.cuda.device(q.device):
         return _allocate_and_launch(c, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache, need_lse,
                                     eager, _device_stream(index), transpose_out)
 
 
-# The C functions behind ``torch.cuda.is_current_stream_capturing()``,
+# The C functions behind ``torch.cuda.is_current_stream_capturing()`` and
 # ``torch.cuda.current_device()`` (which first makes sure CUDA is
-# initialised: it is, a call's tensors are on it) and Triton's current raw
-# stream (its CUDA driver's ``get_current_stream`` is this function),
-# called directly where this torch has them (a CPU build has dummies): a
-# Python frame or two less each per decode call.
+# initialised: it is, a call's tensors are on it), called directly where
+# this torch has them (a CPU build has dummies): a Python frame or two less
+# per decode call (the stream: ``launch._device_stream``).
 _CUDA_BUILT = torch.backends.cuda.is_built()
 _CUDA_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if _CUDA_BUILT else None
 _CUDA_DEVICE = getattr(torch._C, "_cuda_getDevice", None) if _CUDA_BUILT else None
-_CUDA_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if _CUDA_BUILT else None
 
 
 def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mask, scale, cache: bool,

@@ -642,11 +642,19 @@ def ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def _device_stream(index: int):
-    """Device ``index``'s current raw CUDA stream (for a caller that has just
-    read the current device's index, ``torch.cuda.current_device()``, which
-    Triton's driver reads too when PyTorch is loaded)."""
+def _triton_device_stream(index: int):
+    """Device ``index``'s current raw CUDA stream, as Triton's driver reads
+    it (for a caller that has just read the current device's index,
+    ``torch.cuda.current_device()``, which Triton's driver reads too when
+    PyTorch is loaded)."""
     return triton.runtime.driver.active.get_current_stream(index)
+
+
+# ``_triton_device_stream``: Triton's GPU drivers read the stream with
+# torch's ``_cuda_getCurrentRawStream``, called here directly where this
+# torch has it (a CPU build has a dummy): two Python calls less a launch.
+_device_stream = ((getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch.backends.cuda.is_built() else None)
+                  or _triton_device_stream)
 
 
 def _current_stream():

@@ -469,10 +469,12 @@ def test_kept_binary_calls_the_c_launch_as_the_known_wrapper_would(monkeypatch):
 
     OtherCudaLauncher.__name__ = "CudaLauncher"
     assert launch.KeptBinary(Binary(OtherCudaLauncher()), ()).c_launch is None, "another wrapper: not bypassed"
-    driver = getattr(getattr(triton.backends, "nvidia", None), "driver", None)
-    if driver is not None and hasattr(driver, "CudaLauncher"):
-        # Whatever this Triton's own wrapper is, the check reads it without error.
-        assert launch._known_c_launch_wrapper(driver.CudaLauncher) in (True, False)
+    # This Triton's own wrapper: the one the check was written against on
+    # Triton 3.6 (the GPU machine's), another on Triton 3.9 (this CPU's).
+    from triton.backends.nvidia import driver
+
+    if triton.__version__.startswith(("3.6", "3.9")):
+        assert launch._known_c_launch_wrapper(driver.CudaLauncher) == triton.__version__.startswith("3.6")
 
 
 @pytest.mark.gpu

@@ -124,15 +124,21 @@ def host_split(model, impl: str, ids, new: int, cache: str, parts: tuple = ()) -
 
 # The parts of each implementation's attention function timed by
 # ``--host-parts``, outermost first: (label, module, attribute); a part the
-# code has not is left out. Each runs inside the ones before it (the two
-# fast-path entries are alternatives: the hook takes the second with a
-# layer's kept reads); every clock adds its own frame and two clock reads
-# (about 0.5 us) to the parts around it.
+# code has not is left out. Each runs inside the ones before it, but for
+# alternatives: the three fast-path entries (the hook takes the layer's
+# lane site where it has one, else the second entry with the layer's kept
+# reads), the decode lane's two ways in (``lane_forward`` from an entry,
+# the lane step from a site) and its launches (``_run``, or the lane
+# step's direct launch). Every clock adds its own frame and two clock
+# reads (about 0.5 us) to the parts around it.
 HOST_PARTS = {
     "ffuse": (("fast path (attention_op)", "flashfuse.hf", "_attention_op"),
               ("fast path (not compiling)", "flashfuse.hf", "_attention_op_not_compiling"),
+              ("lane site (lane_call_at)", "flashfuse.hf", "_lane_call_at"),
               ("decode lane (lane_forward)", "flashfuse.kernels.decode", "lane_forward"),
+              ("lane step (lane_step_forward)", "flashfuse.kernels.decode", "lane_step_forward"),
               ("outputs and launches (_run)", "flashfuse.kernels.decode", "_run"),
+              ("direct launch (_launch_direct)", "flashfuse.kernels.decode", "_launch_direct"),
               ("one launch (run_binary)", "flashfuse.kernels.decode", "run_binary")),
     "sdpa": (("torch's SDPA", "torch.nn.functional", "scaled_dot_product_attention"),),
 }

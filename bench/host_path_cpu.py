@@ -5,7 +5,8 @@ launches themselves stubbed out (no GPU is touched).
 The CUDA code path is forced onto CPU tensors: the op is told to use the
 Triton kernels, the kernels that they are not interpreted, and the
 launchers' Triton launch is replaced by a stand-in binary whose launch does
-nothing. What remains is exactly the Python that a GPU call runs before and
+nothing (in the form of Triton 3.6's launcher, whose C launch the kept
+launches call directly, as on a GPU host with that Triton). What remains is exactly the Python that a GPU call runs before and
 after its launches: argument checks, allocations, the autograd function, the
 launchers' config lookup, fingerprint and argument assembly. Useful to
 measure host-side changes without a GPU; the numbers are this machine's, not
@@ -35,8 +36,9 @@ cache, the rest of each layer running between two attention calls. A call
 there costs a multiple of the same call repeated in a loop (the loop keeps
 the path's code and dictionaries in the CPU's caches; a model's layer
 evicts them), so these rows say what a token pays, and where: the hook's
-own Python, the eager fast path (``flashfuse.fastpath``), the decode
-lane's call lookup, and the allocations and launch (bench/NOTES.md run 36).
+own Python, the layer's lane site (``flashfuse.fastpath.lane_call_at``),
+the lane's step, and the allocation and launch (bench/NOTES.md runs 36
+and 39).
 
     python bench/host_path_cpu.py
     python bench/host_path_cpu.py --smoke
@@ -54,14 +56,32 @@ import common
 import torch
 
 
+class CudaLauncher:
+    """A launch that does nothing, in the form of Triton 3.6's CUDA launcher
+    (``flashfuse.kernels.launch._C_LAUNCH_WRAPPER``: a wrapper around a C
+    launch, no scratch), so that the kept launches take the path they take
+    on a GPU host with that Triton: the C launch, called directly."""
+
+    launch_cooperative_grid, launch_pdl = False, False
+    global_scratch_size = profile_scratch_size = 0
+
+    def __init__(self):
+        self.launch = lambda *args: None
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
 class _StubBinary:
     """A compiled kernel whose launch does nothing."""
 
     function = 0
     packed_metadata = None
 
-    def run(self, *args):
-        pass
+    def __init__(self):
+        self.run = CudaLauncher()
 
     def launch_metadata(self, *args):
         return None
@@ -252,9 +272,9 @@ def generate_rows(smoke: bool) -> None:
     model = bench_generate.build(cfg, torch.float32, torch.device("cpu"))
     ids = torch.randint(1, cfg.vocab_size, (1, prompt))
     # Outermost first: each stage's time includes the ones after it.
-    stages = [("fast path (fastpath.attention_op)", hf, "_attention_op"),
-              ("decode lane (decode.lane_forward)", decode, "lane_forward"),
-              ("allocations and launch (decode._run)", decode, "_run")]
+    stages = [("lane site (fastpath.lane_call_at)", hf, "_lane_call_at"),
+              ("lane step (decode.lane_step_forward)", decode, "lane_step_forward"),
+              ("allocation and launch (decode._launch_direct)", decode, "_launch_direct")]
     generate_probe.host_split(model, "ffuse", ids, new, "dynamic")  # warm-up: plans and binaries
     clocks = [common.HostClock(getattr(owner, name)) for _, owner, name in stages]
     for (_, owner, name), clock in zip(stages, clocks):

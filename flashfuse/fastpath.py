@@ -65,7 +65,7 @@ from torch import Tensor
 from . import config, ops
 
 __all__ = ["attention_op", "attention_op_not_compiling", "may_skip_dispatch", "forget_signatures",
-           "decode_lane_off"]
+           "decode_lane_off", "LaneSite", "lane_site", "lane_call_at"]
 
 # Signatures that passed the op's checks (``_signature``) -> their
 # ``_DecodeLane``, or None (not a decode call); cleared when full. One dict,
@@ -98,7 +98,16 @@ class _DecodeLane(NamedTuple):
 
 def forget_signatures() -> None:
     """Forget every signature (the next call of each takes the op)."""
+    _clear_lanes()
+
+
+# Times ``_LANES`` was cleared: a ``LaneSite`` made before then is stale.
+_LANES_EPOCH = [0]
+
+
+def _clear_lanes() -> None:
     _LANES.clear()
+    _LANES_EPOCH[0] += 1
 
 
 _LANE_ON = [True]
@@ -268,10 +277,91 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         mask_query_table=mask_query_table, softcap=softcap, sinks=sinks)
     # Reached only when the op's checks passed (a bad input raised above).
     if len(_LANES) >= _MAX_SIGNATURES:
-        _LANES.clear()
+        _clear_lanes()
     _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
     return _as_asked(out, transpose_out)
+
+
+
+class LaneSite:
+    """One caller's decode lane, kept where it calls from: the Hugging Face
+    hook keeps one per layer, with the layer's kept reads (``flashfuse.hf``).
+    A site stands for the calls of ``attention_op_not_compiling`` without a
+    mask whose scalar arguments are the ones it was made with (the caller
+    vouches for that) and whose tensors have what the lane's signature
+    holds of them: the same types, dtypes, devices and layouts, no
+    gradients, q's shape, and k's and v's sizes but the key length (equal
+    to each other). Such a call has the lane's signature, so
+    ``lane_call_at`` takes the lane without building and hashing the
+    signature (about 40 values), and without ``decode.lane_forward``'s
+    checks of what the signature fixes. ``epoch``: ``_LANES_EPOCH`` when
+    made (a site of forgotten signatures is stale)."""
+
+    __slots__ = ("epoch", "lane", "types", "dtypes", "device", "q_shape", "k_sizes", "v_sizes", "transpose_out")
+
+
+def lane_site(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, is_causal: bool, scale, enable_gqa: bool,
+              window_left, alignment: str, transpose_out: bool) -> LaneSite | None:
+    """The site of ``attention_op_not_compiling(query, key, value, None,
+    dropout_p, is_causal, scale, enable_gqa, window_left=window_left,
+    alignment=alignment, transpose_out=transpose_out)``, a call that has just
+    run, when its signature has a decode lane; else None."""
+    sig = _signature(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, window_left, None, alignment,
+                     None, None, None, None, None)
+    lane = _LANES.get(sig)
+    ks, vs = key.shape, value.shape
+    devices = {query.device, key.device, value.device}
+    if lane is None or len(ks) != 4 or len(vs) != 4 or len(devices) != 1:
+        return None
+    site = LaneSite()
+    site.epoch, site.lane, site.transpose_out = _LANES_EPOCH[0], lane, transpose_out
+    site.types = (type(query), type(key), type(value))
+    site.dtypes = (query.dtype, key.dtype, value.dtype)
+    (site.device,) = devices
+    site.q_shape, site.k_sizes, site.v_sizes = query.shape, (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3])
+    return site
+
+
+_STRIDED = torch.strided
+
+
+def lane_call_at(site: LaneSite, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+    """``attention_op_not_compiling``'s result for a call of ``site`` (see
+    ``LaneSite``) that takes the site's lane, as ``_plain_call`` would send
+    it there: a plain eager call (``may_skip_dispatch``), the lane's
+    signature, the decode kernels on (``FLASHFUSE_DECODE``, the key count),
+    and the lane's kept step serving it (``decode.lane_step_forward``).
+    None, with nothing run, for any other call: the caller then takes
+    ``attention_op_not_compiling``."""
+    if site.epoch != _LANES_EPOCH[0] or not _may_skip_when_not_compiling((query, key, value)):
+        return None
+    qs, ks, vs = query.shape, key.shape, value.shape
+    types, dtypes, device = site.types, site.dtypes, site.device
+    k_sizes, v_sizes = site.k_sizes, site.v_sizes
+    if not (qs == site.q_shape and len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2]
+            and ks[0] == k_sizes[0] and ks[1] == k_sizes[1] and ks[3] == k_sizes[2]
+            and vs[0] == v_sizes[0] and vs[1] == v_sizes[1] and vs[3] == v_sizes[2]
+            and type(query) is types[0] and type(key) is types[1] and type(value) is types[2]
+            and query.dtype is dtypes[0] and key.dtype is dtypes[1] and value.dtype is dtypes[2]
+            and not (query.requires_grad or key.requires_grad or value.requires_grad)
+            and query.layout is _STRIDED and key.layout is _STRIDED and value.layout is _STRIDED
+            and query.device == device and key.device == device and value.device == device):
+        return None
+    # ``_plain_call``'s conditions for the lane (the lane exists only for
+    # signatures without gradients, and with the strided layout).
+    M = ks[2]
+    lane = site.lane
+    mode, knobs = config.decode_settings()
+    if (mode == "0" or M == 0 or (mode != "1" and _decode.size_refusal(lane.N, lane.G, M) is not None)
+            or not (lane.on_cuda or ops._use_triton(query))):
+        return None
+    out = _decode.lane_step_forward(lane.token, query, key, value, M, knobs, lane.scale, lane.window_left,
+                                    lane.window_right, site.transpose_out)
+    if out is not None:
+        HITS[0] += 1
+        LANE_HITS[0] += 1
+    return out
 
 
 def _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, window_right, alignment,

@@ -79,6 +79,8 @@ ATTN_IMPLEMENTATION = "ffuse"
 # wrap them to observe calls.
 _attention_op = _fastpath.attention_op
 _attention_op_not_compiling = _fastpath.attention_op_not_compiling
+_lane_call_at = _fastpath.lane_call_at
+_LANE_HITS = _fastpath.LANE_HITS
 
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = _ops.MIN_HEAD_DIM, _ops.MAX_HEAD_DIM
 
@@ -354,8 +356,6 @@ def flashfuse_attention_forward(
     if reads is None:
         config = getattr(module, "config", None)
         _check_supported(module, query, key, value, kwargs, config, compiling)
-    else:  # the layer's reads are what they were: so is what they decided
-        _check_shapes(query, key, value)
 
     qs, ks = query.shape, key.shape  # read once: this runs per layer per token
     if qs[0] != ks[0] and qs[0] == 1:
@@ -368,13 +368,24 @@ def flashfuse_attention_forward(
         out = _attention_op(query, key, value, decision.attention_mask, decision.dropout_p, decision.causal, scaling,
                             qs[1] != ks[1], window_left=decision.window_left, alignment="bottom_right",
                             **decision.extra)
-    else:  # not compiling, and no keywords (``_LayerReads.record``)
+    else:  # the layer's reads are what they were: so is what they decided (not compiling, no keywords)
+        site = reads.site
+        if site is not None:
+            # The layer's decode lane, for tensors like its last call's
+            # (whose shapes passed _check_shapes): (B, N, H, Dv) as it comes.
+            out = _lane_call_at(site, query, key, value)
+            if out is not None:
+                return out, None
+        _check_shapes(query, key, value)
         decision = reads.decision
-        # (B, N, H, Dv) as it comes: made in that order, without a view
-        return _attention_op_not_compiling(query, key, value, decision.attention_mask, decision.dropout_p,
-                                           decision.causal, scaling, qs[1] != ks[1],
-                                           window_left=decision.window_left, alignment="bottom_right",
-                                           transpose_out=True), None
+        lane_hits = _LANE_HITS[0]
+        out = _attention_op_not_compiling(query, key, value, decision.attention_mask, decision.dropout_p,
+                                          decision.causal, scaling, qs[1] != ks[1], window_left=decision.window_left,
+                                          alignment="bottom_right", transpose_out=True)
+        if _LANE_HITS[0] != lane_hits:  # it took a decode lane: the next call may, from this call's site
+            reads.site = _fastpath.lane_site(query, key, value, decision.dropout_p, decision.causal, scaling,
+                                             qs[1] != ks[1], decision.window_left, "bottom_right", True)
+        return out, None  # (B, N, H, Dv) as it comes: made in that order, without a view
     if attention_mask is None and position_bias is None and not decision.extra and not compiling:
         _LayerReads.record(module, config, dropout, scaling, is_causal, kwargs, decision)
     # The op lays its output out as (B, N, H, Dv) in memory, so this is a view;
@@ -501,7 +512,7 @@ class _LayerReads:
     identity: 0.34 against 1.57 µs for a LLaMA config on a CPU, run 38.)"""
 
     __slots__ = ("module", "args", "kw", "module_values", "config_dict", "config_copy", "layer_types_entries",
-                 "stores", "decision")
+                 "stores", "decision", "site")
 
     @classmethod
     def record(cls, module, config, dropout, scaling, is_causal, kwargs, decision: _Decision) -> None:
@@ -534,6 +545,7 @@ class _LayerReads:
         if not all(map(_READ_ATTRIBUTE_SET.isdisjoint, r.stores)):
             return  # a parameter, buffer or submodule of a name read: leave it to the full path
         r.decision = decision
+        r.site = None  # the layer's decode lane (``fastpath.LaneSite``), once a call has taken one
         if len(_LAYER_READS) >= _LAYER_READS_SIZE:
             _LAYER_READS.clear()
         _LAYER_READS[key] = r

@@ -165,7 +165,7 @@ def test_host_path_cpu_smoke(tmp_path):
     assert "launches stubbed: fwd" in out and "fwd+bwd" in out
     assert "hopper route" in out and "forward+backward" in out  # both ways on the Hopper route
     if importlib.util.find_spec("transformers") is not None:  # the hook inside generate(), by stage
-        assert "generate() host path" in out and "of which decode lane" in out and "in a loop" in out
+        assert "generate() host path" in out and "of which lane step" in out and "in a loop" in out
 
 
 def test_host_thread_probe_smoke(tmp_path):

@@ -430,9 +430,10 @@ def test_decode_lane_step_serves_growing_and_repeated_lengths_without_lookups(mo
             return
         (step,) = decode._LANE_STEPS.values()
         own = decode._cached_call(q, k, v, None, None, None, None, 0, True, "bhsd", None, config.decode_knobs())
-        assert (step.call.plan, step.call.L, step.call.ints, step.call.windows, step.call.fuse) == (
+        last = step.last_call()
+        assert (last.plan, last.L, last.ints, last.windows, last.fuse) == (
             own.plan, own.L, own.ints, own.windows, own.fuse), M
-        launches.add((step.call.L.S, id(step.call.L)))
+        launches.add((last.L.S, id(last.L)))
 
     for M in (5, 6):  # the lane made, its step
         call(M)
@@ -557,6 +558,7 @@ def test_gpu_decode_lane_step_on_a_growing_cache_is_bitwise_the_op():
     lengths = [700, 701, *range(702, 3000, 97), *range(3000, top, 1531)]
     flashfuse.attention(q, cache(699, 0), cache(699, 1), **DECODE)  # the op; the lane is made
     seen = set()
+    direct, repeats, last_L, c_launches = 0, 0, None, False
     for M in lengths:
         k, v = cache(M, 0), cache(M, 1)
         before = _lane_hits()
@@ -564,14 +566,22 @@ def test_gpu_decode_lane_step_on_a_growing_cache_is_bitwise_the_op():
         assert _lane_hits() == before + 1, M
         assert torch.equal(got, OP(q, k, v, **DECODE)), M
         (step,) = decode._LANE_STEPS.values()
+        direct += step.call is None  # launched directly (``_launch_direct``): no call made
         own = decode._cached_call(q, k, v, None, None, None, None, 0, True, "bhsd", None, config.decode_knobs())
-        assert (step.call.plan, step.call.L, step.call.ints, step.call.windows, step.call.fuse) == (
+        last = step.last_call()
+        assert (last.plan, last.L, last.ints, last.windows, last.fuse) == (
             own.plan, own.L, own.ints, own.windows, own.fuse), M
+        c_launches = c_launches or own.L.c_launch
+        repeats += own.L is last_L
+        last_L = own.L
         seen.add((own.L.S, id(own.L)))
         if M in (lengths[0], lengths[len(lengths) // 2], lengths[-1]):
             want = ref.reference_attention(q.double(), k.double(), v.double(), window_right=0, bottom_right=True)
             torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     assert len({S for S, _ in seen}) >= 3 and len(seen) >= 6, seen
+    # With C launches (Triton 3.6's launcher) a call launches directly when
+    # the one before had the same launches (split count and bucket).
+    assert direct == (repeats if c_launches else 0) and repeats >= 10, (direct, repeats, len(lengths))
 
 
 _STEP_ON_THE_CUDA_PATH = r'''
@@ -590,16 +600,21 @@ Hq, Hkv, D, top = 32, 8, 128, 70000
 q = torch.randn(1, Hq, 1, D, dtype=torch.bfloat16)
 buf = torch.empty(2, Hkv * top * D, dtype=torch.bfloat16)
 seen = set()
-for M in [600, 601, 602, *range(603, 5000, 37), *range(5000, top, 2111)]:
+lengths = [600, 601, 602, *range(603, 5000, 37), *range(5000, top, 2111)]
+direct = 0
+for M in lengths:
     k, v = (buf[i, :Hkv * M * D].view(1, Hkv, M, D) for i in (0, 1))
     flashfuse.attention(q, k, v, **kw)
     if M == 600:  # the op's call, which makes the lane
         continue
     (step,) = decode._LANE_STEPS.values()
+    direct += step.call is None  # launched directly (the stub has a C launch): no call made
     own = decode._cached_call(q, k, v, None, None, None, None, 0, True, "bhsd", None, config.decode_knobs())
-    got = (step.call.plan, step.call.L, step.call.ints, step.call.windows, step.call.fuse)
+    last = step.last_call()
+    got = (last.plan, last.L, last.ints, last.windows, last.fuse)
     assert got == (own.plan, own.L, own.ints, own.windows, own.fuse), M
     seen.add((own.L.S, id(own.L)))
+assert direct >= len(lengths) // 2, (direct, len(lengths))
 print(len({S for S, _ in seen}), len(seen))
 '''
 
@@ -609,7 +624,9 @@ def test_decode_lane_step_on_the_cuda_path_builds_the_calls_decode_forward_keeps
     not have) on CUDA's launch path, run on CPU tensors with the launches
     stubbed (``bench/host_path_cpu.py``, in a subprocess: it patches
     torch.cuda): a cache grown from 600 to 70k keys, each call the one
-    ``decode_forward``'s own key keeps."""
+    ``decode_forward``'s own key keeps, most of them launched directly
+    (the stub's launcher has the C launch form ``launch.run_binary``
+    bypasses)."""
     import os
     import subprocess
     import sys
@@ -620,3 +637,130 @@ def test_decode_lane_step_on_the_cuda_path_builds_the_calls_decode_forward_keeps
     assert done.returncode == 0, done.stderr[-3000:]
     splits, launches = map(int, done.stdout.split()[-2:])
     assert splits >= 10 and launches > splits, done.stdout
+
+
+def _site_call(q, k, v):
+    """The Hugging Face hook's call of a decode step without a mask."""
+    return fastpath.attention_op_not_compiling(q, k, v, None, 0.0, True, None, True, window_left=None,
+                                               alignment="bottom_right", transpose_out=True)
+
+
+def _made_site(q, k, v):
+    """A lane site made as the hook makes one: after a call took the lane."""
+    _site_call(q, k, v)  # the op, which makes the lane
+    lanes = _lane_hits()
+    _site_call(q, k, v)  # the lane, which makes its step
+    assert _lane_hits() == lanes + 1
+    site = fastpath.lane_site(q, k, v, 0.0, True, None, True, None, "bottom_right", True)
+    assert site is not None
+    return site
+
+
+def _want(q, k, v):
+    return OP(q, k, v, None, 0.0, True, None, True, alignment="bottom_right").transpose(1, 2).contiguous()
+
+
+def test_lane_site_calls_are_bitwise_the_op_on_a_growing_cache(monkeypatch):
+    """A site's calls on a cache that grows (and repeats a length) take the
+    lane, each bitwise the op's output in the hook's (B, N, H, Dv) form."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 16)  # one split up to 16 keys, then two, three
+    Hkv, D = 2, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 1, D, generator=g)
+    buf = torch.randn(2, Hkv * 64 * D, generator=g)
+
+    def cache(M):  # fresh contiguous (1, Hkv, M, D) tensors, as torch.cat leaves them
+        return (buf[i, :Hkv * M * D].view(1, Hkv, M, D) for i in (0, 1))
+
+    site = _made_site(q, *cache(5))
+    for M in [*range(6, 50), 49, 49]:
+        k, v = cache(M)
+        lanes = _lane_hits()
+        got = fastpath.lane_call_at(site, q, k, v)
+        assert got is not None and _lane_hits() == lanes + 1, M
+        assert got.shape == (1, 1, 4, D) and got.is_contiguous() and torch.equal(got, _want(q, k, v)), M
+
+
+def _tensors_unlike_the_sites(case, q, k, v):
+    """Tensors that a site made for (q, k, v) must not take: (q, k, v) of
+    another signature, or of the same one with other strides."""
+    if case == "batch":
+        return q.expand(2, -1, -1, -1).contiguous(), k.expand(2, -1, -1, -1).contiguous(), v.expand(2, -1, -1, -1)
+    if case == "head dim":
+        return q[..., :8].contiguous(), k[..., :8].contiguous(), v[..., :8].contiguous()
+    if case == "value dim":
+        return q, k, torch.cat([v, v], -1)
+    if case == "value length":
+        return q, k, v[:, :, :-1]
+    if case == "dtype":
+        return q.double(), k.double(), v.double()
+    if case == "gradients":
+        return q.clone().requires_grad_(), k, v
+    if case == "parameter":
+        return torch.nn.Parameter(q, requires_grad=False), k, v
+    if case == "subclass":
+        return q.as_subclass(_Sub), k, v
+    if case == "q strides":  # every other head of a wider tensor
+        return torch.stack([q, q], 2).flatten(1, 2)[:, ::2], k, v
+    if case == "misaligned":
+        return q, torch.randn(1 + k.numel())[1:].view_as(k).copy_(k), v
+    if case == "rank":
+        return q, k[None], v[None]
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["batch", "head dim", "value dim", "value length", "dtype", "gradients",
+                                  "parameter", "subclass", "q strides", "misaligned", "rank"])
+def test_lane_site_steps_back_for_tensors_unlike_its_own(monkeypatch, case):
+    """A call whose tensors differ from the site's in anything its signature
+    or the lane's step holds runs nothing there (None): the hook then calls
+    ``attention_op_not_compiling``, which gives what it always gave."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    q, k, v = _qkv(M=40)
+    site = _made_site(q, k, v)
+    a, b, c = _tensors_unlike_the_sites(case, q, k, v)
+    lanes, hits = _lane_hits(), _hits()
+    assert fastpath.lane_call_at(site, a, b, c) is None, case
+    assert (_lane_hits(), _hits()) == (lanes, hits), case
+    assert torch.equal(fastpath.lane_call_at(site, q, k, v), _want(q, k, v)), "the site's own tensors still take it"
+
+
+@pytest.mark.parametrize("case", ["forgotten signatures", "lane off", "plans dropped", "FLASHFUSE_DECODE=0",
+                                  "fewer keys than MIN_KEYS", "torch function mode", "profiler", "fake",
+                                  "dry run"])
+def test_lane_site_steps_back_where_the_lane_would_not_serve(monkeypatch, case):
+    """Where ``_plain_call`` would not take the lane (signatures forgotten,
+    the decode kernels off or refused for the key count, a torch-function
+    mode, the profiler, fake tensors, a dry run) or the lane has no step
+    (plans dropped), a site runs nothing and leaves the call to
+    ``attention_op_not_compiling``."""
+    from flashfuse.kernels import launch
+
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    q, k, v = _qkv(M=40)
+    site = _made_site(q, k, v)
+    ctx = contextlib.nullcontext()
+    args = (q, k, v)
+    if case == "forgotten signatures":
+        fastpath.forget_signatures()
+    elif case == "lane off":
+        ctx = fastpath.decode_lane_off()
+    elif case == "plans dropped":
+        decode.forget_plans()
+    elif case == "FLASHFUSE_DECODE=0":
+        monkeypatch.setenv("FLASHFUSE_DECODE", "0")
+    elif case == "fewer keys than MIN_KEYS":
+        monkeypatch.delenv("FLASHFUSE_DECODE", raising=False)
+        monkeypatch.setattr(decode, "MIN_KEYS", 41)
+    elif case == "dry run":
+        ctx = launch.dry_run()
+    else:
+        ctx, args = _context(case, q, k, v)
+    lanes = _lane_hits()
+    with ctx:
+        assert fastpath.lane_call_at(site, *args) is None, case
+    assert _lane_hits() == lanes, case
+    if case not in ("lane off", "dry run"):
+        with _context(case, q, k, v)[0] if case in ("torch function mode", "profiler") else contextlib.nullcontext():
+            assert torch.equal(_site_call(q, k, v), _want(q, k, v)), case

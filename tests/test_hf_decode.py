@@ -53,3 +53,88 @@ def test_generate_takes_decode_path_with_masks(decode_calls, cache, left_pad):
     # Every one-token step of the one layer, each with its bool mask.
     steps = [c for c in decode_calls if c[0] == 1]
     assert len(steps) == 2 and all(masked for _, masked in steps)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_generate_takes_the_layers_lane_sites_bitwise(monkeypatch, batch):
+    """Greedy decoding on a dynamic cache without padding: after its first
+    decode steps every layer's call takes its lane site
+    (``fastpath.lane_call_at``), and the logits are bitwise those of the
+    same generation without sites (every call through
+    ``attention_op_not_compiling``)."""
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "2")
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation(ffhf.ATTN_IMPLEMENTATION)
+    ids = torch.randint(1, VOCAB, (batch, 5), generator=torch.Generator().manual_seed(2))
+    taken = []
+    real = ffhf._lane_call_at
+    monkeypatch.setattr(ffhf, "_lane_call_at", lambda *a: taken.append(real(*a) is not None) or real(*a))
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=0)
+
+    with_sites = generate()
+    # Prefill, then five decode steps: the first decode call of the
+    # signature makes the lane (the op), a call that takes the lane makes
+    # its layer's site; from the third step on both layers take their sites.
+    assert all(taken) and len(taken) >= 6, taken
+    monkeypatch.setattr(ffhf._fastpath, "lane_site", lambda *a: None)
+    ffhf._LAYER_READS.clear()
+    taken.clear()
+    without = generate()
+    assert not any(taken)
+    assert torch.equal(with_sites.sequences, without.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(with_sites.logits, without.logits))
+
+
+@pytest.mark.gpu
+def test_gpu_generate_takes_the_layers_lane_sites_bitwise(monkeypatch):
+    """On the GPU (bf16, a prompt past the decode kernels' threshold): the
+    layers' lane sites and the lane steps' direct launches give bitwise
+    the logits of the same generation without sites or direct launches."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model.set_attn_implementation(ffhf.ATTN_IMPLEMENTATION)
+    ids = torch.randint(1, VOCAB, (2, 700), generator=torch.Generator().manual_seed(2)).cuda()
+    taken, direct = [], []
+    real_site, real_direct = ffhf._lane_call_at, decode._launch_direct
+
+    def site_spy(*args):
+        out = real_site(*args)
+        taken.append(out is not None)
+        return out
+
+    def direct_spy(*args):
+        out = real_direct(*args)
+        direct.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ffhf, "_lane_call_at", site_spy)
+    monkeypatch.setattr(decode, "_launch_direct", direct_spy)
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=0)
+
+    with_sites = generate()
+    assert taken.count(True) >= 16, taken
+    # Direct launches where Triton's launcher is the C launch's known wrapper (3.6's).
+    from flashfuse.kernels import launch
+
+    c_launch = any(launch._C_LAUNCH_CLASSES.values())
+    assert direct.count(True) >= 16 if c_launch else not any(direct), direct
+    monkeypatch.setattr(ffhf._fastpath, "lane_site", lambda *a: None)
+    monkeypatch.setattr(decode, "_launch_direct", lambda *a: None)
+    ffhf._LAYER_READS.clear()
+    without = generate()
+    assert torch.equal(with_sites.sequences, without.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(with_sites.logits, without.logits))

@@ -871,21 +871,21 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
         return out.transpose(1, 2) if transpose_out else out
     if knobs is None:
         knobs = config.decode_knobs()
-    q_strides, ks, k_strides, vs, v_strides = q.stride(), k.shape, k.stride(), v.shape, v.stride()
+    ks = k.shape
+    m = ks[2]
+    if attn_mask is None:
+        out = _lane_step(token, q, k, v, m, knobs, scale, window_left, window_right, transpose_out)
+        if out is not None:
+            return out
+    q_strides, k_strides, vs, v_strides = q.stride(), k.stride(), v.shape, v.stride()
     aligned = (q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
     precision = "ieee" if q.dtype is not torch.float32 else _dot_precision(q)
-    m = ks[2]
     if attn_mask is None:
         # k's and v's strides in the kernel's order (``_bhsd_order``, inline).
         kv = (k_strides[0], k_strides[2], k_strides[1], k_strides[3],
               v_strides[0], v_strides[2], v_strides[1], v_strides[3])
         fixed = (q_strides, ks[:2] + ks[3:], vs[:2] + vs[3:], aligned, knobs, precision)
         step = _LANE_STEPS.get(token)
-        if step is not None and step.fixed == fixed:
-            if step.kv == kv and step.m == m:  # the last call again (a fixed length)
-                return _run(step.call, q, k, v, None, None, None, scale, True, False, transpose_out)[0]
-            if step.kv == kv or step.fp == _fingerprint(kv):
-                return _step_forward(step, q, k, v, m, kv, scale, window_left, window_right, transpose_out)
         # A length other than the lane's last one is a dynamic cache's next
         # token: no exact key of it is kept, so its lane's grown plan is
         # tried first (a fixed cache repeats its length, its exact key).
@@ -933,65 +933,216 @@ class _LaneStep:
     ``_LANE_GROWN``'s key holds but the lane (``fixed``: q's strides, k's and
     v's sizes but the length, alignments, knobs, dot precision), k's and v's
     strides in the kernel's order (``kv``) and their fingerprint (``fp``),
-    and the call made (its plan, split count, launches). A call with the
-    same ``fixed`` and the same strides, or strides of the same fingerprint,
-    has the same plan (``_LANE_GROWN`` would find it); ``_step_forward``
-    then builds its call from the last one's, asking ``_bucket`` and the
-    plan's launches only when its split count or its keys per split's
-    bucket moved. A call with the last one's strides and length is that
-    call (``_Call`` objects are never changed once built).
+    the plan, the launches (``L``: split count and bucket) and length
+    (``m``) of the last call, and that call when it was made (``call``, None
+    after a direct launch). A call with the same ``fixed`` and the same
+    strides, or strides of the same fingerprint, has the same plan
+    (``_LANE_GROWN`` would find it); ``_step_forward`` then asks ``_bucket``
+    and the plan's launches only when its split count or its keys per
+    split's bucket moved, and launches directly (``direct``, a
+    ``_DirectLaunch``) where it can, else builds its call. A call with the
+    last one's strides and length is that call (``_Call`` objects are never
+    changed once built).
 
     Inside ``generate()`` the hook's call costs a multiple of the same call
     in a loop (the model's layers evict the path from the CPU's caches), so
     what counts there is how much code a call runs: this skips
-    ``_finish_call``'s seven helpers (bench/NOTES.md run 37)."""
+    ``_finish_call``'s seven helpers (bench/NOTES.md run 37), and the direct
+    launch ``_run``'s allocations and lookups (run 39)."""
 
-    __slots__ = ("fixed", "kv", "fp", "call", "m", "lo", "hi")
+    __slots__ = ("fixed", "kv", "fp", "call", "m", "lo", "hi", "plan", "L", "direct")
 
     def __init__(self, fixed, kv, fp, call, m):
         self.fixed, self.kv, self.fp, self.call, self.m = fixed, kv, fp, call, m
-        # The keys per split that ``call``'s launches serve (none known yet).
+        self.plan, self.L, self.direct = call.plan, call.L, None
+        # The keys per split that ``L`` serves (none known yet).
         self.lo, self.hi = 1, 0
+
+    def last_call(self) -> "_Call":
+        """The call the step's last call was (built after a direct launch,
+        which makes none): what ``_cached_call`` keeps for its arguments."""
+        if self.call is None:
+            plan, L, m = self.plan, self.L, self.m
+            c = self.call = _Call()
+            c.plan, c.L = plan, L
+            c.ints = (*self.fixed[0], *self.kv, 0, 0, 0, 0, 0, 0, *plan.sizes, m, 1, L.S)
+            c.windows = self.direct.windows
+            c.bounds_ints = None
+            c.fuse = L.fusable and plan.cache_bytes_per_key * m <= FUSED_MAX_BYTES
+        return self.call
 
 
 # lane token -> its _LaneStep (``lane_forward``)
 _LANE_STEPS: dict = {}
 
 
+def lane_step_forward(token, q, k, v, m: int, knobs: tuple, scale, window_left, window_right,
+                      transpose_out: bool) -> torch.Tensor | None:
+    """``lane_forward(token, q, k, v, None, scale, window_left,
+    window_right, True, knobs, transpose_out)`` (``m``: k's length) where
+    the lane's kept step serves the call (``_LaneStep``), else None with
+    nothing launched: the fast path's lane sites (``fastpath.LaneSite``),
+    whose calls have the lane's signature, so that its sizes need no
+    check."""
+    if _DRY_RUN.get():
+        return None
+    return _lane_step(token, q, k, v, m, knobs, scale, window_left, window_right, transpose_out)
+
+
+def _lane_step(token, q, k, v, m: int, knobs: tuple, scale, window_left, window_right,
+               transpose_out: bool) -> torch.Tensor | None:
+    """``lane_step_forward`` once the dry run is ruled out: what the step
+    holds besides the sizes (q's strides, the alignments, knobs and dot
+    precision) compared, and k's and v's strides, or their fingerprint."""
+    step = _LANE_STEPS.get(token)
+    if step is None:
+        return None
+    fixed = step.fixed
+    q_strides = q.stride()
+    addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())  # read once: a direct launch takes them
+    if (q_strides != fixed[0] or (addresses[0] & 15, addresses[1] & 15, addresses[2] & 15) != fixed[3]
+            or knobs != fixed[4] or ("ieee" if q.dtype is not torch.float32 else _dot_precision(q)) != fixed[5]):
+        return None
+    k_strides, v_strides = k.stride(), v.stride()
+    # k's and v's strides in the kernel's order (``_bhsd_order``, inline).
+    kv = (k_strides[0], k_strides[2], k_strides[1], k_strides[3], v_strides[0], v_strides[2], v_strides[1], v_strides[3])
+    if kv != step.kv and step.fp != _fingerprint(kv):
+        return None
+    return _step_forward(step, q, k, v, m, kv, scale, window_left, window_right, transpose_out, addresses)
+
+
 def _step_forward(step: _LaneStep, q, k, v, m: int, kv: tuple, scale, window_left, window_right,
-                  transpose_out: bool) -> torch.Tensor:
+                  transpose_out: bool, addresses: tuple) -> torch.Tensor:
     """``lane_forward``'s result for a call that ``step`` serves (see
-    ``_LaneStep``): ``_finish_grown`` of the step's plan, inline."""
-    last = step.call
-    plan = last.plan
-    if plan.forced is not None:
-        S = plan.forced
-    else:
-        S = max(1, min(plan.want, -(-max(m, 1) // MIN_SPLIT_KEYS), MAX_SPLITS))  # _splits_for_keys
-    per = -(-m // S)  # the keys a split reads: what the launches' bucket is of
-    L = last.L
-    if S != L.S or not step.lo <= per <= step.hi:
-        if plan.interp:
-            bucket, step.lo, step.hi = 0, 0, _NO_END
+    ``_LaneStep``): ``_finish_grown`` of the step's plan, inline, then its
+    direct launch (``_launch_direct``) or ``_run``. ``addresses``: q's, k's
+    and v's."""
+    plan, L = step.plan, step.L
+    if m != step.m or kv != step.kv:
+        if plan.forced is not None:
+            S = plan.forced
         else:
-            # _bucket: the next power of two, capped; the same for every
-            # count of keys in (bucket / 2, bucket], or past the cap's half.
-            bucket = _bucket(per, _BUCKET_CAP)
-            step.lo, step.hi = bucket // 2 + 1, (bucket if bucket < _BUCKET_CAP else _NO_END)
-        L = plan.launches.get((S, bucket))
-        if L is None:
-            L = plan.launches[(S, bucket)] = _make_launches(plan, S, bucket, q)
-    c = _Call()
-    c.plan, c.L = plan, L
-    c.ints = (*step.fixed[0], *kv, 0, 0, 0, 0, 0, 0, *plan.sizes, m, 1, S)  # q's strides first
+            S = max(1, min(plan.want, -(-max(m, 1) // MIN_SPLIT_KEYS), MAX_SPLITS))  # _splits_for_keys
+        per = -(-m // S)  # the keys a split reads: what the launches' bucket is of
+        if S != L.S or not step.lo <= per <= step.hi:
+            if plan.interp:
+                bucket, step.lo, step.hi = 0, 0, _NO_END
+            else:
+                # _bucket: the next power of two, capped; the same for every
+                # count of keys in (bucket / 2, bucket], or past the cap's half.
+                bucket = _bucket(per, _BUCKET_CAP)
+                step.lo, step.hi = bucket // 2 + 1, (bucket if bucket < _BUCKET_CAP else _NO_END)
+            L = plan.launches.get((S, bucket))
+            if L is None:
+                L = plan.launches[(S, bucket)] = _make_launches(plan, S, bucket, q)
+            step.L = L
+        step.kv, step.m, step.call = kv, m, None
     limit = plan.N + m
     # clamp_window, inline (0: no bound)
-    c.windows = (0 if window_left is None else max(-limit, min(int(window_left), limit)),
-                 0 if window_right is None else max(-limit, min(int(window_right), limit)))
-    c.bounds_ints = None
-    c.fuse = L.fusable and plan.cache_bytes_per_key * m <= FUSED_MAX_BYTES
-    step.kv, step.call, step.m = kv, c, m
-    return _run(c, q, k, v, None, None, None, scale, True, False, transpose_out)[0]
+    windows = (0 if window_left is None else max(-limit, min(int(window_left), limit)),
+               0 if window_right is None else max(-limit, min(int(window_right), limit)))
+    d = step.direct
+    if d is not None and d.L is L:
+        out = _launch_direct(d, step, m, kv, windows, scale, transpose_out, addresses)
+        if out is not None:
+            return out
+    c = step.call
+    if c is None:
+        c = step.call = _Call()
+        c.plan, c.L = plan, L
+        c.ints = (*step.fixed[0], *kv, 0, 0, 0, 0, 0, 0, *plan.sizes, m, 1, L.S)  # q's strides first
+        c.windows = windows
+        c.bounds_ints = None
+        c.fuse = L.fusable and plan.cache_bytes_per_key * m <= FUSED_MAX_BYTES
+    out = _run(c, q, k, v, None, None, None, scale, True, False, transpose_out)[0]
+    if L.c_launch:  # the next call's, where this one could have been direct
+        step.direct = _DirectLaunch.of(plan, L, q)
+    return out
+
+
+class _DirectLaunch:
+    """A lane step's one launch made without ``_run`` (``_launch_direct``):
+    for launches ``L`` of an eager call on real tensors whose one kernel
+    (the split kernel, merging its partials itself where ``L`` splits the
+    keys) has a C launch (``launch.KeptBinary``), on the stream it was made
+    for, with the workspaces ``_run`` took there (held here, checked by
+    ``_WORKSPACE_EPOCH``). What stays fixed for such calls is kept: the
+    grid and the C launch's head and tail, the buffers' addresses, the
+    integer arguments before the length (rebuilt when k's or v's strides
+    move), the output's shape, dtype and device. Only calls that ``_run``
+    would launch the same way take it; any other falls back to ``_run``.
+    A step's ``windows``: its last call's clamped band (``last_call``)."""
+
+    __slots__ = ("L", "index", "stream", "epoch", "c_launch", "head", "tail", "buffers", "lse", "part", "count",
+                 "needs_fused", "max_m", "kv", "ints", "out_shape", "out_strides", "dtype", "device", "windows")
+
+    @staticmethod
+    def of(plan: _Plan, L: _Launches, q) -> "_DirectLaunch | None":
+        """The direct launch of ``L``, after ``_run`` launched it as one (its
+        binary and workspaces made), or None where ``_run`` would not."""
+        if plan.interp or not WORKSPACES or (L.part_numel > SCRATCH_MAX_FLOATS):
+            return None
+        if L.direct:
+            kept = L.binaries[_SPLIT]
+        elif L.fusable and FUSE_COMBINE:
+            kept = L.binaries[_FUSED_SPLIT]
+        else:
+            return None
+        if kept is None or kept.c_launch is None or (_CUDA_CAPTURING or torch.cuda.is_current_stream_capturing)():
+            return None
+        current = _CUDA_DEVICE() if _CUDA_DEVICE is not None else torch.cuda.current_device()
+        if plan.device_index is not None and plan.device_index != current:
+            return None
+        stream, dev = _device_stream(current), q.device
+        lse = _WORKSPACES.get((dev, stream, "lse"))
+        part = lse if L.direct else _WORKSPACES.get((dev, stream, "part"))
+        count = lse if L.direct else _WORKSPACES.get((dev, stream, "counters"))
+        if (lse is None or part is None or count is None or lse.numel() < plan.B * plan.Hq * plan.N
+                or part.numel() < L.part_numel or (not L.direct and count.numel() < L.counters)):
+            return None
+        d = _DirectLaunch()
+        d.L, d.index, d.stream, d.epoch = L, plan.device_index, stream, _WORKSPACE_EPOCH[0]
+        d.c_launch, d.head, d.tail = kept.c_launch, (*L.grid, stream, *kept.c_head), kept.tail
+        d.buffers = (lse, part, count)  # alive while this launch may write them
+        d.lse, d.part, d.count = lse.data_ptr(), part.data_ptr(), count.data_ptr()
+        d.needs_fused = not L.direct
+        d.max_m = FUSED_MAX_BYTES // plan.cache_bytes_per_key if d.needs_fused else _NO_END
+        d.kv = d.ints = d.windows = None
+        d.out_shape, d.out_strides = (plan.B, plan.N, plan.Hq, plan.Dv), plan.sizes[:4]
+        d.dtype, d.device = q.dtype, dev
+        return d
+
+
+def _launch_direct(d: _DirectLaunch, step: _LaneStep, m: int, kv: tuple, windows: tuple, scale,
+                   transpose_out: bool, addresses: tuple) -> torch.Tensor | None:
+    """The output of ``step``'s call launched through ``d``, or None (nothing
+    launched) where ``_run`` would launch otherwise: under graph capture, on
+    another device or stream, with launch hooks, settings changed
+    (``FUSE_COMBINE``, ``WORKSPACES``), a workspace replaced, or a cache too
+    large for the fused merge. Its arguments are ``_allocate_and_launch``'s
+    C launch's, to the address."""
+    if (not WORKSPACES or (d.needs_fused and not FUSE_COMBINE) or m > d.max_m or d.epoch != _WORKSPACE_EPOCH[0]
+            or (_CUDA_CAPTURING or torch.cuda.is_current_stream_capturing)()):
+        return None
+    current = _CUDA_DEVICE() if _CUDA_DEVICE is not None else torch.cuda.current_device()
+    if (d.index is not None and d.index != current) or _device_stream(current) != d.stream \
+            or _launch_hooks() != (None, None):
+        return None
+    if kv != d.kv:
+        d.kv, d.ints = kv, (*step.fixed[0], *kv, 0, 0, 0, 0, 0, 0, *step.plan.sizes)  # q's strides first
+    d.windows = windows
+    if transpose_out:  # (B, N, Hq, Dv): the memory order of the op's output
+        out = torch.empty(d.out_shape, dtype=d.dtype, device=d.device)
+    else:
+        s = d.out_shape
+        out = torch.empty_strided((s[0], s[2], s[1], s[3]), d.out_strides, dtype=d.dtype, device=d.device)
+    q, lse = addresses[0], d.lse
+    # (q, k, v, seqlens, table, mask, bounds, part, out, lse, counters) as
+    # _allocate_and_launch passes them: q stands in for the absent tensors,
+    # the lse for the bounds (and for the partials and counters unsplit).
+    d.c_launch(*d.head, *addresses, q, q, q, lse, d.part, out.data_ptr(), lse, d.count, *d.ints, m, 1, d.L.S,
+               float(scale) * _LOG2E, *windows, *d.tail)
+    return out
 
 
 _BUCKET_CAP = 1 << 16  # the cap on the launches' bucket of keys per split (_finish_call)
@@ -1155,6 +1306,7 @@ FUSED_MAX_SPLITS = 64
 #   SCRATCH_MAX_FLOATS (64 MiB) are allocated per call, so that no workspace
 #   keeps that much memory. Benchmarks set WORKSPACES False to compare.
 _WORKSPACES: dict = {}
+_WORKSPACE_EPOCH = [0]  # buffers made so far (``_workspace``)
 SCRATCH_MAX_FLOATS = 1 << 24
 WORKSPACES = True
 
@@ -1169,6 +1321,7 @@ def _workspace(dev: torch.device, stream, what: str, n: int, dtype: torch.dtype,
         # the stream; the allocator reuses its memory only after that launch.
         buf = (torch.zeros if zeroed else torch.empty)(max(n, 4096), dtype=dtype, device=dev)
         _WORKSPACES[key] = buf
+        _WORKSPACE_EPOCH[0] += 1  # a direct launch holding the one replaced steps back (_DirectLaunch)
     return buf
 
 

@@ -747,3 +747,142 @@ def test_c_launches_take_every_tensor_as_its_address():
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[0] == "ok" and int(done.stdout.split()[1]) >= 2, done.stdout
+
+
+_DIRECT_ON_THE_CUDA_PATH = r'''
+import os, sys
+os.environ.update(FLASHFUSE_AUTOTUNE="0", TRITON_INTERPRET="0", FLASHFUSE_DECODE="1")
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import torch
+import host_path_cpu
+import flashfuse
+from flashfuse.kernels import decode, launch
+from tests.kernels.test_launch import CudaLauncher
+
+host_path_cpu.force_cuda_path_on_cpu()  # CUDA's launch path on CPU tensors
+
+
+class Binary:
+    function, packed_metadata = 7, (4, 1, 0)
+
+    def __init__(self):
+        self.run = CudaLauncher()
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+binaries = []
+launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: binaries.append(Binary()) or binaries[-1]
+hooks = [(None, None)]
+decode._launch_hooks = launch._launch_hooks = lambda: hooks[0]
+streams = [launch._triton_device_stream(0)]
+decode._device_stream = lambda index: streams[0]
+kw = dict(is_causal=True, alignment="bottom_right", enable_gqa=True)
+OUT = 13 + 8  # the output's address: after the grid, stream and C head (13), the 9th tensor
+
+
+runs = [0]
+real_run = decode._run
+decode._run = lambda *a, **k: runs.__setitem__(0, runs[0] + 1) or real_run(*a, **k)
+
+
+def call(q, buf, M, run=False):
+    """The C launches of one lane call on M keys (a tensor as its address:
+    a launch's first, through the launcher, takes tensors), and whether it
+    was direct; ``run``: with the step's direct launch dropped first."""
+    B, Hq, _, D = q.shape
+    k, v = (buf[i, :B * 2 * M * D].view(B, 2, M, D) for i in (0, 1))
+    for b in binaries:
+        b.run.c_calls.clear(); b.run.wrapper_calls = 0
+    step = next(iter(decode._LANE_STEPS.values()), None)
+    if run and step is not None:
+        step.direct = None
+    before = runs[0]
+    out = flashfuse.attention(q, k, v, **kw)
+    assert not any(b.run.wrapper_calls for b in binaries) or hooks[0] != (None, None)
+    calls = [tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in c) for b in binaries
+             for c in b.run.c_calls]
+    return calls, runs[0] == before, out
+
+
+q = torch.randn(2, 8, 1, 64)
+buf = torch.randn(2, 2 * 2 * 4000 * 64)
+for M in (599, 600):  # the op's call, which makes the lane, then the lane's, which makes its step
+    flashfuse.attention(q, *(buf[i, :2 * 2 * M * 64].view(2, 2, M, 64) for i in (0, 1)), **kw)
+direct = 0
+for M in [*range(601, 700, 7), *range(700, 4000, 211)]:  # growing: split counts and buckets move
+    call(q, buf, M)  # a new length (a new split count or bucket compiles: no launch seen)
+    for again in range(2):  # the same length again, directly, then through _run
+        got, was_direct, out = call(q, buf, M)
+        want, was_run, _ = call(q, buf, M, run=True)
+        direct += was_direct
+        assert was_direct and not was_run and len(got) == len(want) == 1, (M, len(got), len(want))
+        # Bit for bit the launch _run makes, but for the fresh output's address.
+        assert got[0][:OUT] == want[0][:OUT] and got[0][OUT + 1:] == want[0][OUT + 1:], M
+        assert type(got[0][OUT]) is int and out.shape == (2, 8, 1, 64), M
+
+# Where _run would launch otherwise, the direct launch steps back.
+def fallback(name):
+    call(q, buf, 3999)
+    got, was_direct, _ = call(q, buf, 3999)
+    assert was_direct, name
+    return got
+
+base = fallback("base")
+hooks[0] = (object(), None)
+_, was_direct, _ = call(q, buf, 3999)
+assert not was_direct and any(b.run.wrapper_calls for b in binaries), "a launch hook: Triton's wrapper"
+hooks[0] = (None, None)
+fallback("after the hook")
+streams[0] = streams[0] + 1
+got, was_direct, _ = call(q, buf, 3999)
+assert not was_direct and got[0][3] == streams[0], "another stream: its own workspaces"
+got = fallback("on the new stream")
+assert got[0][3] == streams[0] and got[0][13 + 7] != base[0][13 + 7], "the new stream's partials"
+for setting in ("FUSE_COMBINE", "WORKSPACES"):
+    setattr(decode, setting, False)
+    call(q, buf, 3999)  # unfused: the split and combine kernels compile
+    got, was_direct, _ = call(q, buf, 3999)
+    assert not was_direct and got, setting
+    setattr(decode, setting, True)
+    fallback("after " + setting)
+capturing = torch.cuda.is_current_stream_capturing
+torch.cuda.is_current_stream_capturing = lambda: True
+call(q, buf, 3999)
+got, was_direct, _ = call(q, buf, 3999)
+assert not was_direct and got, "under capture"
+torch.cuda.is_current_stream_capturing = capturing
+fallback("after capture")
+# A workspace replaced by a larger one (a bigger batch's partials): the
+# direct launch holding the old one steps back once, then holds the new one.
+big = torch.randn(16, 8, 1, 64)
+call(big, torch.randn(2, 16 * 2 * 4000 * 64), 3999)
+_, was_direct, _ = call(q, buf, 3999)
+assert not was_direct, "a workspace replaced"
+got = fallback("with the new workspace")
+part = decode._WORKSPACES[(q.device, streams[0], "part")]
+assert got[0][13 + 7] == part.data_ptr()
+print("ok", direct)
+'''
+
+
+def test_direct_lane_launch_is_the_launch_run_makes():
+    """A lane step's direct launch (``decode._launch_direct``) on CUDA's
+    launch path (CPU tensors, launches stubbed with Triton 3.6's C launch
+    form, in a subprocess): on a growing cache (split counts and buckets
+    moving) and a repeated length, its C launch gets, argument for
+    argument, what ``_run``'s gets but the fresh output's address; with a
+    launch hook, on another stream, with the fused merge or the workspaces
+    off, under graph capture, and once after a workspace was replaced, the
+    call takes ``_run``, and the direct launch comes back after."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _DIRECT_ON_THE_CUDA_PATH, os.path.join(root, "bench"), root],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[0] == "ok" and int(done.stdout.split()[1]) >= 20, done.stdout

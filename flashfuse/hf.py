@@ -440,7 +440,9 @@ def _decide(module, query, key, value, attention_mask, dropout, is_causal, posit
     if attention_mask is not None and position_bias is None:
         # transformers hands every layer the same mask object: its tables
         # are built by the first layer and read by the others.
-        extra = _shared_tables(attention_mask, query, key, value)
+        extra = _shared_tables(attention_mask, query, key, value,
+                               dict(dropout_p=dropout_p, is_causal=causal, window_left=window_left, softcap=softcap,
+                                    sinks=sinks))
     if softcap is not None:
         extra["softcap"] = softcap
     if sinks is not None:
@@ -620,18 +622,25 @@ def _table_key(mask: Tensor, query: Tensor, key: Tensor, queries: bool) -> tuple
             query.shape[2], key.shape[2], queries, torch.is_inference_mode_enabled())
 
 
-def _shared_tables(mask: Tensor, query: Tensor, key: Tensor, value: Tensor) -> dict:
+def _shared_tables(mask: Tensor, query: Tensor, key: Tensor, value: Tensor, call: dict) -> dict:
     """The op's ``mask_key_table`` / ``mask_query_table`` for this mask,
     built once and reused while the same mask object, unchanged, comes back
     (the other layers of the forward); {} (the op builds its own) when that
     cannot be told safely: under tracing (the graph pass shares tables
-    there), or for tensor subclasses."""
+    there), or for tensor subclasses. Also {} for a call whose forward the
+    split-KV decode kernels run with no gradient to come (a static cache's
+    decode step, ``ops.takes_decode_kernels`` on the op's other arguments,
+    ``call``): they never read the tables, whose build would only cost, and
+    a call with tables stays off the fast path's decode lane."""
     global _block_mask_op
     # The mask lives on the query's device, so the kernels' test on the query
     # says whether they run (CUDA, or the interpreter on the CPU).
     if type(mask) is not Tensor or is_tracing(mask) or torch.compiler.is_compiling() or not _ops._use_triton(query):
         return {}
     queries = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, mask))
+    if not queries and _ops.takes_decode_kernels(query, key, value, mask, scale=None, alignment="bottom_right",
+                                                 **call):
+        return {}  # (the scale decides no route: the default stands in)
     want = _table_key(mask, query, key, queries)
     # A dead mask's entry is already gone (_drop_dead_tables); the copy
     # because that callback may run at any point.

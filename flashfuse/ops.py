@@ -400,6 +400,29 @@ def forward_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                                       sinks))
 
 
+def takes_decode_kernels(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, alignment,
+                         softcap=None, sinks=None) -> bool:
+    """Whether an eager call of ``attention`` with these arguments (no right
+    window, fill or block-mask tables) runs its forward on the split-KV
+    decode kernels: the kernels' own route rule (``decode.decode_suits``)
+    on the arguments as the op hands them over, with nothing launched.
+    False where the kernels do not run on these tensors, and for arguments
+    the op would refuse (its checks have not run: the op raises then). The
+    Hugging Face hook asks, to skip building a mask's block tables, which
+    that route never reads."""
+    if not _use_triton(query):
+        return False
+    try:
+        # (a stand-in seed: with none, dropout would read as off)
+        a = _forward_args(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left, None, alignment,
+                          None, new_seed=lambda: 0, softcap=softcap, sinks=sinks)
+        decode = _kernels.modules().decode
+        return decode.decode_suits(decode.DecodeCall(a.q, a.k, a.attn_mask, a.dropout_p, a.window_left,
+                                                     a.window_right, a.bottom_right, a.mask_fill, a.softcap, a.sinks))
+    except Exception:  # a bad argument: the op's checks name it
+        return False
+
+
 def backward_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False, *, window_left=None, window_right=None, alignment="top_left",
                     mask_fill=None, softcap=None, sinks=None) -> str | None:

@@ -16,24 +16,30 @@ VOCAB = 64
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """The decode launches, recorded by query count and whether a mask came."""
+    """The decode calls (the op's route to the decode kernels, or the fast
+    path's decode lane), recorded by query count and whether a mask came."""
     # The tiny cache would otherwise stay on the forward kernel.
     monkeypatch.setattr(decode, "MIN_KEYS", 1)
     monkeypatch.setenv("FLASHFUSE_DECODE_SPLITS", "2")
     calls = []
-    real = decode.decode_forward
+    real, real_lane = decode.decode_forward, decode.lane_forward
 
     def spy(q, *args, **kw):
         calls.append((q.shape[2], kw.get("attn_mask") is not None))
         return real(q, *args, **kw)
 
+    def lane_spy(token, q, k, v, attn_mask, *args, **kw):  # the fast path's decode lane
+        calls.append((q.shape[2], attn_mask is not None))
+        return real_lane(token, q, k, v, attn_mask, *args, **kw)
+
     monkeypatch.setattr(decode, "decode_forward", spy)
+    monkeypatch.setattr(decode, "lane_forward", lane_spy)
     return calls
 
 
 # Left padding: prefill rows that see no key, and a mask with holes at both ends.
 @pytest.mark.parametrize("cache,left_pad", [("static", 2), ("dynamic", 2)])
-def test_generate_takes_decode_path_with_masks(decode_calls, cache, left_pad):
+def test_generate_takes_decode_path_with_masks(monkeypatch, decode_calls, cache, left_pad):
     # GQA 4 (4 query heads, 1 key/value head), head dim 16.
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32)
@@ -44,6 +50,16 @@ def test_generate_takes_decode_path_with_masks(decode_calls, cache, left_pad):
     mask = torch.ones_like(ids)
     mask[0, :left_pad] = 0
     extra = dict(cache_implementation="static") if cache == "static" else {}
+    tables = []  # the query counts of the calls that got a mask's block tables
+    real_tables = ffhf._shared_tables
+
+    def tables_spy(mask, q, k, v, call):
+        got = real_tables(mask, q, k, v, call)
+        if got:
+            tables.append(q.shape[2])
+        return got
+
+    monkeypatch.setattr(ffhf, "_shared_tables", tables_spy)
     tokens = {}
     for impl in ("eager", ffhf.ATTN_IMPLEMENTATION):
         model.set_attn_implementation(impl)
@@ -53,6 +69,8 @@ def test_generate_takes_decode_path_with_masks(decode_calls, cache, left_pad):
     # Every one-token step of the one layer, each with its bool mask.
     steps = [c for c in decode_calls if c[0] == 1]
     assert len(steps) == 2 and all(masked for _, masked in steps)
+    # The decode kernels never read a block mask's tables: none are built for their calls.
+    assert 1 not in tables, tables
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -503,3 +503,41 @@ def test_kernels_defined_for_the_interpreter_recorded_at_import(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = script_runner.run(str(script), cwd=root, env=env, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["bool mask", "no mask", "float mask", "dropout", "many queries", "softcap",
+                                  "bad scale"])
+def test_takes_decode_kernels_answers_as_the_op_routes(monkeypatch, case):
+    """``ops.takes_decode_kernels`` (the Hugging Face hook asks it before
+    building block-mask tables) says True exactly for the calls whose forward
+    the op runs on the split-KV decode kernels, and never raises: a bad
+    argument is False (the op raises its own error)."""
+    from flashfuse import ops
+    from flashfuse.kernels import decode
+
+    if not ops._use_triton(torch.empty(1)):
+        pytest.skip("the kernels run only under TRITON_INTERPRET=1 on a CPU")
+    monkeypatch.setattr(decode, "MIN_KEYS", 1)
+    g = torch.Generator().manual_seed(4)
+    N = 40 if case == "many queries" else 1
+    q, k, v = (torch.randn(1, h, n, 16, generator=g) for h, n in ((4, N), (2, 30), (2, 30)))
+    mask = torch.rand(1, 1, N, 30, generator=g) > 0.3
+    if case == "no mask":
+        mask = None
+    elif case == "float mask":
+        mask = torch.zeros(1, 1, N, 30).masked_fill(~mask, float("-inf"))
+    kw = dict(dropout_p=0.3 if case == "dropout" else 0.0, is_causal=False,
+              scale=float("nan") if case == "bad scale" else None, window_left=None, alignment="bottom_right",
+              softcap=5.0 if case == "softcap" else None)
+    said = ops.takes_decode_kernels(q, k, v, mask, kw["dropout_p"], False, kw["scale"], None, "bottom_right",
+                                    softcap=kw["softcap"])
+    taken = []
+    real = decode.decode_forward
+    monkeypatch.setattr(decode, "decode_forward", lambda *a, **kws: taken.append(1) or real(*a, **kws))
+    try:
+        torch.ops.flashfuse.attention(q, k, v, mask, kw["dropout_p"], False, kw["scale"], True,
+                                      alignment="bottom_right", softcap=kw["softcap"])
+    except (ValueError, RuntimeError):
+        assert case == "bad scale" and not said
+        return
+    assert said == bool(taken) == (case in ("bool mask", "no mask")), case

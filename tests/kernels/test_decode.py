@@ -658,7 +658,11 @@ def test_split_candidates_override_and_restore():
     assert decode._split_configs(False) is tuned
 
 
-_POINTERS_ON_THE_CUDA_PATH = r'''
+# The start of a subprocess script (argv: bench, the repository root): CUDA's
+# launch path on CPU tensors (``bench/host_path_cpu.py``), every compiled
+# binary a stand-in whose launcher has Triton 3.6's form (recording its C
+# calls; ``binaries`` in compile order), the launch hooks set by ``hooks[0]``.
+_ON_THE_CUDA_PATH = r'''
 import os, sys
 os.environ.update(FLASHFUSE_AUTOTUNE="0", TRITON_INTERPRET="0", FLASHFUSE_DECODE="1")
 sys.path.insert(0, sys.argv[1])
@@ -686,6 +690,10 @@ binaries = []
 launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: binaries.append(Binary()) or binaries[-1]
 hooks = [(None, None)]
 decode._launch_hooks = launch._launch_hooks = lambda: hooks[0]
+'''
+
+
+_POINTERS_ON_THE_CUDA_PATH = _ON_THE_CUDA_PATH + r'''
 q = torch.randn(2, 8, 1, 64)
 buf = torch.randn(2, 2 * 2 * 900 * 64)
 masks = {"none": None, "bool": torch.rand(2, 1, 1, 900) > 0.3}
@@ -749,34 +757,7 @@ def test_c_launches_take_every_tensor_as_its_address():
     assert done.stdout.split()[0] == "ok" and int(done.stdout.split()[1]) >= 2, done.stdout
 
 
-_DIRECT_ON_THE_CUDA_PATH = r'''
-import os, sys
-os.environ.update(FLASHFUSE_AUTOTUNE="0", TRITON_INTERPRET="0", FLASHFUSE_DECODE="1")
-sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[2])
-import torch
-import host_path_cpu
-import flashfuse
-from flashfuse.kernels import decode, launch
-from tests.kernels.test_launch import CudaLauncher
-
-host_path_cpu.force_cuda_path_on_cpu()  # CUDA's launch path on CPU tensors
-
-
-class Binary:
-    function, packed_metadata = 7, (4, 1, 0)
-
-    def __init__(self):
-        self.run = CudaLauncher()
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-
-binaries = []
-launch.ConfigLauncher._launch = lambda self, cfg, grid, args, kwargs: binaries.append(Binary()) or binaries[-1]
-hooks = [(None, None)]
-decode._launch_hooks = launch._launch_hooks = lambda: hooks[0]
+_DIRECT_ON_THE_CUDA_PATH = _ON_THE_CUDA_PATH + r'''
 streams = [launch._triton_device_stream(0)]
 decode._device_stream = lambda index: streams[0]
 kw = dict(is_causal=True, alignment="bottom_right", enable_gqa=True)

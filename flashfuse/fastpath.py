@@ -334,7 +334,7 @@ def lane_call_at(site: LaneSite, query: Tensor, key: Tensor, value: Tensor) -> T
     and the lane's kept step serving it (``decode.lane_step_forward``).
     None, with nothing run, for any other call: the caller then takes
     ``attention_op_not_compiling``."""
-    if site.epoch != _LANES_EPOCH[0] or not _may_skip_when_not_compiling((query, key, value)):
+    if site.epoch != _LANES_EPOCH[0]:
         return None
     qs, ks, vs = query.shape, key.shape, value.shape
     types, dtypes, device = site.types, site.dtypes, site.device
@@ -347,6 +347,12 @@ def lane_call_at(site: LaneSite, query: Tensor, key: Tensor, value: Tensor) -> T
             and not (query.requires_grad or key.requires_grad or value.requires_grad)
             and query.layout is _STRIDED and key.layout is _STRIDED and value.layout is _STRIDED
             and query.device == device and key.device == device and value.device == device):
+        return None
+    # The fast path's rule (``_may_skip_when_not_compiling``) but for the
+    # tensors' types, which are the site's: plain (a lane's signature has
+    # passed the rule).
+    if not (ops._no_mode_or_tracer() and not torch._C._is_torch_function_mode_enabled()
+            and not torch.autograd.profiler._is_profiler_enabled):
         return None
     # ``_plain_call``'s conditions for the lane (the lane exists only for
     # signatures without gradients, and with the strided layout).

@@ -1074,7 +1074,8 @@ class _DirectLaunch:
     A step's ``windows``: its last call's clamped band (``last_call``)."""
 
     __slots__ = ("L", "index", "stream", "epoch", "c_launch", "head", "tail", "buffers", "lse", "part", "count",
-                 "needs_fused", "max_m", "kv", "ints", "out_shape", "out_strides", "dtype", "device", "windows")
+                 "needs_fused", "max_m", "kv", "ints", "out_shape", "out_strides", "op_shape", "op_strides", "dtype",
+                 "device", "windows")
 
     @staticmethod
     def of(plan: _Plan, L: _Launches, q) -> "_DirectLaunch | None":
@@ -1108,7 +1109,9 @@ class _DirectLaunch:
         d.needs_fused = not L.direct
         d.max_m = FUSED_MAX_BYTES // plan.cache_bytes_per_key if d.needs_fused else _NO_END
         d.kv = d.ints = d.windows = None
-        d.out_shape, d.out_strides = (plan.B, plan.N, plan.Hq, plan.Dv), plan.sizes[:4]
+        st = plan.sizes[:4]  # out's strides as (B, Hq, N, Dv)
+        d.out_shape, d.out_strides = (plan.B, plan.N, plan.Hq, plan.Dv), (st[0], st[2], st[1], st[3])
+        d.op_shape, d.op_strides = (plan.B, plan.Hq, plan.N, plan.Dv), st
         d.dtype, d.device = q.dtype, dev
         return d
 
@@ -1131,11 +1134,12 @@ def _launch_direct(d: _DirectLaunch, step: _LaneStep, m: int, kv: tuple, windows
     if kv != d.kv:
         d.kv, d.ints = kv, (*step.fixed[0], *kv, 0, 0, 0, 0, 0, 0, *step.plan.sizes)  # q's strides first
     d.windows = windows
-    if transpose_out:  # (B, N, Hq, Dv): the memory order of the op's output
-        out = torch.empty(d.out_shape, dtype=d.dtype, device=d.device)
-    else:
-        s = d.out_shape
-        out = torch.empty_strided((s[0], s[2], s[1], s[3]), d.out_strides, dtype=d.dtype, device=d.device)
+    # (empty_strided: a shorter way through torch's argument parsing than
+    # empty's, 1.1 against 1.7 us on a CPU)
+    if transpose_out:  # (B, N, Hq, Dv), contiguous: the memory order of the op's output
+        out = torch.empty_strided(d.out_shape, d.out_strides, dtype=d.dtype, device=d.device)
+    else:  # (B, Hq, N, Dv) over the same memory
+        out = torch.empty_strided(d.op_shape, d.op_strides, dtype=d.dtype, device=d.device)
     q, lse = addresses[0], d.lse
     # (q, k, v, seqlens, table, mask, bounds, part, out, lse, counters) as
     # _allocate_and_launch passes them: q stands in for the absent tensors,

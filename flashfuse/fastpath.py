@@ -284,6 +284,9 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
 
 
 
+_STRIDED = torch.strided
+
+
 class LaneSite:
     """One caller's decode lane, kept where it calls from: the Hugging Face
     hook keeps one per layer, with the layer's kept reads (``flashfuse.hf``).
@@ -312,7 +315,8 @@ def lane_site(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, is_ca
     lane = _LANES.get(sig)
     ks, vs = key.shape, value.shape
     devices = {query.device, key.device, value.device}
-    if lane is None or len(ks) != 4 or len(vs) != 4 or len(devices) != 1:
+    if (lane is None or len(ks) != 4 or len(vs) != 4 or len(devices) != 1
+            or not (query.layout is _STRIDED and key.layout is _STRIDED and value.layout is _STRIDED)):
         return None
     site = LaneSite()
     site.epoch, site.lane, site.transpose_out = _LANES_EPOCH[0], lane, transpose_out
@@ -321,9 +325,6 @@ def lane_site(query: Tensor, key: Tensor, value: Tensor, dropout_p: float, is_ca
     (site.device,) = devices
     site.q_shape, site.k_sizes, site.v_sizes = query.shape, (ks[0], ks[1], ks[3]), (vs[0], vs[1], vs[3])
     return site
-
-
-_STRIDED = torch.strided
 
 
 def lane_call_at(site: LaneSite, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:

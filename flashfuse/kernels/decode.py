@@ -1005,7 +1005,8 @@ def _lane_step(token, q, k, v, m: int, knobs: tuple, scale, window_left, window_
         return None
     k_strides, v_strides = k.stride(), v.stride()
     # k's and v's strides in the kernel's order (``_bhsd_order``, inline).
-    kv = (k_strides[0], k_strides[2], k_strides[1], k_strides[3], v_strides[0], v_strides[2], v_strides[1], v_strides[3])
+    kv = (k_strides[0], k_strides[2], k_strides[1], k_strides[3],
+          v_strides[0], v_strides[2], v_strides[1], v_strides[3])
     if kv != step.kv and step.fp != _fingerprint(kv):
         return None
     return _step_forward(step, q, k, v, m, kv, scale, window_left, window_right, transpose_out, addresses)

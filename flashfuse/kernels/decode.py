@@ -738,7 +738,10 @@ def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream,
     kept = L.binaries[i]
     if kept is not None:
         if pointers is not None and kept.c_launch is not None:
-            kept.c_launch(grid[0], grid[1], grid[2], stream, *kept.c_head, *pointers, *kept.tail)
+            if kept.c_packed:
+                kept.c_launch(grid[0], grid[1], grid[2], stream, *kept.c_head, (*pointers, *kept.tail))
+            else:
+                kept.c_launch(grid[0], grid[1], grid[2], stream, *kept.c_head, *pointers, *kept.tail)
         else:
             run_binary(kept, grid, args, stream)
         return
@@ -1074,9 +1077,9 @@ class _DirectLaunch:
     would launch the same way take it; any other falls back to ``_run``.
     A step's ``windows``: its last call's clamped band (``last_call``)."""
 
-    __slots__ = ("L", "index", "stream", "epoch", "c_launch", "head", "tail", "buffers", "lse", "part", "count",
-                 "needs_fused", "max_m", "kv", "ints", "out_shape", "out_strides", "op_shape", "op_strides", "dtype",
-                 "device", "windows")
+    __slots__ = ("L", "index", "stream", "epoch", "c_launch", "head", "tail", "packed", "buffers", "lse", "part",
+                 "count", "needs_fused", "max_m", "kv", "ints", "out_shape", "out_strides", "op_shape", "op_strides",
+                 "dtype", "device", "windows")
 
     @staticmethod
     def of(plan: _Plan, L: _Launches, q) -> "_DirectLaunch | None":
@@ -1104,7 +1107,7 @@ class _DirectLaunch:
             return None
         d = _DirectLaunch()
         d.L, d.index, d.stream, d.epoch = L, plan.device_index, stream, _WORKSPACE_EPOCH[0]
-        d.c_launch, d.head, d.tail = kept.c_launch, (*L.grid, stream, *kept.c_head), kept.tail
+        d.c_launch, d.head, d.tail, d.packed = kept.c_launch, (*L.grid, stream, *kept.c_head), kept.tail, kept.c_packed
         d.buffers = (lse, part, count)  # alive while this launch may write them
         d.lse, d.part, d.count = lse.data_ptr(), part.data_ptr(), count.data_ptr()
         d.needs_fused = not L.direct
@@ -1145,8 +1148,12 @@ def _launch_direct(d: _DirectLaunch, step: _LaneStep, m: int, kv: tuple, windows
     # (q, k, v, seqlens, table, mask, bounds, part, out, lse, counters) as
     # _allocate_and_launch passes them: q stands in for the absent tensors,
     # the lse for the bounds (and for the partials and counters unsplit).
-    d.c_launch(*d.head, *addresses, q, q, q, lse, d.part, out.data_ptr(), lse, d.count, *d.ints, m, 1, d.L.S,
-               float(scale) * _LOG2E, *windows, *d.tail)
+    if d.packed:  # (``launch.KeptBinary.c_packed``: the arguments in one tuple)
+        d.c_launch(*d.head, (*addresses, q, q, q, lse, d.part, out.data_ptr(), lse, d.count, *d.ints, m, 1, d.L.S,
+                             float(scale) * _LOG2E, *windows, *d.tail))
+    else:
+        d.c_launch(*d.head, *addresses, q, q, q, lse, d.part, out.data_ptr(), lse, d.count, *d.ints, m, 1, d.L.S,
+                   float(scale) * _LOG2E, *windows, *d.tail)
     return out
 
 
@@ -1443,7 +1450,7 @@ def _allocate_and_launch(c: _Call, q, k, v, cache_seqlens, block_table, attn_mas
                     False, stream, cache, bounds_pointers)
         if fused:
             kept = L.binaries[_FUSED_SPLIT]
-            if pointers is not None and kept is not None and kept.c_launch is not None:
+            if pointers is not None and kept is not None and kept.c_launch is not None and not kept.c_packed:
                 # ``_launch``'s C launch, inline: the decode lane's one launch
                 g = L.grid
                 kept.c_launch(g[0], g[1], g[2], stream, *kept.c_head, *pointers, *kept.tail)

@@ -10,6 +10,7 @@ the kernels share are in ``common``.
 import contextlib
 import contextvars
 import functools
+import hashlib
 import inspect
 import json
 import logging
@@ -335,11 +336,11 @@ class KeptBinary:
     to pass it before the arguments (``c_launch``, ``c_head``; see
     ``_c_launch_of``)."""
 
-    __slots__ = ("binary", "tail", "c_launch", "c_head")
+    __slots__ = ("binary", "tail", "c_launch", "c_head", "c_packed")
 
     def __init__(self, binary, tail: tuple):
         self.binary, self.tail = binary, tail
-        self.c_launch, self.c_head = _c_launch_of(binary)
+        self.c_launch, self.c_head, self.c_packed = _c_launch_of(binary)
 
 
 def run_binary(kept: KeptBinary, grid3, args, stream) -> None:
@@ -350,7 +351,10 @@ def run_binary(kept: KeptBinary, grid3, args, stream) -> None:
     enter, leave = _launch_hooks()
     if enter is None and leave is None:
         if kept.c_launch is not None:
-            kept.c_launch(grid3[0], grid3[1], grid3[2], stream, *kept.c_head, *args, *kept.tail)
+            if kept.c_packed:
+                kept.c_launch(grid3[0], grid3[1], grid3[2], stream, *kept.c_head, (*args, *kept.tail))
+            else:
+                kept.c_launch(grid3[0], grid3[1], grid3[2], stream, *kept.c_head, *args, *kept.tail)
             return
         metadata = None
     else:
@@ -361,50 +365,76 @@ def run_binary(kept: KeptBinary, grid3, args, stream) -> None:
 
 
 # Triton's CUDA launcher (a compiled binary's ``run``, a ``CudaLauncher``) is
-# Python around a compiled C launch: at every launch it defines a closure and
-# calls it twice to ask for scratch buffers, then calls the C launch with
-# the cooperative-grid and PDL flags and the scratch buffers before the
+# Python around a compiled C launch: at every launch it defines closures and
+# calls them to ask for scratch buffers, then calls the C launch with the
+# cooperative-grid and PDL flags and the scratch buffers besides the
 # binary's arguments. For a binary that needs no scratch, ``run_binary``
 # makes that C call itself (``KeptBinary.c_launch``): three Python calls a
-# launch fewer (bench/NOTES.md run 38). Only where the wrapper is the one
-# this was written against (Triton 3.6's), checked from its source once;
-# any other launcher is called as it is.
+# launch fewer and no closures (bench/NOTES.md run 38). Only where the
+# wrapper is one this was written against, checked from its source once per
+# class; any other launcher is called as it is. Two forms:
+# * Triton 3.6's: the C launch takes the binary's arguments after the flags
+#   and the scratch buffers, one by one (the prefix and suffix below, one
+#   C call, no sanitiser);
+# * Triton 3.9's (its whole source, by digest): one generic C launch takes
+#   the flags, the packed metadata, the hooks, the scratch buffers, the
+#   arguments' annotations and signature, then the arguments as one tuple
+#   (``KeptBinary.c_packed``); with its sanitiser on (GSan, which appends
+#   arguments) the wrapper is called as it is.
 _C_LAUNCH_WRAPPER = (
     "def__call__(self,gridX,gridY,gridZ,stream,function,*args):",
     "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,"
     "global_scratch,profile_scratch,*args)",
 )
-# Launcher class -> whether its wrapper is that one (read once per class).
+_C_LAUNCH_WRAPPER_PACKED = "b3d689acc085368a2b47eb1106ae1225f912073e5d1786ab7f309ae6f5318de3"  # sha256, 3.9.0
+# Launcher class -> its wrapper's form: "args" (3.6's), "packed" (3.9's) or
+# None (unknown) (read once per class).
 _C_LAUNCH_CLASSES: dict = {}
 
 
-def _known_c_launch_wrapper(cls) -> bool:
-    known = _C_LAUNCH_CLASSES.get(cls)
-    if known is None:
+def _c_launch_form(cls) -> str | None:
+    """The form of launcher class ``cls``'s wrapper (see above), or None."""
+    if cls not in _C_LAUNCH_CLASSES:
         try:
             source = "".join(inspect.getsource(cls.__call__).split())
         except (OSError, TypeError, AttributeError):
             source = ""
+        form = None
         # The two lines above, the scratch requests, and nothing else that
         # the wrapper could add (a sanitiser's arguments, say).
-        known = (source.startswith(_C_LAUNCH_WRAPPER[0]) and source.endswith(_C_LAUNCH_WRAPPER[1])
-                 and source.count("self.launch(") == 1 and "gsan" not in source)
-        _C_LAUNCH_CLASSES[cls] = known
-    return known
+        if (source.startswith(_C_LAUNCH_WRAPPER[0]) and source.endswith(_C_LAUNCH_WRAPPER[1])
+                and source.count("self.launch(") == 1 and "gsan" not in source):
+            form = "args"
+        elif hashlib.sha256(source.encode()).hexdigest() == _C_LAUNCH_WRAPPER_PACKED:
+            form = "packed"
+        _C_LAUNCH_CLASSES[cls] = form
+    return _C_LAUNCH_CLASSES[cls]
+
+
+def _known_c_launch_wrapper(cls) -> bool:
+    """Whether ``run_binary`` may bypass launcher class ``cls``'s wrapper."""
+    return _c_launch_form(cls) is not None
 
 
 def _c_launch_of(binary) -> tuple:
-    """``(C launch, head)`` for a binary whose launcher ``run_binary`` may
-    bypass (see ``_C_LAUNCH_WRAPPER``): ``c_launch(gx, gy, gz, stream,
-    *head, *args, *tail)`` is then the launcher's own C call without
-    launch hooks. ``(None, None)`` otherwise."""
+    """``(C launch, head, packed)`` for a binary whose launcher
+    ``run_binary`` may bypass (see ``_c_launch_form``): ``c_launch(gx, gy,
+    gz, stream, *head, *args, *tail)``, or with ``packed`` ``c_launch(gx, gy,
+    gz, stream, *head, (*args, *tail))``, is then the launcher's own C call
+    without launch hooks. ``(None, None, False)`` otherwise."""
     run = getattr(binary, "run", None)
-    if (run is None or type(run).__name__ != "CudaLauncher" or not _known_c_launch_wrapper(type(run))
-            or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0):
-        return None, None
+    form = None if run is None or type(run).__name__ != "CudaLauncher" else _c_launch_form(type(run))
+    if (form is None or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0
+            or getattr(run, "gsan_enabled", False)):
+        return None, None, False
+    if form == "packed":
+        # function, flags, metadata, no launch metadata or hooks, no scratch, the arguments' description
+        head = (binary.function, run.launch_cooperative_grid, run.launch_pdl, binary.packed_metadata, None, None,
+                None, None, None, run.arg_annotations, run.kernel_signature)
+        return run.launch, head, True
     head = (binary.function, run.launch_cooperative_grid, run.launch_pdl, None, None, binary.packed_metadata,
             None, None, None)  # function, flags, no scratch, metadata, no launch metadata or hooks
-    return run.launch, head
+    return run.launch, head, False
 
 
 # Set by ``dry_run``: launchers choose their configs but launch nothing.

@@ -758,10 +758,35 @@ def test_c_launches_take_every_tensor_as_its_address():
 
 
 _DIRECT_ON_THE_CUDA_PATH = _ON_THE_CUDA_PATH + r'''
+if sys.argv[3] == "installed":  # this Triton's own launcher class (3.6's form, or 3.9's packed one)
+    from triton.backends.nvidia import driver as nv
+    from tests.kernels.test_launch import _installed_launcher
+
+    assert launch._c_launch_form(nv.CudaLauncher) is not None  # read before the counting wrapper below
+    wrapper = nv.CudaLauncher.__call__
+
+    def counted(self, *args):
+        self.wrapper_calls += 1
+        return wrapper(self, *args)
+
+    nv.CudaLauncher.__call__ = counted
+
+    def make_run(binary):
+        binary.run = _installed_launcher()
+        binary.run.wrapper_calls = 0
+
+    Binary.__init__ = make_run
 streams = [launch._triton_device_stream(0)]
 decode._device_stream = lambda index: streams[0]
 kw = dict(is_causal=True, alignment="bottom_right", enable_gqa=True)
-OUT = 13 + 8  # the output's address: after the grid, stream and C head (13), the 9th tensor
+OUT = 8  # the output's address among the kernel's arguments: the 9th tensor
+
+
+def split(c):
+    """A C call as (grid, stream and head; the kernel's arguments, a tensor
+    as its address): 3.9's packed form passes the arguments as one tuple."""
+    head, args = (c[:-1], c[-1]) if isinstance(c[-1], tuple) else (c[:13], c[13:])
+    return head, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 runs = [0]
@@ -783,9 +808,7 @@ def call(q, buf, M, run=False):
     before = runs[0]
     out = flashfuse.attention(q, k, v, **kw)
     assert not any(b.run.wrapper_calls for b in binaries) or hooks[0] != (None, None)
-    calls = [tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in c) for b in binaries
-             for c in b.run.c_calls]
-    return calls, runs[0] == before, out
+    return [split(c) for b in binaries for c in b.run.c_calls], runs[0] == before, out
 
 
 q = torch.randn(2, 8, 1, 64)
@@ -801,8 +824,9 @@ for M in [*range(601, 700, 7), *range(700, 4000, 211)]:  # growing: split counts
         direct += was_direct
         assert was_direct and not was_run and len(got) == len(want) == 1, (M, len(got), len(want))
         # Bit for bit the launch _run makes, but for the fresh output's address.
-        assert got[0][:OUT] == want[0][:OUT] and got[0][OUT + 1:] == want[0][OUT + 1:], M
-        assert type(got[0][OUT]) is int and out.shape == (2, 8, 1, 64), M
+        (head, args), (want_head, want_args) = got[0], want[0]
+        assert head == want_head and args[:OUT] == want_args[:OUT] and args[OUT + 1:] == want_args[OUT + 1:], M
+        assert type(args[OUT]) is int and out.shape == (2, 8, 1, 64), M
 
 # Where _run would launch otherwise, the direct launch steps back.
 def fallback(name):
@@ -819,9 +843,9 @@ hooks[0] = (None, None)
 fallback("after the hook")
 streams[0] = streams[0] + 1
 got, was_direct, _ = call(q, buf, 3999)
-assert not was_direct and got[0][3] == streams[0], "another stream: its own workspaces"
+assert not was_direct and got[0][0][3] == streams[0], "another stream: its own workspaces"
 got = fallback("on the new stream")
-assert got[0][3] == streams[0] and got[0][13 + 7] != base[0][13 + 7], "the new stream's partials"
+assert got[0][0][3] == streams[0] and got[0][1][7] != base[0][1][7], "the new stream's partials"
 for setting in ("FUSE_COMBINE", "WORKSPACES"):
     setattr(decode, setting, False)
     call(q, buf, 3999)  # unfused: the split and combine kernels compile
@@ -844,15 +868,18 @@ _, was_direct, _ = call(q, buf, 3999)
 assert not was_direct, "a workspace replaced"
 got = fallback("with the new workspace")
 part = decode._WORKSPACES[(q.device, streams[0], "part")]
-assert got[0][13 + 7] == part.data_ptr()
+assert got[0][1][7] == part.data_ptr()
 print("ok", direct)
 '''
 
 
-def test_direct_lane_launch_is_the_launch_run_makes():
+@pytest.mark.parametrize("launcher", ["stand-in", "installed"])
+def test_direct_lane_launch_is_the_launch_run_makes(launcher):
     """A lane step's direct launch (``decode._launch_direct``) on CUDA's
-    launch path (CPU tensors, launches stubbed with Triton 3.6's C launch
-    form, in a subprocess): on a growing cache (split counts and buckets
+    launch path (CPU tensors, in a subprocess; the launches stubbed with a
+    stand-in of Triton 3.6's launcher, or with this Triton's own launcher
+    class, 3.9's packed form on the CPU's Triton, its C launch recording
+    what it gets): on a growing cache (split counts and buckets
     moving) and a repeated length, its C launch gets, argument for
     argument, what ``_run``'s gets but the fresh output's address; with a
     launch hook, on another stream, with the fused merge or the workspaces
@@ -863,7 +890,14 @@ def test_direct_lane_launch_is_the_launch_run_makes():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _DIRECT_ON_THE_CUDA_PATH, os.path.join(root, "bench"), root],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    if launcher == "installed":
+        from triton.backends.nvidia import driver
+
+        from flashfuse.kernels import launch
+
+        if launch._c_launch_form(driver.CudaLauncher) is None:
+            pytest.skip("this Triton's launcher is not a form run_binary bypasses")
+    done = subprocess.run([sys.executable, "-c", _DIRECT_ON_THE_CUDA_PATH, os.path.join(root, "bench"), root,
+                           launcher], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[0] == "ok" and int(done.stdout.split()[1]) >= 20, done.stdout

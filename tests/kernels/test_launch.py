@@ -473,8 +473,65 @@ def test_kept_binary_calls_the_c_launch_as_the_known_wrapper_would(monkeypatch):
     # Triton 3.6 (the GPU machine's), another on Triton 3.9 (this CPU's).
     from triton.backends.nvidia import driver
 
-    if triton.__version__.startswith(("3.6", "3.9")):
-        assert launch._known_c_launch_wrapper(driver.CudaLauncher) == triton.__version__.startswith("3.6")
+    if triton.__version__.startswith(("3.6", "3.9.0")):
+        assert launch._c_launch_form(driver.CudaLauncher) == ("args" if triton.__version__.startswith("3.6")
+                                                             else "packed")
+
+
+def _installed_launcher(**attributes):
+    """This Triton's own CUDA launcher, made without compiling anything (its
+    ``__init__`` builds a C module): the attributes its wrapper reads, and
+    a C launch that records its calls."""
+    from triton.backends.nvidia import driver
+
+    run = object.__new__(driver.CudaLauncher)
+    run.c_calls = []
+    run.launch = lambda *a: run.c_calls.append(a)
+    values = dict(num_ctas=1, global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0,
+                  profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=True, gsan_enabled=False,
+                  arg_annotations=("annotations",), kernel_signature=b"signature")
+    values.update(attributes)
+    for name, value in values.items():
+        setattr(run, name, value)
+    return run
+
+
+def test_kept_binary_calls_the_c_launch_as_this_tritons_wrapper_does(monkeypatch):
+    """With this Triton's own launcher class (3.6's form on the GPU
+    machine, 3.9's packed form on the CPU's), a kept binary's C call gets
+    exactly what the real wrapper, run on the same arguments, passes its C
+    launch; 3.9's wrapper with its sanitiser on is called as it is."""
+    import types
+
+    import triton
+    from triton.backends.nvidia import driver
+
+    from flashfuse.kernels import launch
+
+    if launch._c_launch_form(driver.CudaLauncher) is None:
+        pytest.skip(f"Triton {triton.__version__}'s launcher is not a form run_binary bypasses")
+    monkeypatch.setattr(launch, "_launch_hooks", lambda: (None, None))
+
+    class Driver:  # what the wrapper asks of the active driver (3.9: nothing, without scratch)
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())  # (restored after the test)
+    run = _installed_launcher()
+    binary = types.SimpleNamespace(run=run, function=7, packed_metadata=(4, 1, 0))
+    kept = launch.KeptBinary(binary, (5, 6))
+    assert kept.c_launch is run.launch
+    launch.run_binary(kept, (1, 2, 3), (4, 0x1000), 99)
+    type(run).__call__(run, 1, 2, 3, 99, 7, (4, 1, 0), None, None, None, 4, 0x1000, 5, 6)
+    ours, wrappers = run.c_calls
+    assert ours == wrappers and type(ours[-1]) is type(wrappers[-1])
+    if kept.c_packed:
+        sanitised = launch.KeptBinary(types.SimpleNamespace(run=_installed_launcher(gsan_enabled=True),
+                                                            function=7, packed_metadata=(4, 1, 0)), ())
+        assert sanitised.c_launch is None, "GSan appends arguments: its wrapper runs"
 
 
 @pytest.mark.gpu

@@ -240,6 +240,19 @@ def attention_op_not_compiling(
                                   window_left=window_left, alignment=alignment), transpose_out)
 
 
+def _lane_knobs(lane: _DecodeLane, query: Tensor, M: int) -> tuple | None:
+    """The decode settings (``config.decode_knobs()``) when a call of
+    ``lane``'s signature with ``M`` keys takes the decode kernels, as the
+    op's route would decide now (``FLASHFUSE_DECODE``, the key count
+    against ``decode.size_refusal``, the kernels running on the device);
+    None when it does not."""
+    mode, knobs = config.decode_settings()
+    if (mode != "0" and M != 0 and (mode == "1" or _decode.size_refusal(lane.N, lane.G, M) is None)
+            and (lane.on_cuda or ops._use_triton(query))):
+        return knobs
+    return None
+
+
 def _as_asked(out: Tensor, transpose_out: bool) -> Tensor:
     """The op's output, or with ``transpose_out`` (B, N, Hq, Dv) contiguous."""
     return out.transpose(1, 2).contiguous() if transpose_out else out
@@ -259,11 +272,8 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         if lane is not None:
             # ``decode_forward``'s output when this call takes the decode
             # kernels; what is asked is what ``run_checked`` would ask.
-            # (Inline, not a helper: this runs per layer per token.)
-            M = key.shape[2]
-            mode, knobs = config.decode_settings()
-            if (mode != "0" and M != 0 and (mode == "1" or _decode.size_refusal(lane.N, lane.G, M) is None)
-                    and (lane.on_cuda or ops._use_triton(query))):
+            knobs = _lane_knobs(lane, query, key.shape[2])
+            if knobs is not None:
                 LANE_HITS[0] += 1
                 return _decode.lane_forward(lane.token, query, key, value, attn_mask, lane.scale,
                                             lane.window_left, lane.window_right, lane.bottom_right, knobs,
@@ -281,7 +291,6 @@ def _plain_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     _LANES[sig] = _decode_lane(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left,
                                window_right, alignment, mask_fill, mask_key_table, mask_query_table, softcap, sinks)
     return _as_asked(out, transpose_out)
-
 
 
 _STRIDED = torch.strided
@@ -349,21 +358,15 @@ def lane_call_at(site: LaneSite, query: Tensor, key: Tensor, value: Tensor) -> T
             and query.layout is _STRIDED and key.layout is _STRIDED and value.layout is _STRIDED
             and query.device == device and key.device == device and value.device == device):
         return None
-    # The fast path's rule (``_may_skip_when_not_compiling``) but for the
-    # tensors' types, which are the site's: plain (a lane's signature has
-    # passed the rule).
-    if not (ops._no_mode_or_tracer() and not torch._C._is_torch_function_mode_enabled()
-            and not torch.autograd.profiler._is_profiler_enabled):
+    # The fast path's rule; the tensors' types are the site's, which passed
+    # it (so no tensor is handed over to be checked again).
+    if not _may_skip_when_not_compiling(()):
         return None
-    # ``_plain_call``'s conditions for the lane (the lane exists only for
-    # signatures without gradients, and with the strided layout).
-    M = ks[2]
     lane = site.lane
-    mode, knobs = config.decode_settings()
-    if (mode == "0" or M == 0 or (mode != "1" and _decode.size_refusal(lane.N, lane.G, M) is not None)
-            or not (lane.on_cuda or ops._use_triton(query))):
+    knobs = _lane_knobs(lane, query, ks[2])
+    if knobs is None:
         return None
-    out = _decode.lane_step_forward(lane.token, query, key, value, M, knobs, lane.scale, lane.window_left,
+    out = _decode.lane_step_forward(lane.token, query, key, value, ks[2], knobs, lane.scale, lane.window_left,
                                     lane.window_right, site.transpose_out)
     if out is not None:
         HITS[0] += 1

@@ -471,12 +471,6 @@ def _plain_when_not_compiling(tensors: tuple) -> bool:
     for t in tensors:  # a loop, not all(...): this runs at every eager call
         if t is not None and type(t) is not Tensor and type(t) is not torch.nn.Parameter:
             return False
-    return _no_mode_or_tracer()
-
-
-def _no_mode_or_tracer() -> bool:
-    """No dispatch mode, functorch transform or JIT tracer watching (the
-    part of ``_plain_when_not_compiling`` that its tensors do not decide)."""
     return (
         torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None

@@ -643,9 +643,18 @@ def test_kept_layer_reads_compare_the_config_by_value():
     assert not reads.hold(layer, 0.0, layer.scaling, None, {})
 
 
-def test_hold_compares_the_attributes_it_names():
-    """``hold`` unrolls its comparison of ``_READ_ATTRIBUTES`` in this order."""
-    assert ffhf._READ_ATTRIBUTES == ("training", "is_causal", "config", "layer_idx", "sliding_window")
+@pytest.mark.parametrize("name", ffhf._READ_ATTRIBUTES)
+def test_hold_compares_every_attribute_it_names(name):
+    """``hold`` unrolls its comparison of ``_READ_ATTRIBUTES``: each of them
+    replaced in the layer's instance dict by another object (or added where
+    the layer has none) ends the kept reads."""
+    model = _build(_llama)
+    layer = model.model.layers[0].self_attn
+    _full_path(layer, _decode_tensors(layer), dropout=0.0, scaling=layer.scaling)
+    reads = ffhf._LAYER_READS[id(layer)]
+    assert reads.hold(layer, 0.0, layer.scaling, None, {})
+    layer.__dict__[name] = object()
+    assert not reads.hold(layer, 0.0, layer.scaling, None, {}), name
 
 
 def test_kept_layer_reads_refuse_a_parameter_or_buffer_named_sliding_window():

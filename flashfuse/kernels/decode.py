@@ -737,13 +737,8 @@ def _launch(i: int, L: _Launches, launcher, key, grid, args, meta, tune, stream,
     (``_allocate_and_launch``)."""
     kept = L.binaries[i]
     if kept is not None:
-        if pointers is not None and kept.c_launch is not None:
-            if kept.c_packed:
-                kept.c_launch(grid[0], grid[1], grid[2], stream, *kept.c_head, (*pointers, *kept.tail))
-            else:
-                kept.c_launch(grid[0], grid[1], grid[2], stream, *kept.c_head, *pointers, *kept.tail)
-        else:
-            run_binary(kept, grid, args, stream)
+        # (``pointers`` exist only without launch hooks, and go only to a C launch)
+        run_binary(kept, grid, pointers if pointers is not None and kept.c_launch is not None else args, stream)
         return
     cands = (lambda: _split_configs(meta["HAS_MASK"])) if launcher is _split_launcher else _one_config
     launcher(key, cands, lambda m: grid, *args, tune=tune, **meta)
@@ -877,7 +872,7 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
     ks = k.shape
     m = ks[2]
     if attn_mask is None:
-        out = _lane_step(token, q, k, v, m, knobs, scale, window_left, window_right, transpose_out)
+        out = lane_step_forward(token, q, k, v, m, knobs, scale, window_left, window_right, transpose_out)
         if out is not None:
             return out
     q_strides, k_strides, vs, v_strides = q.stride(), k.stride(), v.shape, v.stride()
@@ -953,23 +948,24 @@ class _LaneStep:
     ``_finish_call``'s seven helpers (bench/NOTES.md run 37), and the direct
     launch ``_run``'s allocations and lookups (run 39)."""
 
-    __slots__ = ("fixed", "kv", "fp", "call", "m", "lo", "hi", "plan", "L", "direct")
+    __slots__ = ("fixed", "kv", "fp", "call", "m", "windows", "lo", "hi", "plan", "L", "direct")
 
     def __init__(self, fixed, kv, fp, call, m):
         self.fixed, self.kv, self.fp, self.call, self.m = fixed, kv, fp, call, m
-        self.plan, self.L, self.direct = call.plan, call.L, None
+        self.windows, self.plan, self.L, self.direct = call.windows, call.plan, call.L, None
         # The keys per split that ``L`` serves (none known yet).
         self.lo, self.hi = 1, 0
 
     def last_call(self) -> "_Call":
-        """The call the step's last call was (built after a direct launch,
-        which makes none): what ``_cached_call`` keeps for its arguments."""
+        """The call the step's last call was, built when ``_run`` needs it
+        (a direct launch makes none): what ``_cached_call`` keeps for its
+        arguments."""
         if self.call is None:
             plan, L, m = self.plan, self.L, self.m
             c = self.call = _Call()
             c.plan, c.L = plan, L
-            c.ints = (*self.fixed[0], *self.kv, 0, 0, 0, 0, 0, 0, *plan.sizes, m, 1, L.S)
-            c.windows = self.direct.windows
+            c.ints = (*self.fixed[0], *self.kv, 0, 0, 0, 0, 0, 0, *plan.sizes, m, 1, L.S)  # q's strides first
+            c.windows = self.windows
             c.bounds_ints = None
             c.fuse = L.fusable and plan.cache_bytes_per_key * m <= FUSED_MAX_BYTES
         return self.call
@@ -986,17 +982,11 @@ def lane_step_forward(token, q, k, v, m: int, knobs: tuple, scale, window_left, 
     the lane's kept step serves the call (``_LaneStep``), else None with
     nothing launched: the fast path's lane sites (``fastpath.LaneSite``),
     whose calls have the lane's signature, so that its sizes need no
-    check."""
+    check: what the step holds besides the sizes (q's strides, the
+    alignments, knobs and dot precision) is compared, and k's and v's
+    strides, or their fingerprint. ``lane_forward`` tries it first too."""
     if _DRY_RUN.get():
         return None
-    return _lane_step(token, q, k, v, m, knobs, scale, window_left, window_right, transpose_out)
-
-
-def _lane_step(token, q, k, v, m: int, knobs: tuple, scale, window_left, window_right,
-               transpose_out: bool) -> torch.Tensor | None:
-    """``lane_step_forward`` once the dry run is ruled out: what the step
-    holds besides the sizes (q's strides, the alignments, knobs and dot
-    precision) compared, and k's and v's strides, or their fingerprint."""
     step = _LANE_STEPS.get(token)
     if step is None:
         return None
@@ -1041,24 +1031,16 @@ def _step_forward(step: _LaneStep, q, k, v, m: int, kv: tuple, scale, window_lef
                 L = plan.launches[(S, bucket)] = _make_launches(plan, S, bucket, q)
             step.L = L
         step.kv, step.m, step.call = kv, m, None
-    limit = plan.N + m
-    # clamp_window, inline (0: no bound)
-    windows = (0 if window_left is None else max(-limit, min(int(window_left), limit)),
-               0 if window_right is None else max(-limit, min(int(window_right), limit)))
+        limit = plan.N + m
+        # clamp_window, inline (0: no bound)
+        step.windows = (0 if window_left is None else max(-limit, min(int(window_left), limit)),
+                        0 if window_right is None else max(-limit, min(int(window_right), limit)))
     d = step.direct
     if d is not None and d.L is L:
-        out = _launch_direct(d, step, m, kv, windows, scale, transpose_out, addresses)
+        out = _launch_direct(d, step, m, kv, scale, transpose_out, addresses)
         if out is not None:
             return out
-    c = step.call
-    if c is None:
-        c = step.call = _Call()
-        c.plan, c.L = plan, L
-        c.ints = (*step.fixed[0], *kv, 0, 0, 0, 0, 0, 0, *plan.sizes, m, 1, L.S)  # q's strides first
-        c.windows = windows
-        c.bounds_ints = None
-        c.fuse = L.fusable and plan.cache_bytes_per_key * m <= FUSED_MAX_BYTES
-    out = _run(c, q, k, v, None, None, None, scale, True, False, transpose_out)[0]
+    out = _run(step.last_call(), q, k, v, None, None, None, scale, True, False, transpose_out)[0]
     if L.c_launch:  # the next call's, where this one could have been direct
         step.direct = _DirectLaunch.of(plan, L, q)
     return out
@@ -1074,12 +1056,11 @@ class _DirectLaunch:
     grid and the C launch's head and tail, the buffers' addresses, the
     integer arguments before the length (rebuilt when k's or v's strides
     move), the output's shape, dtype and device. Only calls that ``_run``
-    would launch the same way take it; any other falls back to ``_run``.
-    A step's ``windows``: its last call's clamped band (``last_call``)."""
+    would launch the same way take it; any other falls back to ``_run``."""
 
     __slots__ = ("L", "index", "stream", "epoch", "c_launch", "head", "tail", "packed", "buffers", "lse", "part",
-                 "count", "needs_fused", "max_m", "kv", "ints", "out_shape", "out_strides", "op_shape", "op_strides",
-                 "dtype", "device", "windows")
+                 "count", "max_m", "kv", "ints", "out_shape", "out_strides", "op_shape", "op_strides", "dtype",
+                 "device")
 
     @staticmethod
     def of(plan: _Plan, L: _Launches, q) -> "_DirectLaunch | None":
@@ -1110,9 +1091,8 @@ class _DirectLaunch:
         d.c_launch, d.head, d.tail, d.packed = kept.c_launch, (*L.grid, stream, *kept.c_head), kept.tail, kept.c_packed
         d.buffers = (lse, part, count)  # alive while this launch may write them
         d.lse, d.part, d.count = lse.data_ptr(), part.data_ptr(), count.data_ptr()
-        d.needs_fused = not L.direct
-        d.max_m = FUSED_MAX_BYTES // plan.cache_bytes_per_key if d.needs_fused else _NO_END
-        d.kv = d.ints = d.windows = None
+        d.max_m = _NO_END if L.direct else FUSED_MAX_BYTES // plan.cache_bytes_per_key
+        d.kv = d.ints = None
         st = plan.sizes[:4]  # out's strides as (B, Hq, N, Dv)
         d.out_shape, d.out_strides = (plan.B, plan.N, plan.Hq, plan.Dv), (st[0], st[2], st[1], st[3])
         d.op_shape, d.op_strides = (plan.B, plan.Hq, plan.N, plan.Dv), st
@@ -1120,15 +1100,15 @@ class _DirectLaunch:
         return d
 
 
-def _launch_direct(d: _DirectLaunch, step: _LaneStep, m: int, kv: tuple, windows: tuple, scale,
-                   transpose_out: bool, addresses: tuple) -> torch.Tensor | None:
+def _launch_direct(d: _DirectLaunch, step: _LaneStep, m: int, kv: tuple, scale, transpose_out: bool,
+                   addresses: tuple) -> torch.Tensor | None:
     """The output of ``step``'s call launched through ``d``, or None (nothing
     launched) where ``_run`` would launch otherwise: under graph capture, on
     another device or stream, with launch hooks, settings changed
     (``FUSE_COMBINE``, ``WORKSPACES``), a workspace replaced, or a cache too
     large for the fused merge. Its arguments are ``_allocate_and_launch``'s
     C launch's, to the address."""
-    if (not WORKSPACES or (d.needs_fused and not FUSE_COMBINE) or m > d.max_m or d.epoch != _WORKSPACE_EPOCH[0]
+    if (not WORKSPACES or (not FUSE_COMBINE and not d.L.direct) or m > d.max_m or d.epoch != _WORKSPACE_EPOCH[0]
             or (_CUDA_CAPTURING or torch.cuda.is_current_stream_capturing)()):
         return None
     current = _CUDA_DEVICE() if _CUDA_DEVICE is not None else torch.cuda.current_device()
@@ -1137,7 +1117,7 @@ def _launch_direct(d: _DirectLaunch, step: _LaneStep, m: int, kv: tuple, windows
         return None
     if kv != d.kv:
         d.kv, d.ints = kv, (*step.fixed[0], *kv, 0, 0, 0, 0, 0, 0, *step.plan.sizes)  # q's strides first
-    d.windows = windows
+    windows = step.windows
     # (empty_strided: a shorter way through torch's argument parsing than
     # empty's, 1.1 against 1.7 us on a CPU)
     if transpose_out:  # (B, N, Hq, Dv), contiguous: the memory order of the op's output

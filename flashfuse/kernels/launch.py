@@ -411,11 +411,6 @@ def _c_launch_form(cls) -> str | None:
     return _C_LAUNCH_CLASSES[cls]
 
 
-def _known_c_launch_wrapper(cls) -> bool:
-    """Whether ``run_binary`` may bypass launcher class ``cls``'s wrapper."""
-    return _c_launch_form(cls) is not None
-
-
 def _c_launch_of(binary) -> tuple:
     """``(C launch, head, packed)`` for a binary whose launcher
     ``run_binary`` may bypass (see ``_c_launch_form``): ``c_launch(gx, gy,

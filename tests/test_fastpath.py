@@ -19,9 +19,14 @@ OP = torch.ops.flashfuse.attention
 
 @pytest.fixture(autouse=True)
 def fresh():
+    """No signature and no decode plan from another test: tests patch the
+    decode module's constants (MIN_KEYS, MIN_SPLIT_KEYS), and a call kept
+    under the same signature would keep the split count they gave."""
     fastpath.forget_signatures()
+    decode.forget_plans()
     yield
     fastpath.forget_signatures()
+    decode.forget_plans()
 
 
 def _qkv(Hq=4, Hkv=2, N=1, M=37, D=16, dtype=torch.float32, grad=False, seed=0):

@@ -578,7 +578,7 @@ class _Plan:
 
     __slots__ = ("B", "Hq", "N", "Hkv", "G", "Dv", "block_r", "tiles", "want", "forced", "interp", "tune",
                  "meta", "chunks", "bounds_meta", "m_rows", "m_queries", "block_dv", "launches", "device_index",
-                 "cache_bytes_per_key", "sizes")
+                 "cache_bytes_per_key", "sizes", "merge_rows")
 
 
 class _Launches:
@@ -638,6 +638,7 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
     # are choices, made from example values; the grid stays symbolic.
     p.block_r = row_tile(hint(G), hint(N))
     p.tiles = cdiv(G * N, p.block_r)
+    p.merge_rows = min(p.block_r, hint(G) * hint(N))  # rows a fused merge takes one after the other
     p.forced = config.decode_splits()
     p.interp = _interpreting(q)
     p.block_dv = max(16, next_pow2(Dv))
@@ -668,7 +669,7 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
 def _make_launches(p: _Plan, S: int, bucket: int, q) -> _Launches:
     L = _Launches()
     L.S, L.direct = S, S == 1
-    L.fusable = 1 < S <= FUSED_MAX_SPLITS
+    L.fusable = 1 < S <= FUSED_MAX_SPLITS and p.merge_rows <= FUSED_MAX_ROWS
     B, Hq, N = p.B, p.Hq, p.N
     L.grid = (S, p.Hkv * p.tiles, B)
     L.comb_grid = (B * Hq * N, 1, 1)
@@ -1271,7 +1272,8 @@ def _grown_call(q, k, v, rest, cache_seqlens, window_left, window_right, bottom_
 # real tensors outside CUDA graph capture (in traced graphs and under capture
 # a combine kernel follows, since a counter buffer made there would belong to
 # the graph's memory), on caches of at most FUSED_MAX_BYTES of keys and
-# values, with at most FUSED_MAX_SPLITS splits. The fused merge saves the
+# values, with at most FUSED_MAX_SPLITS splits and FUSED_MAX_ROWS rows per
+# tile. The fused merge saves the
 # host a launch (7.5-13 us per call on the H200's host, two runs) but costs
 # device time:
 # one program merges its tile's rows one after the other, where the combine
@@ -1286,6 +1288,11 @@ FUSED_MAX_BYTES = 64 << 20
 # With 128 splits (BLOCK_S = 128) the fused split kernel needs 199 registers
 # a thread (Triton 3.6, sm_90a), too many for three programs an SM; with 64, 154.
 FUSED_MAX_SPLITS = 64
+# The merging program takes its tile's rows one after the other, each a round
+# trip for its partials: with many rows (several queries times the grouped
+# heads) that chain outlasts the launch it saves, so past FUSED_MAX_ROWS rows
+# per tile the combine kernel (a program per row) merges.
+FUSED_MAX_ROWS = 8
 
 # Buffers kept per (device, stream, what) (``_workspace``): launches on one
 # stream never overlap, on two they may. Two kinds:

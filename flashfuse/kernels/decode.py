@@ -578,7 +578,7 @@ class _Plan:
 
     __slots__ = ("B", "Hq", "N", "Hkv", "G", "Dv", "block_r", "tiles", "want", "forced", "interp", "tune",
                  "meta", "chunks", "bounds_meta", "m_rows", "m_queries", "block_dv", "launches", "device_index",
-                 "cache_bytes_per_key", "sizes", "merge_rows")
+                 "cache_bytes_per_key", "sizes")
 
 
 class _Launches:
@@ -638,7 +638,6 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
     # are choices, made from example values; the grid stays symbolic.
     p.block_r = row_tile(hint(G), hint(N))
     p.tiles = cdiv(G * N, p.block_r)
-    p.merge_rows = min(p.block_r, hint(G) * hint(N))  # rows a fused merge takes one after the other
     p.forced = config.decode_splits()
     p.interp = _interpreting(q)
     p.block_dv = max(16, next_pow2(Dv))
@@ -669,7 +668,8 @@ def _make_plan(q, v, cache_seqlens, block_table, attn_mask, window_left, window_
 def _make_launches(p: _Plan, S: int, bucket: int, q) -> _Launches:
     L = _Launches()
     L.S, L.direct = S, S == 1
-    L.fusable = 1 < S <= FUSED_MAX_SPLITS and p.merge_rows <= FUSED_MAX_ROWS
+    merged_rows = min(p.block_r, hint(p.G) * hint(p.N))  # what a fused merge takes one after the other
+    L.fusable = 1 < S <= FUSED_MAX_SPLITS and merged_rows <= FUSED_MAX_ROWS
     B, Hq, N = p.B, p.Hq, p.N
     L.grid = (S, p.Hkv * p.tiles, B)
     L.comb_grid = (B * Hq * N, 1, 1)

@@ -343,6 +343,14 @@ def test_decode_host_smoke(tmp_path):
     assert "us per call" in out and "tok/s" in out
 
 
+def test_decode_merge_smoke(tmp_path):
+    out = run_script("decode_merge.py", tmp_path)
+    rows = read_csv(tmp_path / "decode_merge.csv")
+    assert {r["variant"] for r in rows} == {"fused", "combine", "as shipped", "sdpa"}
+    assert all(float(r["device_us"]) > 0 and float(r["loop_us"]) > 0 for r in rows)
+    assert "rows/tile" in out
+
+
 def test_generate_probe_host_split_times_the_implementations_own_functions():
     """``generate_probe.host_split`` (a GPU script's helper, run here on the
     CPU with the smoke model): per decoding token, the attention function

@@ -3,14 +3,15 @@
 An eager decode call splits the cache across programs; the partial results
 are merged either by the last split of each tile inside the split kernel (the
 fused merge, one launch) or by a second launch (the combine kernel). The
-fused merge takes a tile's rows one after the other, so its cost grows with
-the rows a tile holds (queries times grouped heads). ``decode.FUSED_MAX_ROWS``
-is the row count past which eager calls take the combine kernel; this script
-measures where that limit belongs.
+fused merge takes a tile's rows one after the other, each reading its S
+partials, so its cost grows with the rows a tile holds (queries times grouped
+heads) and the split count. ``decode.FUSED_MAX_MERGES`` (rows times splits)
+and ``decode.FUSED_MAX_BYTES`` (cache size) bound where eager calls take it;
+this script measures where those limits belong.
 
 For each shape (Hq = 32, Hkv = 8, D = 128, bf16, causal with bottom-right
-alignment, 1-16 new queries, 4k-16k cached keys) and each variant
-("fused": the fused merge at any row count; "combine": the combine kernel;
+alignment, 1-16 new queries, 4k-16k cached keys, batch 1 and 8) and each variant
+("fused": the fused merge at any row count and cache size; "combine": the combine kernel;
 "as shipped": the library's policy; "sdpa": PyTorch's SDPA with the same
 mask) it reports
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 1, 4096), (1, 2, 4096), (1, 4, 4096), (1, 8, 4096), (1, 16, 4096),
+          (1, 1, 8192), (1, 2, 8192), (1, 4, 8192),
           (1, 1, 16384), (1, 4, 16384), (1, 16, 16384), (8, 1, 4096), (8, 4, 4096)]
 SMOKE_SHAPES = [(1, 1, 300), (1, 4, 300)]
 VARIANTS = ("fused", "combine", "as shipped", "sdpa")
@@ -54,16 +56,16 @@ def _policy(name: str):
     """The decode kernels' merge policy for ``name``, plans forgotten around it."""
     from flashfuse.kernels import decode
 
-    saved = decode.FUSE_COMBINE, decode.FUSED_MAX_ROWS
+    saved = decode.FUSE_COMBINE, decode.FUSED_MAX_MERGES, decode.FUSED_MAX_BYTES
     if name == "fused":
-        decode.FUSE_COMBINE, decode.FUSED_MAX_ROWS = True, decode.MAX_ROWS
+        decode.FUSE_COMBINE, decode.FUSED_MAX_MERGES, decode.FUSED_MAX_BYTES = True, 1 << 30, 1 << 40
     elif name == "combine":
         decode.FUSE_COMBINE = False
     decode.forget_plans()
     try:
         yield
     finally:
-        decode.FUSE_COMBINE, decode.FUSED_MAX_ROWS = saved
+        decode.FUSE_COMBINE, decode.FUSED_MAX_MERGES, decode.FUSED_MAX_BYTES = saved
         decode.forget_plans()
 
 

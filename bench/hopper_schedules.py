@@ -14,7 +14,11 @@ process, ``do_bench`` medians of:
 * with ``--softmax``, the persistent grid with the default softmax and
   each variant (``hopper.FWD_SOFTMAX``: the row maximum folded, some
   exponentials on the FMA units), all compiled first, then timed in
-  alternating rounds (medians of ``--rounds``).
+  alternating rounds (medians of ``--rounds``);
+* with ``--consumers``, the forward with each count of consumer warp
+  groups (``hopper.FWD_CONSUMERS`` at the head dim: 2 makes 128-row
+  tiles, 3 makes 192-row tiles), each on the grid the op's rule takes for
+  it, and SDPA ("sdpa rounds"), in alternating rounds likewise.
 
 Each Hopper output is checked against the portable one first (relative
 error in the CSV; the float64 checks are the GPU tests). The column "the
@@ -26,6 +30,7 @@ Writes bench/results/hopper_schedules.csv.
     python bench/hopper_schedules.py
     python bench/hopper_schedules.py --d 128 --n 4096 --causal yes
     python bench/hopper_schedules.py --d 64 --n 4096,16384 --softmax "3,0 0,1"
+    python bench/hopper_schedules.py --d 64 --n 1024,4096,16384 --consumers "2 3"
 """
 
 from __future__ import annotations
@@ -69,6 +74,21 @@ def _variant_runs(p, q, k, v, softmax_variants):
                                          for f, pl in softmax_variants]
 
 
+def _consumer_runs(p, q, k, v, counts, causal):
+    """(name, run) of the forward with each count of consumer warp groups
+    ("consumers N", ``hopper.FWD_CONSUMERS`` at p's head dim set for the
+    call at every length, the grid the op's rule takes), and SDPA ("sdpa rounds")."""
+    def run(n):
+        saved = hopper.FWD_CONSUMERS, hopper.FWD_THREE_CONSUMERS_MIN
+        hopper.FWD_CONSUMERS, hopper.FWD_THREE_CONSUMERS_MIN = {**saved[0], p.D: n}, 0
+        try:
+            return hopper.hopper_forward(p, q, k, v)
+        finally:
+            hopper.FWD_CONSUMERS, hopper.FWD_THREE_CONSUMERS_MIN = saved
+    return [(f"consumers {n}", lambda n=n: run(n)) for n in counts] + [
+        ("sdpa rounds", lambda: (F.scaled_dot_product_attention(q, k, v, is_causal=causal), None))]
+
+
 def _variant_name(folds, poly):
     return f"softmax {folds},{poly}"
 
@@ -106,7 +126,11 @@ def parse_args():
     p.add_argument("--softmax", default="",
                    help="softmax variants timed on the persistent grid beside the default, in alternating "
                         "rounds: space-separated FOLDS,POLY pairs (hopper.FWD_SOFTMAX), e.g. '3,0 0,1'")
-    p.add_argument("--rounds", type=int, default=7, help="rounds of the --softmax timings (medians reported)")
+    p.add_argument("--consumers", default="",
+                   help="consumer warp group counts timed beside SDPA in alternating rounds: space-separated "
+                        "(hopper.FWD_CONSUMERS), e.g. '2 3'")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="rounds of the --softmax and --consumers timings (medians reported)")
     return p.parse_args()
 
 
@@ -117,11 +141,14 @@ def main():
         sys.exit("the Hopper kernels need a CUDA GPU (compute capability 9.x)")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     variants = [common.softmax_pair(item) for item in args.softmax.split()]
+    counts = [int(c) for c in args.consumers.split()]
     providers = PROVIDERS + (["softmax default"] + [_variant_name(*v) for v in variants] if variants else [])
+    providers += [f"consumers {n}" for n in counts] + (["sdpa rounds"] if counts else [])
     res = common.Results(args.out, "hopper_schedules.csv", common.env_info(device))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     gen = torch.Generator(device=device).manual_seed(0)
     table = []
+    ratios = []
     for D in (int(x) for x in args.d.split(",")):
         for N in (int(x) for x in args.n.split(",")):
             for causal in causals:
@@ -158,6 +185,12 @@ def main():
                         out = run()[0].float()
                         errors[name] = ((out - want).norm() / want.norm()).item()
                     times.update(_timed_in_rounds(runs, device, args.rounds))
+                if counts:
+                    runs = _consumer_runs(p, q, k, v, counts, causal)
+                    for name, run in runs[:-1]:
+                        out = run()[0].float()
+                        errors[name] = ((out - want).norm() / want.norm()).item()
+                    times.update(_timed_in_rounds(runs, device, args.rounds))
                 chosen = "persistent" if hopper.forward_persistent(p) else "tiles"
                 programs = hopper.forward_programs(p, True)
                 for prov, ms in times.items():
@@ -171,11 +204,17 @@ def main():
                 row += [common.fmt(times["sdpa"] / times[chosen], 2) if chosen in times else "-",
                         f"{max(errors.values()):.1e}" if errors else "-", chosen if why is None else "portable"]
                 table.append(row)
+                if counts:
+                    ratios.append([D, N, causal] + [common.fmt(times["sdpa rounds"] / times[f"consumers {n}"], 3)
+                                                    for n in counts])
                 del q, k, v
                 common.free_memory()
     common.tables_header()
     common.print_table(table, ["D", "N", "causal", "persistent grid", *providers, "op's grid / sdpa",
                                "max rel err vs portable", "the op takes"], title=f"Forward TFLOP/s, {args.dtype}")
+    if ratios:
+        common.print_table(ratios, ["D", "N", "causal", *(f"consumers {n} / sdpa" for n in counts)],
+                           title=f"Speed against SDPA in the same alternating rounds (medians of {args.rounds})")
     print(f"\nCSV: {res.path}")
 
 

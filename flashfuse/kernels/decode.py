@@ -669,7 +669,7 @@ def _make_launches(p: _Plan, S: int, bucket: int, q) -> _Launches:
     L = _Launches()
     L.S, L.direct = S, S == 1
     merged_rows = min(p.block_r, hint(p.G) * hint(p.N))  # what a fused merge takes one after the other
-    L.fusable = 1 < S <= FUSED_MAX_SPLITS and merged_rows <= FUSED_MAX_ROWS
+    L.fusable = 1 < S <= FUSED_MAX_SPLITS and merged_rows * S <= FUSED_MAX_MERGES
     B, Hq, N = p.B, p.Hq, p.N
     L.grid = (S, p.Hkv * p.tiles, B)
     L.comb_grid = (B * Hq * N, 1, 1)
@@ -1272,27 +1272,33 @@ def _grown_call(q, k, v, rest, cache_seqlens, window_left, window_right, bottom_
 # real tensors outside CUDA graph capture (in traced graphs and under capture
 # a combine kernel follows, since a counter buffer made there would belong to
 # the graph's memory), on caches of at most FUSED_MAX_BYTES of keys and
-# values, with at most FUSED_MAX_SPLITS splits and FUSED_MAX_ROWS rows per
-# tile. The fused merge saves the
+# values, with at most FUSED_MAX_SPLITS splits and FUSED_MAX_MERGES rows
+# times splits per tile. The fused merge saves the
 # host a launch (7.5-13 us per call on the H200's host, two runs) but costs
 # device time:
 # one program merges its tile's rows one after the other, where the combine
 # kernel has a program per row (4k keys 18.6 against 14.9 us, 32k keys 57.5
-# against 49.3: bench/NOTES.md run 22). Below FUSED_MAX_BYTES (a read of
-# about 16 us at the H200's copy bandwidth) an eager call's device time stays
-# under its host time (SDPA's own host time is 25-35 us there), so the
-# extra device time is hidden and the saved launch is not. Tests and
-# benchmarks set FUSE_COMBINE False to compare.
+# against 49.3: bench/NOTES.md run 22). Below FUSED_MAX_BYTES an eager
+# call's device time stays under its host time, so the extra device time is
+# hidden and the saved launch is not. At 64 MiB (16k keys at batch 1 in
+# bench/decode_merge.py, an H100, run 41) it no longer was: 41.8 against
+# 33.0 us of device time, and no faster a call in a loop (46.8 against 45.5);
+# at 16 MiB the fused merge was 39.9 against 57.5 us a call in a loop. Tests
+# and benchmarks set FUSE_COMBINE False to compare.
 FUSE_COMBINE = True
-FUSED_MAX_BYTES = 64 << 20
+FUSED_MAX_BYTES = 32 << 20
 # With 128 splits (BLOCK_S = 128) the fused split kernel needs 199 registers
 # a thread (Triton 3.6, sm_90a), too many for three programs an SM; with 64, 154.
 FUSED_MAX_SPLITS = 64
 # The merging program takes its tile's rows one after the other, each a round
-# trip for its partials: with many rows (several queries times the grouped
-# heads) that chain outlasts the launch it saves, so past FUSED_MAX_ROWS rows
-# per tile the combine kernel (a program per row) merges.
-FUSED_MAX_ROWS = 8
+# trip for its S partials: about 1.1 + 0.035 * S us a row on an H100 (run 41,
+# bench/decode_merge.py; 16 and 49 splits). With many rows (several queries
+# times the grouped heads) that chain outlasts the launch it saves, so past
+# FUSED_MAX_MERGES rows times splits per tile the combine kernel (a program
+# per row) merges. At 4k keys (16 splits) a loop of eager calls was faster
+# fused up to 16 rows (37.7 against 47.8 us a call) and slower at 32 (69.4
+# against 47.5).
+FUSED_MAX_MERGES = 256
 
 # Buffers kept per (device, stream, what) (``_workspace``): launches on one
 # stream never overlap, on two they may. Two kinds:

@@ -92,7 +92,7 @@ from .. import config
 __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes", "gluon_available",
            "mean_visible_keys", "hopper_backward", "backward_refusal", "backward_problem_refusal",
            "traced_backward_takes", "backward_path", "hopper_backward_separate", "hopper_backward_fused",
-           "forward_persistent", "forward_programs",
+           "forward_persistent", "forward_programs", "forward_consumers", "forward_block_m",
            "backward_persistent", "backward_programs"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
@@ -101,6 +101,19 @@ SUPPORTED_TRITON = ("3.6",)
 # Tile: 128 query rows (two warp groups of 64) by 128 keys.
 BLOCK_M = 128
 BLOCK_N = 128
+# The forward's consumer warp groups per head dim, 64 query rows each, for
+# calls without a mask (a masked call keeps two: the mask tables' row groups
+# assume a power-of-two tile) whose queries and keys both number at least
+# FWD_THREE_CONSUMERS_MIN. Three make a 192-row tile: K and V are read once
+# per 192 rows instead of 128, and three softmaxes overlap the tensor cores'
+# products instead of two, at 160 registers a thread instead of 240
+# (FlashAttention-3's choice at D = 64). On an H100 at D = 64 (bench/NOTES.md
+# run 41, ``bench/hopper_schedules.py --consumers``, against SDPA in the same
+# rounds) three were 2-14 % faster at 4k and 16k and 11-27 % slower at 1k,
+# where a 192-row tile leaves more of its last tile idle and the fixed cost
+# per tile weighs more.
+FWD_CONSUMERS = {64: 3, 128: 2}
+FWD_THREE_CONSUMERS_MIN = 4096
 # K/V slots per head dim (shared memory at D = 128: q 32 KiB + 2 x 2 x 32 KiB).
 WS_STAGES = {64: 3, 128: 2}
 
@@ -428,10 +441,22 @@ def forward_persistent(p: AttentionProblem) -> bool:
     return FWD_PERSISTENT and _plan(p)[1]
 
 
+def forward_consumers(p: AttentionProblem) -> int:
+    """The forward's consumer warp groups for ``p`` (``FWD_CONSUMERS``)."""
+    if p.mask_kind == 0 and min(p.N, p.M) >= FWD_THREE_CONSUMERS_MIN:
+        return FWD_CONSUMERS[p.D]
+    return 2
+
+
+def forward_block_m(p: AttentionProblem) -> int:
+    """The forward's query rows per tile for ``p``: 64 per consumer."""
+    return 64 * forward_consumers(p)
+
+
 def forward_programs(p: AttentionProblem, persistent: bool) -> int:
     """The program count of the forward's grid: the tile count, or the
     persistent grid the plan chose."""
-    tiles = cdiv(p.N, BLOCK_M) * p.Hq * p.B
+    tiles = cdiv(p.N, forward_block_m(p)) * p.Hq * p.B
     if not persistent:
         return tiles
     return _plan(p)[0]
@@ -440,12 +465,12 @@ def forward_programs(p: AttentionProblem, persistent: bool) -> int:
 def _plan(p: AttentionProblem) -> tuple[int, bool]:
     """``_grid_plan`` for ``p`` on its device."""
     return _grid_plan(p.B * p.Hq, p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
-                      p.has_window_right, _device_sms(p))
+                      p.has_window_right, _device_sms(p), forward_block_m(p))
 
 
 @functools.lru_cache(maxsize=1024)
 def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, window_right: int,
-               has_window_left: bool, has_window_right: bool, sms: int) -> tuple[int, bool]:
+               has_window_left: bool, has_window_right: bool, sms: int, block_m: int = BLOCK_M) -> tuple[int, bool]:
     """``(programs, faster)``: the persistent grid that ends first under the
     cost model (``FWD_FIXED_BLOCKS``), and whether it beats one program per
     tile. Tile t of program p in round r is ``_fwd_tile``'s (round r hands
@@ -456,7 +481,7 @@ def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, wind
 
     with _disable_current_modes():
         per_tile = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
-                                      has_window_right).repeat(heads)
+                                      has_window_right, block_m).repeat(heads)
         if per_tile.numel() <= sms:
             return per_tile.numel(), False
         fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
@@ -467,13 +492,13 @@ def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, wind
 
 
 def _query_tile_blocks(N: int, M: int, diag_off: int, window_left: int, window_right: int,
-                       has_window_left: bool, has_window_right: bool) -> torch.Tensor:
-    """The key blocks of each of one head's forward tiles, in the order the
-    kernel numbers them (``hopper_gluon._fwd_tile``: last query block
-    first); at least 1, as the kernel streams one block for a tile that sees
-    no key."""
-    rows = torch.arange(cdiv(N, BLOCK_M), dtype=torch.int64) * BLOCK_M
-    last_row = torch.clamp(rows + BLOCK_M, max=N) - 1
+                       has_window_left: bool, has_window_right: bool, block_m: int = BLOCK_M) -> torch.Tensor:
+    """The key blocks of each of one head's forward tiles of ``block_m``
+    rows, in the order the kernel numbers them (``hopper_gluon._fwd_tile``:
+    last query block first); at least 1, as the kernel streams one block for
+    a tile that sees no key."""
+    rows = torch.arange(cdiv(N, block_m), dtype=torch.int64) * block_m
+    last_row = torch.clamp(rows + block_m, max=N) - 1
     lo = torch.zeros_like(rows)
     hi = torch.full_like(rows, M)
     if has_window_right:
@@ -580,11 +605,15 @@ def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None 
         p.qk_scale, p.diag_off, p.window_left, p.window_right,
     )
     # Two consumer warp groups at 240 registers and the copy warp at 24 (its
-    # warp group's share): 168 per thread at launch over 12 warps.
+    # warp group's share): 168 per thread at launch over 12 warps. Three
+    # consumers: 160 each and 24, 128 per thread at launch over 16 warps
+    # (the register file's 64k).
+    consumers = forward_consumers(p)
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
-                HEAD_DIM=p.D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
+                HEAD_DIM=p.D, BLOCK_M=64 * consumers, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
                 GROUP=ROW_GROUP, ROW_MAX_FOLDS=FWD_SOFTMAX[p.D]["row_max_folds"],
-                EXP_POLY=FWD_SOFTMAX[p.D]["exp_poly"], SPLIT_RUNS=FWD_MASK_SPLIT_RUNS, num_warps=4, maxnreg=168)
+                EXP_POLY=FWD_SOFTMAX[p.D]["exp_poly"], SPLIT_RUNS=FWD_MASK_SPLIT_RUNS, CONSUMERS=consumers,
+                num_warps=4, maxnreg=168 if consumers == 2 else 128)
     return args, meta, forward_programs(p, persistent)
 
 

@@ -185,11 +185,11 @@ def _key_range(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT: g
 
 
 @gluon.jit
-def _stream_barriers(STAGES: gl.constexpr):
+def _stream_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """The barriers of every Hopper kernel: one for the tile loaded once
     (q, or q and dO; K and V in the dK/dV kernel), then ready/empty per slot
     of the two operands that stream (K and V; q and dO); an empty barrier
-    counts both consumers' releases."""
+    counts the releases of all CONSUMERS consumer warp groups."""
     tile_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -199,8 +199,8 @@ def _stream_barriers(STAGES: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(b_ready.index(i), count=1)
-        mbarrier.init(a_empty.index(i), count=2)
-        mbarrier.init(b_empty.index(i), count=2)
+        mbarrier.init(a_empty.index(i), count=CONSUMERS)
+        mbarrier.init(b_empty.index(i), count=CONSUMERS)
     fence_async_shared()
     return tile_bar, a_ready, a_empty, b_ready, b_empty
 
@@ -431,22 +431,22 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                 Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable, stride_tab_b,
                 stride_tab_h, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_TABLE: gl.constexpr,
-                GROUP: gl.constexpr):
-    """The copy warp: for each of the program's tiles, q's two halves (each
-    once its consumer has issued the last product that reads the previous
-    tile's), then the tile's K and V blocks into the ring of slots, whose
-    counter runs on across tiles."""
+                GROUP: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The copy warp: for each of the program's tiles, q's CONSUMERS parts of
+    HALF_M rows (each once its consumer has issued the last product that
+    reads the previous tile's), then the tile's K and V blocks into the ring
+    of slots, whose counter runs on across tiles."""
     q_bytes: gl.constexpr = HALF_M * HEAD_DIM * 2
     c = 0
     n_done = 0
     for r in range(_program_rounds(n_tiles)):
-        m0, h, b = _fwd_tile(r, n_m, Hq, 2 * HALF_M)
+        m0, h, b = _fwd_tile(r, n_m, Hq, CONSUMERS * HALF_M)
         hk = h // (Hq // Hkv)
         tab_off = b.to(gl.int64) * stride_tab_b + h.to(gl.int64) * stride_tab_h
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                            HAS_WINDOW_RIGHT, 2 * HALF_M, BLOCK_N, KeyTable, tab_off, HAS_TABLE,
+                                            HAS_WINDOW_RIGHT, CONSUMERS * HALF_M, BLOCK_N, KeyTable, tab_off, HAS_TABLE,
                                             GROUP, 1)
-        for half in gl.static_range(2):
+        for half in gl.static_range(CONSUMERS):
             mbarrier.wait(q_empty.index(half), (n_done & 1) ^ 1)  # a fresh barrier's previous phase counts as done
             mbarrier.expect(q_ready.index(half), q_bytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF_M, 0], q_ready.index(half),
@@ -503,16 +503,17 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                   HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                   HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   MASK_KIND: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr,
-                  EXP_POLY: gl.constexpr, SPLIT_RUNS: gl.constexpr):
-    """One warp group: 64 query rows of each of the program's tiles, the
+                  EXP_POLY: gl.constexpr, SPLIT_RUNS: gl.constexpr, CONSUMERS: gl.constexpr):
+    """One warp group: rows HALF * HALF_M .. (HALF + 1) * HALF_M - 1 (64 of
+    the CONSUMERS * 64) of each of the program's tiles, the
     whole online softmax for them. Iteration j issues S_j = q·K_jᵀ and
     O += P_{j-1}·V_{j-1} together and computes the softmax of S_j while the
-    tensor cores work on the second. The two groups never wait for each
+    tensor cores work on the second. The groups never wait for each
     other (taking turns to issue, FlashAttention-3's ping-pong, measured
     slower: runs 19 and 24). The output is staged in this group's own tile
     of ``o_smem``, so the next tile's q may load while it is stored."""
     dtype: gl.constexpr = q_smem.dtype
-    BLOCK_M: gl.constexpr = 2 * HALF_M
+    BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -654,7 +655,7 @@ def _hopper_attn_fwd(
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     MASK_KIND: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr, EXP_POLY: gl.constexpr,
-    SPLIT_RUNS: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT_RUNS: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The forward over tiles of BLOCK_M query rows of one (batch, head),
     P programs taking one tile per round (``_fwd_tile``): one program per
@@ -662,9 +663,12 @@ def _hopper_attn_fwd(
     SM count (the launcher's plan). With a mask (MASK_KIND 1 bool as bytes,
     2 float; read through its (B, Hq, N, M) strides, 0 where it broadcasts)
     ``KeyTable`` is its key table (``mask_ranges``, one entry per GROUP
-    rows, strides 0 where it broadcasts); without, both are unread."""
+    rows, strides 0 where it broadcasts); without, both are unread.
+    CONSUMERS (2 or 3) consumer warp groups take 64 rows of a tile each
+    (BLOCK_M = 64 * CONSUMERS); three only without a mask (the tables'
+    row groups assume a power-of-two tile)."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    HALF_M: gl.constexpr = BLOCK_M // CONSUMERS
     n_m = gl.cdiv(N, BLOCK_M)
     n_tiles = n_m * Hq * B
     q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
@@ -676,36 +680,62 @@ def _hopper_attn_fwd(
     v_desc = _heads_4d(V, B, Hkv, M, stride_v_b, stride_v_h, stride_v_n, BLOCK_N, HEAD_DIM, kv4_layout)
     o_desc = _heads_4d(Out, B, Hq, N, stride_o_b, stride_o_h, stride_o_n, HALF_M, HEAD_DIM, q4_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q2_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q2_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M, HEAD_DIM], q2_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M, HEAD_DIM], q2_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv2_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv2_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-    unused, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES)
+    unused, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES, CONSUMERS)
 
     # The consumers' argument lists differ only in HALF but are written out
     # in full: a tuple built once and concatenated ((HALF, ) + rest) reaches
     # the partition with its constexprs turned into tensors (Gluon 3.6).
-    gl.warp_specialize([
-        (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
-                         Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
-                         stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
-                         MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS)),
-        (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
-                         Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
-                         stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
-                         MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS)),
-        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
-                       stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM,
-                       STAGES, MASK_KIND != 0, GROUP)),
-    ], [4, 1], [240, 24])
+    if CONSUMERS == 3:
+        # 16 warps at launch, 128 registers each (the launcher's maxnreg);
+        # the copy warp's group gives up all but 24, the three consumers
+        # share the rest.
+        gl.warp_specialize([
+            (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                             stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+            (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                             stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+            (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                             stride_tab_h, 2, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
+                           stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM,
+                           STAGES, MASK_KIND != 0, GROUP, CONSUMERS)),
+        ], [4, 4, 1], [160, 160, 24])
+    else:
+        gl.warp_specialize([
+            (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                             stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+            (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
+                             stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
+                           stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM,
+                           STAGES, MASK_KIND != 0, GROUP, CONSUMERS)),
+        ], [4, 1], [240, 24])
 
 
 # The backward kernels (taken by the op's backward where
@@ -935,7 +965,7 @@ def _hopper_attn_bwd_dkdv(
                                       HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N)
 
     q_smem, do_smem, k_smem, v_smem = _dkdv_buffers(dtype, STAGES, BLOCK_M, HALF_N, HEAD_DIM)
-    kv_bar, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
+    kv_bar, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES, 2)
     h0 = hk * G
     stat_b = b64 * stride_stat_b
     gl.warp_specialize([
@@ -1039,7 +1069,7 @@ def _hopper_attn_bwd_dq(
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    qdo_bar, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES)
+    qdo_bar, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES, 2)
     stat_base = b64 * stride_stat_b + h.to(gl.int64) * stride_stat_h
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_ready, k_empty, v_ready,
@@ -1509,7 +1539,7 @@ def _hopper_attn_bwd_fused(
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ halves
     mbarrier.init(kv_empty, count=2)
-    kv_ready, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES)
+    kv_ready, q_ready, q_empty, do_ready, do_empty = _stream_barriers(STAGES, 2)
     # Both consumers' arguments written out, as in _hopper_attn_fwd (why there).
     gl.warp_specialize([
         (_fused_consumer, (DK, DV, dqa_desc, DQacc, Shift, Delta, Cap, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,

@@ -31,7 +31,7 @@ def combine(request, monkeypatch):
     combine kernel (as in traced graphs and under CUDA graph capture).
     "fused" merges every tile in the split kernel, however many rows it has."""
     monkeypatch.setattr(decode, "FUSE_COMBINE", request.param == "fused")
-    monkeypatch.setattr(decode, "FUSED_MAX_ROWS", decode.MAX_ROWS)
+    monkeypatch.setattr(decode, "FUSED_MAX_MERGES", decode.MAX_ROWS * decode.MAX_SPLITS)
     return request.param
 
 
@@ -97,7 +97,7 @@ def small_row_tiles(monkeypatch):
 def test_fused_combine_launches_one_kernel_and_leaves_its_counters_at_zero(monkeypatch, small_row_tiles, group, n,
                                                                            tiles):
     """The split kernel merges the partials itself: no combine launch (up to
-    FUSED_MAX_SPLITS splits, FUSED_MAX_ROWS rows per tile and
+    FUSED_MAX_SPLITS splits, FUSED_MAX_MERGES rows times splits per tile and
     FUSED_MAX_BYTES of cache), the same numbers
     as the combine kernel's, each row tile's arrival counter back at zero,
     so that the next call (of another shape too) counts from zero; several
@@ -110,7 +110,7 @@ def test_fused_combine_launches_one_kernel_and_leaves_its_counters_at_zero(monke
     band = dict(window_left=40, window_right=0, bottom_right=True)
     assert decode.row_tile(group, n) * tiles == max(16, group * n)
     rows = min(group * n, decode.row_tile(group, n))  # what the last split of a tile merges
-    monkeypatch.setattr(decode, "FUSED_MAX_ROWS", rows)
+    monkeypatch.setattr(decode, "FUSED_MAX_MERGES", rows * 5)
     monkeypatch.setattr(decode, "FUSE_COMBINE", False)
     want, want_lse = decode_forward(q, k, v, scale=0.5, num_splits=3, **band)
     monkeypatch.setattr(decode, "FUSE_COMBINE", True)
@@ -133,15 +133,15 @@ def test_fused_combine_launches_one_kernel_and_leaves_its_counters_at_zero(monke
     out, lse = decode_forward(q, k, v, scale=0.5, num_splits=3, **band)
     assert combine.launches - before == 1
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
-    # More rows per tile than FUSED_MAX_ROWS: the combine kernel, the same numbers.
+    # More rows times splits per tile than FUSED_MAX_MERGES: the combine kernel, the same numbers.
     monkeypatch.setattr(decode, "FUSED_MAX_BYTES", 1 << 40)
-    monkeypatch.setattr(decode, "FUSED_MAX_ROWS", rows - 1)
+    monkeypatch.setattr(decode, "FUSED_MAX_MERGES", rows * 3 - 1)
     decode.forget_plans()
     before = combine.launches
     out, lse = decode_forward(q, k, v, scale=0.5, num_splits=3, **band)
     assert combine.launches - before == 1
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
-    monkeypatch.setattr(decode, "FUSED_MAX_ROWS", rows)
+    monkeypatch.setattr(decode, "FUSED_MAX_MERGES", rows * 3)
     decode.forget_plans()
     before = combine.launches
     decode_forward(q, k, v, scale=0.5, num_splits=3, **band)
@@ -467,7 +467,7 @@ def test_gpu_fused_combine_against_the_combine_kernel(monkeypatch):
     want = [decode_forward(q, k, v, scale=0.1, num_splits=s, window_right=0, bottom_right=True) for q, k, v, s in runs]
     monkeypatch.setattr(decode, "FUSE_COMBINE", True)
     monkeypatch.setattr(decode, "FUSED_MAX_BYTES", 1 << 40)  # every case fused, however long its cache
-    monkeypatch.setattr(decode, "FUSED_MAX_ROWS", decode.MAX_ROWS)  # and however many rows its tiles have
+    monkeypatch.setattr(decode, "FUSED_MAX_MERGES", decode.MAX_ROWS * decode.MAX_SPLITS)  # and however many rows
     decode.forget_plans()
     for _ in range(25):
         got = [decode_forward(q, k, v, scale=0.1, num_splits=s, window_right=0, bottom_right=True)

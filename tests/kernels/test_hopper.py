@@ -360,6 +360,73 @@ def test_softmax_variants_gradients_through_the_op(monkeypatch, folds, poly, D):
     _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, window_right=0)
 
 
+def _consumers(monkeypatch, D, n):
+    """``n`` consumer warp groups at head dim ``D``, at every length."""
+    monkeypatch.setattr(hopper, "FWD_CONSUMERS", {**hopper.FWD_CONSUMERS, D: n})
+    monkeypatch.setattr(hopper, "FWD_THREE_CONSUMERS_MIN", 0)
+
+
+def test_forward_consumer_rule(monkeypatch):
+    """Three consumer warp groups (192-row tiles) only where FWD_CONSUMERS
+    asks for them and the call has no mask; the grid counts 192-row tiles."""
+    q, k, v = (torch.randn(1, 2, 1000, 64, dtype=torch.bfloat16) for _ in range(3))
+    _consumers(monkeypatch, 64, 3)
+    p = _problem(q, k, v)
+    assert hopper.forward_consumers(p) == 3 and hopper.forward_block_m(p) == 192
+    assert hopper.forward_programs(p, False) == 2 * 6  # cdiv(1000, 192) tiles a head
+    meta = hopper.kernel_args(p, q, k, v, torch.empty_like(q), torch.empty(1, 2, 1000), False)[1]
+    assert (meta["BLOCK_M"], meta["CONSUMERS"], meta["maxnreg"]) == (192, 3, 128)
+    masked = _problem(q, k, v, torch.ones(1000, 1000, dtype=torch.bool))
+    assert hopper.forward_consumers(masked) == 2 and hopper.forward_block_m(masked) == 128
+    q128 = torch.randn(1, 2, 1000, 128, dtype=torch.bfloat16)
+    assert hopper.forward_consumers(_problem(q128, q128, q128)) == hopper.FWD_CONSUMERS[128]
+    # Below FWD_THREE_CONSUMERS_MIN queries or keys: two.
+    monkeypatch.setattr(hopper, "FWD_THREE_CONSUMERS_MIN", 1001)
+    assert hopper.forward_consumers(p) == 2
+    long_q = torch.randn(1, 2, 2000, 64, dtype=torch.bfloat16)
+    assert hopper.forward_consumers(_problem(long_q, k, v)) == 2  # 1000 keys
+    assert hopper.forward_consumers(_problem(long_q, long_q, long_q)) == 3
+    # The plan's per-tile blocks for 192-row tiles under a causal band, last
+    # tile first: a tile's last row r sees keys 0..r, cdiv(r + 1, 128) blocks.
+    blocks = hopper._query_tile_blocks(1000, 1000, 0, 0, 0, False, True, 192)
+    assert blocks.tolist() == [8.0, 8.0, 6.0, 5.0, 3.0, 2.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_forward_consumer_counts_against_reference(monkeypatch, consumers, dtype, D):
+    """Two and three consumer warp groups at both head dims: every band,
+    partial 192-row tiles, rows that see no key, grouped heads, NaN padding
+    and poisoned outputs, on both grids."""
+    _consumers(monkeypatch, D, consumers)
+    for grid in ("tiles", "persistent"):
+        for band, shape in (("causal_bottom_right", (1, 8, 2, 129, 4097)), ("two_sided_bottom_right", (2, 4, 4, 1000, 1000)),
+                            ("none", (1, 2, 2, 1, 300)), ("causal", (2, 2, 1, 2048, 640)), ("window", (2, 4, 4, 1000, 1000))):
+            test_forward_against_reference(monkeypatch, grid, dtype, D, band, *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_three_consumers_gradients_and_repeatability(monkeypatch, D):
+    """The backward from the three-consumer forward's lse against float64,
+    and the forward's bits the same over three runs."""
+    _require_hopper()
+    _consumers(monkeypatch, D, 3)
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    q, k, v = _inputs(2, 4, 2, 1500, 1500, D, torch.bfloat16, "contiguous", gen)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashfuse.attention(*leaves, scale=0.125, is_causal=True, enable_gqa=True)
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+    out.backward(dout)
+    _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, window_right=0)
+    p = _problem(q, k, v, window_right=0)
+    runs = [hopper.hopper_forward(p, q, k, v, True) for _ in range(3)]
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("D", [64, 128])

@@ -47,6 +47,8 @@ def parse_args():
     p.add_argument("--eager", action="store_true",
                    help="also time back-to-back eager calls, no CUDA graph, one sync at the end (host time)")
     p.add_argument("--lengths", default=None, help="comma-separated cache lengths (default 4096,16384,32768,131072)")
+    p.add_argument("--from-csv", default=None,
+                   help="redraw the table and the plot of this CSV (--eager: with its loop columns), measuring nothing")
     return p.parse_args()
 
 
@@ -83,6 +85,10 @@ def timer(device):
 
 def main():
     args = parse_args()
+    if args.from_csv:
+        os.makedirs(args.out, exist_ok=True)
+        report(common.Results.load(args.from_csv), args)
+        return
     device, budget = common.start(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.smoke:
@@ -165,7 +171,7 @@ def main():
 def report(res, args):
     common.tables_header()
     ok = [r for r in res.rows if r.get("status") == "ok"]
-    bw = next((r["bandwidth_tbs"] for r in ok), float("nan"))
+    bw = next((r["bandwidth_tbs"] for r in ok if isinstance(r.get("bandwidth_tbs"), float)), float("nan"))
     print(f"device copy bandwidth: {common.fmt(bw, 2)} TB/s; floor = time to read K and V once at it")
     by_case = {}
     for r in res.rows:
@@ -175,6 +181,7 @@ def report(res, args):
         ff, sd = prov.get("flashfuse", {}), prov.get("sdpa", {})
         speed = (sd["us"] / ff["us"]) if ff.get("status") == "ok" and sd.get("status") == "ok" else float("nan")
         floor = ff.get("floor_us", float("nan")) if ff.get("status") == "ok" else float("nan")
+        floor = floor if isinstance(floor, float) else float("nan")  # '' in a CSV row without it
         row = [B, N, M, cache, common.cell(ff, "us"), common.cell(ff, "us_graph"), common.cell(sd, "us"),
                common.cell(sd, "us_graph"), common.fmt(speed, 2), common.fmt(floor),
                common.fmt(ff["us"] / floor if floor == floor and floor > 0 else float("nan"), 2)]

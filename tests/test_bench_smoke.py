@@ -280,6 +280,10 @@ def test_compile_matrix_smoke(tmp_path):
 
 def test_bench_decode_smoke(tmp_path):
     run_script("bench_decode.py", tmp_path)
+    # The table redrawn from the CSV, nothing measured.
+    redraw = tmp_path / "redraw"
+    out = run_script("bench_decode.py", redraw, "--from-csv", str(tmp_path / "decode_smoke.csv"))
+    assert "Decoding (Hq 32, Hkv 8, D 128)" in out and "| 1   | 1" in out
 
 
 def test_profile_generate_smoke(tmp_path):

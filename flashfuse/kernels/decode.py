@@ -908,9 +908,14 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
         _keep(_CALLS, key, call)
         if grown is not None:
             _keep(_LANE_GROWN, grown, call.plan)
+    step = None
     if grown is not None:
-        _keep(_LANE_STEPS, token, _LaneStep(fixed, kv, grown[-1], call, m))
-    return _run(call, q, k, v, None, None, attn_mask, scale, True, False, transpose_out)[0]
+        step = _LaneStep(fixed, kv, grown[-1], call, m)
+        _keep(_LANE_STEPS, token, step)
+    out = _run(call, q, k, v, None, None, attn_mask, scale, True, False, transpose_out)[0]
+    if step is not None and call.L.c_launch:  # the step's next call of these launches: direct
+        step.direct = _DirectLaunch.of(call.plan, call.L, q)
+    return out
 
 
 # A lane's dynamic cache: one key longer at every call, so ``lane_forward``'s
@@ -1281,10 +1286,13 @@ def _grown_call(q, k, v, rest, cache_seqlens, window_left, window_right, bottom_
 # against 49.3: bench/NOTES.md run 22). Below FUSED_MAX_BYTES an eager
 # call's device time stays under its host time, so the extra device time is
 # hidden and the saved launch is not. At 64 MiB (16k keys at batch 1 in
-# bench/decode_merge.py, an H100, run 41) it no longer was: 41.8 against
-# 33.0 us of device time, and no faster a call in a loop (46.8 against 45.5);
-# at 16 MiB the fused merge was 39.9 against 57.5 us a call in a loop. Tests
-# and benchmarks set FUSE_COMBINE False to compare.
+# bench/decode_merge.py, run 41) the fused merge cost 41.8 against 33.0 us of
+# device time on an H100 and 33.7 against 25.5 on an H200; in a loop of calls
+# it tied on the H100 (46.8 against 45.5 us) and won on the H200's faster
+# host (39.8 against 53.1). 32 MiB keeps the device time; the H200's loop
+# at 8-16k keys is the price (bench/NOTES.md run 41). At 16 MiB the fused
+# merge won on both (loop 39.9 against 57.5 us, H100). Tests and benchmarks
+# set FUSE_COMBINE False to compare.
 FUSE_COMBINE = True
 FUSED_MAX_BYTES = 32 << 20
 # With 128 splits (BLOCK_S = 128) the fused split kernel needs 199 registers
@@ -1296,8 +1304,10 @@ FUSED_MAX_SPLITS = 64
 # times the grouped heads) that chain outlasts the launch it saves, so past
 # FUSED_MAX_MERGES rows times splits per tile the combine kernel (a program
 # per row) merges. At 4k keys (16 splits) a loop of eager calls was faster
-# fused up to 16 rows (37.7 against 47.8 us a call) and slower at 32 (69.4
-# against 47.5).
+# fused up to 16 rows (37.7 against 47.8 us a call on an H100, 32.6 against
+# 36.7 on an H200) and slower at 32 (69.4 against 47.5); at 8k keys (32
+# splits, H200) 8 rows fused were faster (38.8 against 54.1), 16 slower
+# (58.9 against 53.5).
 FUSED_MAX_MERGES = 256
 
 # Buffers kept per (device, stream, what) (``_workspace``): launches on one

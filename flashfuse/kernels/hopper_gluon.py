@@ -693,7 +693,9 @@ def _hopper_attn_fwd(
 
     # The consumers' argument lists differ only in HALF but are written out
     # in full: a tuple built once and concatenated ((HALF, ) + rest) reaches
-    # the partition with its constexprs turned into tensors (Gluon 3.6).
+    # the partition with its constexprs turned into tensors (Gluon 3.6). For
+    # the same reason the two partition lists, which differ only in the third
+    # consumer, are written out in full.
     if CONSUMERS == 3:
         # 16 warps at launch, 128 registers each (the launcher's maxnreg);
         # the copy warp's group gives up all but 24, the three consumers

@@ -351,13 +351,20 @@ def test_softmax_variants_gradients_through_the_op(monkeypatch, folds, poly, D):
     """The backward from each variant's lse: gradients against float64."""
     _require_hopper()
     _softmax_variant(monkeypatch, D, folds, poly)
-    gen = torch.Generator(device="cuda").manual_seed(13)
+    _causal_gradients_against_float64(D, seed=13)
+
+
+def _causal_gradients_against_float64(D, seed):
+    """A causal grouped-head call through the op, forward and backward,
+    against float64; its inputs ``(q, k, v)``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = _inputs(2, 4, 2, 1500, 1500, D, torch.bfloat16, "contiguous", gen)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = flashfuse.attention(*leaves, scale=0.125, is_causal=True, enable_gqa=True)
     dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
     out.backward(dout)
     _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, window_right=0)
+    return q, k, v
 
 
 def _consumers(monkeypatch, D, n):
@@ -414,13 +421,7 @@ def test_three_consumers_gradients_and_repeatability(monkeypatch, D):
     and the forward's bits the same over three runs."""
     _require_hopper()
     _consumers(monkeypatch, D, 3)
-    gen = torch.Generator(device="cuda").manual_seed(17)
-    q, k, v = _inputs(2, 4, 2, 1500, 1500, D, torch.bfloat16, "contiguous", gen)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flashfuse.attention(*leaves, scale=0.125, is_causal=True, enable_gqa=True)
-    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
-    out.backward(dout)
-    _assert_float64_close(out, [t.grad for t in leaves], q, k, v, dout, window_right=0)
+    q, k, v = _causal_gradients_against_float64(D, seed=17)
     p = _problem(q, k, v, window_right=0)
     runs = [hopper.hopper_forward(p, q, k, v, True) for _ in range(3)]
     for o, lse in runs[1:]:

@@ -913,8 +913,8 @@ def lane_forward(token, q, k, v, attn_mask, scale, window_left, window_right, bo
         step = _LaneStep(fixed, kv, grown[-1], call, m)
         _keep(_LANE_STEPS, token, step)
     out = _run(call, q, k, v, None, None, attn_mask, scale, True, False, transpose_out)[0]
-    if step is not None and call.L.c_launch:  # the step's next call of these launches: direct
-        step.direct = _DirectLaunch.of(call.plan, call.L, q)
+    if step is not None:
+        step.arm_direct(q)
     return out
 
 
@@ -975,6 +975,12 @@ class _LaneStep:
             c.bounds_ints = None
             c.fuse = L.fusable and plan.cache_bytes_per_key * m <= FUSED_MAX_BYTES
         return self.call
+
+    def arm_direct(self, q) -> None:
+        """After a call launched through ``_run``: the direct launch of the
+        step's launches for its next call, where they have a C launch."""
+        if self.L.c_launch:
+            self.direct = _DirectLaunch.of(self.plan, self.L, q)
 
 
 # lane token -> its _LaneStep (``lane_forward``)
@@ -1047,8 +1053,7 @@ def _step_forward(step: _LaneStep, q, k, v, m: int, kv: tuple, scale, window_lef
         if out is not None:
             return out
     out = _run(step.last_call(), q, k, v, None, None, None, scale, True, False, transpose_out)[0]
-    if L.c_launch:  # the next call's, where this one could have been direct
-        step.direct = _DirectLaunch.of(plan, L, q)
+    step.arm_direct(q)  # the next call's, where this one could have been direct
     return out
 
 

@@ -610,7 +610,7 @@ def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None 
     # (the register file's 64k).
     consumers = forward_consumers(p)
     meta = dict(HAS_WINDOW_LEFT=p.has_window_left, HAS_WINDOW_RIGHT=p.has_window_right,
-                HEAD_DIM=p.D, BLOCK_M=64 * consumers, BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
+                HEAD_DIM=p.D, BLOCK_M=forward_block_m(p), BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
                 GROUP=ROW_GROUP, ROW_MAX_FOLDS=FWD_SOFTMAX[p.D]["row_max_folds"],
                 EXP_POLY=FWD_SOFTMAX[p.D]["exp_poly"], SPLIT_RUNS=FWD_MASK_SPLIT_RUNS, CONSUMERS=consumers,
                 num_warps=4, maxnreg=168 if consumers == 2 else 128)

@@ -429,28 +429,28 @@ def _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base,
 @gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                 Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable, stride_tab_b,
-                stride_tab_h, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr,
+                stride_tab_h, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, PART_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_TABLE: gl.constexpr,
                 GROUP: gl.constexpr, CONSUMERS: gl.constexpr):
     """The copy warp: for each of the program's tiles, q's CONSUMERS parts of
-    HALF_M rows (each once its consumer has issued the last product that
+    PART_M rows (each once its consumer has issued the last product that
     reads the previous tile's), then the tile's K and V blocks into the ring
     of slots, whose counter runs on across tiles."""
-    q_bytes: gl.constexpr = HALF_M * HEAD_DIM * 2
+    q_bytes: gl.constexpr = PART_M * HEAD_DIM * 2
     c = 0
     n_done = 0
     for r in range(_program_rounds(n_tiles)):
-        m0, h, b = _fwd_tile(r, n_m, Hq, CONSUMERS * HALF_M)
+        m0, h, b = _fwd_tile(r, n_m, Hq, CONSUMERS * PART_M)
         hk = h // (Hq // Hkv)
         tab_off = b.to(gl.int64) * stride_tab_b + h.to(gl.int64) * stride_tab_h
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                            HAS_WINDOW_RIGHT, CONSUMERS * HALF_M, BLOCK_N, KeyTable, tab_off, HAS_TABLE,
+                                            HAS_WINDOW_RIGHT, CONSUMERS * PART_M, BLOCK_N, KeyTable, tab_off, HAS_TABLE,
                                             GROUP, 1)
-        for half in gl.static_range(CONSUMERS):
-            mbarrier.wait(q_empty.index(half), (n_done & 1) ^ 1)  # a fresh barrier's previous phase counts as done
-            mbarrier.expect(q_ready.index(half), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF_M, 0], q_ready.index(half),
-                                            q_smem.index(half).reshape([1, 1, HALF_M, HEAD_DIM]))
+        for part in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(part), (n_done & 1) ^ 1)  # a fresh barrier's previous phase counts as done
+            mbarrier.expect(q_ready.index(part), q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + part * PART_M, 0], q_ready.index(part),
+                                            q_smem.index(part).reshape([1, 1, PART_M, HEAD_DIM]))
         for i in range(n_blocks):
             _load_ring_pair(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, c + i, b, hk,
                             lo + i * BLOCK_N, BLOCK_N, HEAD_DIM, STAGES)
@@ -459,10 +459,10 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 
 
 @gluon.jit
-def _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zero_s, r0,
+def _fwd_step(j, c, lo, p, m_i, l_i, acc, q_part, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zero_s, r0,
               key_end, full_end, right_edge, left_edge, diag_off, window_left, window_right, qk_scale, free_lo,
               free_hi, mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT: gl.constexpr,
-              HAS_WINDOW_RIGHT: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              HAS_WINDOW_RIGHT: gl.constexpr, PART_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               MASK_KIND: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr, EXP_POLY: gl.constexpr,
               s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
     """Block ``j`` (from 1) of a consumer's tile: S_j = q·K_jᵀ issued with
@@ -475,15 +475,15 @@ def _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_emp
     start_n = lo + j * BLOCK_N
     mbarrier.wait(k_ready.index(slot), ((c + j) // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(q_half.dtype), p_layout)
-    s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    p_op = gl.convert_layout(p.to(q_part.dtype), p_layout)
+    s_tok = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
     s = _mask_if_crossing(s, start_n, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
-                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, s_layout)
     s, sc = _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base, r0, N, M, stride_mask_q,
-                             stride_mask_k, MASK_KIND, HALF_M, BLOCK_N, s_layout)
+                             stride_mask_k, MASK_KIND, PART_M, BLOCK_N, s_layout)
     m_new = gl.maximum(m_i, _row_max(s, ROW_MAX_FOLDS, s_layout) * sc)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
@@ -500,12 +500,12 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                   Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                   Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                   stride_tab_h,
-                  HALF: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  PART: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
+                  PART_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   MASK_KIND: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr,
                   EXP_POLY: gl.constexpr, SPLIT_RUNS: gl.constexpr, CONSUMERS: gl.constexpr):
-    """One warp group: rows HALF * HALF_M .. (HALF + 1) * HALF_M - 1 (64 of
-    the CONSUMERS * 64) of each of the program's tiles, the
+    """One warp group: part PART of each of the program's tiles, its rows
+    PART * PART_M .. (PART + 1) * PART_M - 1 (64 of the CONSUMERS * 64), the
     whole online softmax for them. Iteration j issues S_j = q·K_jᵀ and
     O += P_{j-1}·V_{j-1} together and computes the softmax of S_j while the
     tensor cores work on the second. The groups never wait for each
@@ -513,16 +513,16 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
     slower: runs 19 and 24). The output is staged in this group's own tile
     of ``o_smem``, so the next tile's q may load while it is stored."""
     dtype: gl.constexpr = q_smem.dtype
-    BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
+    BLOCK_M: gl.constexpr = CONSUMERS * PART_M
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_half = q_smem.index(HALF)
-    o_half = o_smem.index(HALF)
-    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    q_part = q_smem.index(PART)
+    o_part = o_smem.index(PART)
+    zero_s = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
     # c: K/V blocks consumed before this tile; n_done: tiles before it.
     c = 0
     n_done = 0
@@ -532,14 +532,14 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
                                             HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N, KeyTable, tab_off, MASK_KIND != 0,
                                             GROUP, 4)
-        r0 = m0 + HALF * HALF_M
-        last_row = gl.minimum(r0 + HALF_M, N) - 1
+        r0 = m0 + PART * PART_M
+        last_row = gl.minimum(r0 + PART_M, N) - 1
         full_end = key_end - BLOCK_N
         right_edge = r0 + diag_off + window_right - BLOCK_N + 1
         left_edge = last_row + diag_off - window_left
         if MASK_KIND != 0:
             # The blocks this group's rows all see as neutral.
-            unused_lo, unused_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, r0, N, HALF_M // GROUP, GROUP, KEY_ENTRY,
+            unused_lo, unused_hi, f_lo, f_hi = _table_reduce(KeyTable, tab_off, r0, N, PART_M // GROUP, GROUP, KEY_ENTRY,
                                                              4)
             free_lo, free_hi = _free_blocks(f_lo, f_hi, BLOCK_N)
             mask_base = Mask + b.to(gl.int64) * stride_mask_b + h.to(gl.int64) * stride_mask_h
@@ -549,20 +549,20 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
             mask_base = Mask
 
         slot = c % STAGES
-        mbarrier.wait(q_ready.index(HALF), n_done & 1)
+        mbarrier.wait(q_ready.index(PART), n_done & 1)
         mbarrier.wait(k_ready.index(slot), (c // STAGES) & 1)
-        s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot))
         s = _mask_if_crossing(s, lo, r0, key_end, full_end, right_edge, left_edge, diag_off, window_left,
-                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, s_layout)
+                              window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, s_layout)
         s, sc = _consumer_scores(s, qk_scale, lo, free_lo, free_hi, key_end, mask_base, r0, N, M, stride_mask_q,
-                                 stride_mask_k, MASK_KIND, HALF_M, BLOCK_N, s_layout)
+                                 stride_mask_k, MASK_KIND, PART_M, BLOCK_N, s_layout)
         m_i = _row_max(s, ROW_MAX_FOLDS, s_layout) * sc
         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
         p = _exp2(s * sc - gl.expand_dims(m_use, 1), EXP_POLY)
         l_i = gl.sum(p, axis=1)
-        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+        acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, o_layout)
 
         # The tile's blocks in three runs: before the rows' neutral keys,
         # inside them ([j_a, j_b), run with the unmasked body: the mask code
@@ -586,15 +586,15 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                     j_lo = j_b
                     j_hi = n_blocks
             for j in range(j_lo, j_hi):
-                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_half, k_smem, v_smem, k_ready, k_empty,
+                p, m_i, l_i, acc = _fwd_step(j, c, lo, p, m_i, l_i, acc, q_part, k_smem, v_smem, k_ready, k_empty,
                                              v_ready, v_empty, zero_s, r0, key_end, full_end, right_edge, left_edge,
                                              diag_off, window_left, window_right, qk_scale, free_lo, free_hi,
                                              mask_base, N, M, stride_mask_q, stride_mask_k, HAS_WINDOW_LEFT,
-                                             HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, STAGES,
+                                             HAS_WINDOW_RIGHT, PART_M, BLOCK_N, STAGES,
                                              MASK_KIND * (run != 1 or not SPLIT_RUNS), ROW_MAX_FOLDS, EXP_POLY,
                                              s_layout, p_layout, row_o)
         # Every product that reads this tile's q has finished: the next tile's may load.
-        mbarrier.arrive(q_empty.index(HALF))
+        mbarrier.arrive(q_empty.index(PART))
 
         last = (c + n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((c + n_blocks - 1) // STAGES) & 1)
@@ -617,17 +617,17 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
             marked = (m_o <= AVERAGE_AT_BASE2) & (l_o > 0.0)
             lse = gl.where(marked, -FLT_MAX + gl.minimum(l_o, LSE_MARK_MAX_KEYS) * LSE_MARK_UNIT, lse)
         m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)  # recomputed: fewer registers live across the loop
-        r0 = m0 + HALF * HALF_M
-        rows = r0 + gl.arange(0, HALF_M, layout=row_o)
+        r0 = m0 + PART * PART_M
+        rows = r0 + gl.arange(0, PART_M, layout=row_o)
         gl.store(Lse + ((b.to(gl.int64) * Hq + h) * N + rows), lse, mask=rows < N)
-        # The previous tile's output has left o_half: the issuing thread
+        # The previous tile's output has left o_part: the issuing thread
         # waits for its store, the barrier holds the others until it has.
         tma.store_wait(0)
         gl.thread_barrier()
-        o_half.store(out.to(dtype))
+        o_part.store(out.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], o_half.reshape([1, 1, HALF_M, HEAD_DIM]))
+        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], o_part.reshape([1, 1, PART_M, HEAD_DIM]))
     tma.store_wait(0)
 
 
@@ -668,20 +668,20 @@ def _hopper_attn_fwd(
     (BLOCK_M = 64 * CONSUMERS); three only without a mask (the tables'
     row groups assume a power-of-two tile)."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    HALF_M: gl.constexpr = BLOCK_M // CONSUMERS
+    PART_M: gl.constexpr = BLOCK_M // CONSUMERS
     n_m = gl.cdiv(N, BLOCK_M)
     n_tiles = n_m * Hq * B
-    q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
+    q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PART_M, HEAD_DIM], dtype)
     kv2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, HALF_M, HEAD_DIM], dtype)
+    q4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, PART_M, HEAD_DIM], dtype)
     kv4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
-    q_desc = _heads_4d(Q, B, Hq, N, stride_q_b, stride_q_h, stride_q_n, HALF_M, HEAD_DIM, q4_layout)
+    q_desc = _heads_4d(Q, B, Hq, N, stride_q_b, stride_q_h, stride_q_n, PART_M, HEAD_DIM, q4_layout)
     k_desc = _heads_4d(K, B, Hkv, M, stride_k_b, stride_k_h, stride_k_n, BLOCK_N, HEAD_DIM, kv4_layout)
     v_desc = _heads_4d(V, B, Hkv, M, stride_v_b, stride_v_h, stride_v_n, BLOCK_N, HEAD_DIM, kv4_layout)
-    o_desc = _heads_4d(Out, B, Hq, N, stride_o_b, stride_o_h, stride_o_n, HALF_M, HEAD_DIM, q4_layout)
+    o_desc = _heads_4d(Out, B, Hq, N, stride_o_b, stride_o_h, stride_o_n, PART_M, HEAD_DIM, q4_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M, HEAD_DIM], q2_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M, HEAD_DIM], q2_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, PART_M, HEAD_DIM], q2_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, PART_M, HEAD_DIM], q2_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv2_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv2_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -691,8 +691,8 @@ def _hopper_attn_fwd(
         mbarrier.init(q_empty.index(i), count=1)
     unused, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES, CONSUMERS)
 
-    # The consumers' argument lists differ only in HALF but are written out
-    # in full: a tuple built once and concatenated ((HALF, ) + rest) reaches
+    # The consumers' argument lists differ only in PART but are written out
+    # in full: a tuple built once and concatenated ((PART, ) + rest) reaches
     # the partition with its constexprs turned into tensors (Gluon 3.6). For
     # the same reason the two partition lists, which differ only in the third
     # consumer, are written out in full.
@@ -704,21 +704,21 @@ def _hopper_attn_fwd(
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
-                             stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
                              MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
-                             stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
                              MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
-                             stride_tab_h, 2, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             stride_tab_h, 2, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
                              MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
             (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
-                           stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM,
+                           stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM,
                            STAGES, MASK_KIND != 0, GROUP, CONSUMERS)),
         ], [4, 4, 1], [160, 160, 24])
     else:
@@ -726,16 +726,16 @@ def _hopper_attn_fwd(
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
-                             stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
                              MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
-                             stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                             stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
                              MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
             (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
-                           stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, HALF_M, BLOCK_N, HEAD_DIM,
+                           stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM,
                            STAGES, MASK_KIND != 0, GROUP, CONSUMERS)),
         ], [4, 1], [240, 24])
 

@@ -325,6 +325,28 @@ def alternating(variants: tuple, round_index: int) -> tuple:
     return variants if round_index < 0 or round_index % 2 == 0 else tuple(reversed(variants))
 
 
+def timed_in_rounds(runs, device, rounds: int) -> dict:
+    """Median ms of each run over ``rounds`` rounds, each timing every run
+    once (``do_bench``), in the order of ``alternating``. Each run is
+    compiled and called before the first round, so no round holds a compile.
+    One timing per variant in a fixed order read the first variant after
+    the default several percent fast, whichever it was (bench/NOTES.md
+    run 35)."""
+    import statistics
+
+    names = tuple(name for name, _ in runs)
+    fns = dict(runs)
+    for fn in fns.values():
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in alternating(names, r):
+            times[name].append(bench_ms(fns[name], device, warmup_ms=5, rep_ms=20))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def cache_view(buf: torch.Tensor, B: int, H: int, M: int, D: int) -> torch.Tensor:
     """A contiguous (B, H, M, D) tensor over ``buf``'s memory, as
     ``torch.cat`` leaves a dynamic key/value cache of M keys; views of one

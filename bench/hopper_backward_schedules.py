@@ -6,18 +6,23 @@
   buffer by relaxed atomics, then a convert kernel (five products);
 * ``tma1`` / ``tma2``: the same with the copy engine's reduce-add from one or
   two float32 staging tiles per consumer;
-* ``persistent``: the copy engine's reduce with the default staging tiles,
-  on the persistent grid the launcher's plan sizes (the other fused
-  schedules run one program per key tile).
+* ``persistent``: the copy engine's reduce with the call's query side
+  (``hopper.fused_tile``), on the persistent grid the launcher's plan
+  sizes (the other fused schedules run one program per key tile);
+* ``q64`` / ``q128``: ``persistent`` with the D = 64 query side set to
+  64-row q/dO blocks (three slots, two staging tiles) or 128-row ones (two
+  slots, one staging tile); D = 64 only.
 
 Each schedule is first checked against float64 at odd sizes and bands
 (NaN-poisoned outputs), in worker processes so that the Gluon compiles run
 in parallel; then the whole Hopper backward of each schedule (given the
 forward's lse and the row delta) is timed at bf16, B·N = 16k, H·D = 2048,
-with SDPA's backward (its default, cuDNN on the H200) in the same process.
+with SDPA's backward (its default, cuDNN on the H200) in the same process,
+in ``--rounds`` alternating rounds (medians).
 CUDA with Triton 3.6.
 
     python bench/hopper_backward_schedules.py         # CSV in bench/results/
+    python bench/hopper_backward_schedules.py --schedules q64,q128 --d 64 --rounds 5
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from hopper_backward_configs import (  # noqa: E402
 )
 
 SCHEDULES = ("separate", "atomic", "tma1", "tma2", "persistent")
+# The D = 64 query sides the q64 / q128 schedules set (hopper.FusedTile).
+TILE_SCHEDULES = {"q64": (64, 3, 2), "q128": (128, 2, 1)}
 # Odd sizes and bands the checks run: (B, Hq, Hkv, N, M), band.
 CHECKS = [((1, 8, 2, 129, 4097), dict(window_right=0, bottom_right=True)),
           ((2, 2, 1, 2048, 640), dict(window_left=100, window_right=0)),
           ((1, 3, 1, 77, 200), {}),
           ((2, 4, 4, 1000, 1000), dict(window_right=0))]
-TIMED = [(D, N, causal) for D in (128, 64) for N in (1024, 4096, 16384) for causal in (False, True)]
+TIMED = [(D, N, causal) for D in (128, 64) for N in (1024, 2048, 4096, 16384) for causal in (False, True)]
 
 
 def run_schedule(schedule, p, do, q, k, v, lse, delta):
@@ -53,13 +60,20 @@ def run_schedule(schedule, p, do, q, k, v, lse, delta):
         return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="atomic", persistent=False)
     if schedule == "persistent":
         return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma", persistent=True)
-    buffers = int(schedule[-1])
-    saved = dict(hopper.BWD_DQ_BUFFERS)
-    hopper.BWD_DQ_BUFFERS.update({64: buffers, 128: buffers})
+    saved = dict(hopper.BWD_FUSED_TILES), dict(hopper.BWD_LONG_ROW_TILES)
+    if schedule in TILE_SCHEDULES:  # that query side at D = 64, whatever the rows' length
+        hopper.BWD_FUSED_TILES[64] = hopper.BWD_LONG_ROW_TILES[64] = hopper.FusedTile(*TILE_SCHEDULES[schedule])
+    else:  # tma1, tma2: the call's own query side with that many staging tiles
+        tile = hopper.fused_tile(p)._replace(dq_buffers=int(schedule[-1]))
+        hopper.BWD_FUSED_TILES[p.D] = tile
+        hopper.BWD_LONG_ROW_TILES.pop(p.D, None)
     try:
-        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma", persistent=False)
+        return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma",
+                                            persistent=schedule in TILE_SCHEDULES)
     finally:
-        hopper.BWD_DQ_BUFFERS.update(saved)
+        for table, old in zip((hopper.BWD_FUSED_TILES, hopper.BWD_LONG_ROW_TILES), saved):
+            table.clear()
+            table.update(old)
 
 
 def check(job):
@@ -107,18 +121,24 @@ def main():
     ap = common.base_parser(__doc__.splitlines()[0], budget_s=200)
     ap.add_argument("--workers", type=int, default=8, help="processes that check and compile the schedules")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--d", default="128,64", help="comma-separated head dims")
+    ap.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternating rounds, each timing every schedule and SDPA once (medians reported)")
     args = ap.parse_args()
     if args.smoke:
         sys.exit("the Hopper kernels need a Hopper GPU; there is no smoke run")
     device, budget = common.start(args)
     schedules = args.schedules.split(",")
+    dims = [int(d) for d in args.d.split(",")]
+    timed = [(D, N, causal) for D, N, causal in TIMED if D in dims and N in {int(n) for n in args.n.split(",")}]
     env = common.env_info(device)
     results = common.Results(args.out, "hopper_backward_schedules.csv", env)
-    jobs = [(s, D) for s in schedules for D in (64, 128)]
+    jobs = [(s, D) for s in schedules for D in dims if s not in TILE_SCHEDULES or D == 64]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         errors = dict(pool.map(check, jobs))
     print("checked:", {f"{s} D={D}": f"{e:.2e}" for (s, D), e in errors.items()}, flush=True)
-    for D, N, causal in TIMED:
+    for D, N, causal in timed:
         if budget.exceeded():
             print("budget exceeded: the remaining shapes were not timed", flush=True)
             break
@@ -126,16 +146,16 @@ def main():
         p, lse, delta = _setup(q, k, v, do, kw)
         flops = common.attention_flops(q.shape[0], q.shape[1], N, N, D, D, causal=causal, mode="bwd")
         row = dict(D=D, N=N, causal=causal)
-        for s in schedules:
-            if errors[(s, D)] == float("inf"):
-                continue
-            ms = common.bench_ms(lambda s=s: run_schedule(s, p, do, q, k, v, lse, delta), device)
-            results.add(**row, schedule=s, ms=ms, tflops=common.tflops(flops, ms), rel_err=errors[(s, D)])
-        ms = common.bench_ms(_sdpa_backward(q, k, v, do, causal), device)
-        results.add(**row, schedule="sdpa", ms=ms, tflops=common.tflops(flops, ms), rel_err=float("nan"))
+        runs = [(s, lambda s=s: run_schedule(s, p, do, q, k, v, lse, delta)) for s in schedules
+                if errors.get((s, D), float("inf")) != float("inf")]
+        times = common.timed_in_rounds(runs + [("sdpa", _sdpa_backward(q, k, v, do, causal))], device,
+                                       args.rounds)
+        for s, ms in times.items():
+            results.add(**row, schedule=s, ms=ms, tflops=common.tflops(flops, ms),
+                        rel_err=errors.get((s, D), float("nan")), rounds=args.rounds)
         del q, k, v, do, lse, delta
     table = []
-    for D, N, causal in TIMED:
+    for D, N, causal in timed:
         rows = {r["schedule"]: r for r in results.rows if (r["D"], r["N"], r["causal"]) == (D, N, causal)}
         if "sdpa" not in rows:
             continue

@@ -92,28 +92,6 @@ def _variant_name(folds, poly):
     return f"softmax {folds},{poly}"
 
 
-def _timed_in_rounds(runs, device, rounds: int) -> dict:
-    """Median ms of each run over ``rounds`` rounds, each timing every run
-    once (``do_bench``), in the order of ``common.alternating``. Each run is
-    compiled and called before the first round, so no round holds a compile.
-    One timing per variant in a fixed order read the first variant after
-    the default several percent fast, whichever it was (bench/NOTES.md
-    run 35)."""
-    import statistics
-
-    names = tuple(name for name, _ in runs)
-    fns = dict(runs)
-    for fn in fns.values():
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in common.alternating(names, r):
-            times[name].append(common.bench_ms(fns[name], device, warmup_ms=5, rep_ms=20))
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def parse_args():
     p = common.base_parser(__doc__.splitlines()[0], budget_s=240)
     p.add_argument("--d", default="128,64", help="comma-separated head dims")
@@ -183,14 +161,14 @@ def main():
                     for name, run in runs:
                         out = run()[0].float()
                         errors[name] = ((out - want).norm() / want.norm()).item()
-                    times.update(_timed_in_rounds(runs, device, args.rounds))
+                    times.update(common.timed_in_rounds(runs, device, args.rounds))
                 if counts:
                     runs = _consumer_runs(p, q, k, v, counts)
                     for name, run in runs:
                         out = run()[0].float()
                         errors[name] = ((out - want).norm() / want.norm()).item()
                     sdpa = ("sdpa rounds", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                    times.update(_timed_in_rounds(runs + [sdpa], device, args.rounds))
+                    times.update(common.timed_in_rounds(runs + [sdpa], device, args.rounds))
                 chosen = "persistent" if hopper.forward_persistent(p) else "tiles"
                 programs = hopper.forward_programs(p, True)
                 for prov, ms in times.items():

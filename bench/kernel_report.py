@@ -158,10 +158,15 @@ def hopper_launches(a, dtype):
         if how == "atomic":
             launches.append(("fused, dQ by atomics", hopper_gluon._hopper_attn_bwd_fused, args, meta))
             continue
-        for tiles in (1, 2):  # staging tiles per consumer (hopper.BWD_DQ_BUFFERS)
-            launches.append((f"fused, dQ by the copy engine, {tiles} staging tile{'s' * (tiles > 1)}"
-                             + (" (default)" if tiles == hopper.BWD_DQ_BUFFERS[a.d] else ""),
-                             hopper_gluon._hopper_attn_bwd_fused, args, dict(meta, DQ_BUFFERS=tiles)))
+        # Every query side in the tile tables (hopper.BWD_FUSED_TILES,
+        # BWD_LONG_ROW_TILES), whichever head dim it is for.
+        tiles = dict.fromkeys((*hopper.BWD_FUSED_TILES.values(), *hopper.BWD_LONG_ROW_TILES.values()))
+        for t in tiles:
+            name = (f"fused, dQ by the copy engine, {t.block_m}-row q/dO blocks, {t.stages} slots, "
+                    f"{t.dq_buffers} staging tile{'s' * (t.dq_buffers > 1)}"
+                    + (" (default)" if t == hopper.fused_tile(p) else ""))
+            launches.append((name, hopper_gluon._hopper_attn_bwd_fused, args,
+                             dict(meta, BLOCK_M=t.block_m, STAGES=t.stages, DQ_BUFFERS=t.dq_buffers)))
     for name, mask in masks:  # the default fused backward reading a mask through its query table
         pm = AttentionProblem.build(q, k, v, mask, **band, backward=True)
         table = torch.empty(a.b, 1, -(-a.n // COL_GROUP), QUERY_ENTRY, dtype=torch.int32)

@@ -93,7 +93,7 @@ __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes"
            "mean_visible_keys", "hopper_backward", "backward_refusal", "backward_problem_refusal",
            "traced_backward_takes", "backward_path", "hopper_backward_separate", "hopper_backward_fused",
            "forward_persistent", "forward_programs", "forward_consumers", "forward_block_m",
-           "backward_persistent", "backward_programs"]
+           "backward_persistent", "backward_programs", "fused_tile"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
 SUPPORTED_TRITON = ("3.6",)
@@ -171,7 +171,8 @@ FWD_MASK_SPLIT_RUNS = False
 MIN_KEYS = {128: 256, 64: 256}
 
 # The backward's tiles: dK/dV per 128 keys (two consumers of 64 keys)
-# streaming 64-row q/dO blocks; dQ per 128 queries (two of 64) streaming K/V
+# streaming q/dO blocks (the deterministic kernel's 64 rows, the fused
+# kernel's BWD_FUSED_TILES); dQ per 128 queries (two of 64) streaming K/V
 # blocks of BWD_DQ_BLOCK_N keys. Slots: shared memory at D = 128 is
 # 2 x 2 x 16 KiB of q/dO plus 64 KiB of K/V for dK/dV.
 BWD_BLOCK_M = 64
@@ -234,17 +235,14 @@ BWD_MASK_SPLIT_RUNS = {64: False, 128: True}
 # kernel's tiles and slots, and dQ from the same dS added into a zeroed
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
 # How dQ reaches the buffer: "tma" (the copy engine's reduce-add from a
-# float32 staging tile in shared memory, one instruction per 64 x D/2
-# tile) or "atomic" (relaxed float32 adds from the consumers' registers).
-# Measured (bench/results/hopper_backward_schedules_run23.csv, bench/NOTES.md run
-# 23, an H100): "tma" is the fastest schedule at every timed shape, 1.02-1.18x
+# float32 staging tile in shared memory, one instruction per q/dO block and
+# D/2 columns; the staging tiles are ``BWD_FUSED_TILES``') or "atomic"
+# (relaxed float32 adds from the consumers' registers). Measured
+# (bench/results/hopper_backward_schedules_run23.csv, bench/NOTES.md run 23,
+# an H100): "tma" is the fastest schedule at every timed shape, 1.02-1.18x
 # the two kernels at D = 128 and 1.12-1.28x at D = 64; "atomic" the slowest.
-# BWD_DQ_BUFFERS staging tiles per consumer: with two, a reduce may still be
-# reading one while the next is written; that paid at D = 64 (up to 5 %)
-# and lost at D = 128, where the 32 KiB more shared memory (226 of the 227
-# KiB a block may have) came with more spills. FLASHFUSE_HOPPER_DQ overrides
-# the mode; "separate" takes the two deterministic kernels, as
-# torch.use_deterministic_algorithms(True) does.
+# FLASHFUSE_HOPPER_DQ overrides the mode; "separate" takes the two
+# deterministic kernels, as torch.use_deterministic_algorithms(True) does.
 BWD_FUSED_DQ = "tma"
 # The fused backward's grid (``backward_persistent``, ``backward_programs``):
 # a persistent grid of at most one program per SM whenever there are more
@@ -261,14 +259,57 @@ BWD_FUSED_DQ = "tma"
 BWD_PERSISTENT = True
 BWD_FIXED_BLOCKS = 1.0
 BWD_DQ_CHOICES = ("separate", "atomic", "tma")
-BWD_DQ_BUFFERS = {64: 2, 128: 1}
-# Rows of dQ per program of the convert kernel.
+
+
+class FusedTile(NamedTuple):
+    """The query side of a fused-backward launch (``fused_tile``)."""
+
+    block_m: int  # query rows per q/dO block (the Sᵀ and dPᵀ products' N)
+    stages: int  # q/dO ring slots
+    dq_buffers: int  # dQ staging tiles per consumer, for the copy engine's reduce
+
+
+# The fused backward's query side per head dim (``fused_tile``): 64-row q/dO
+# blocks make every product of a consumer 64 x 64 x D at D = 64; 128-row
+# blocks (FlashAttention-3's tile at D = 64) give Sᵀ and dPᵀ 64 x 128
+# products, half the q/dO iterations and barrier round trips per key tile,
+# and 128-row dQ reduces, for 64 more registers per consumer thread (Sᵀ and
+# dPᵀ: 192 of 240 beside dK and dV; ptxas spills 188 bytes, 292 under a
+# causal band, Triton 3.6) and 16 KiB q/dO slots, so two slots and one
+# staging tile (192 KiB). Staging tiles: with two, a reduce may still be
+# reading one while the next is written; that paid at D = 64 on 64-row
+# blocks (up to 5 %) and lost at D = 128, where the 32 KiB more shared
+# memory (226 of the 227 KiB a block may have) came with more spills
+# (bench/NOTES.md run 23). BWD_LONG_ROW_TILES holds the head dims whose
+# unmasked calls take another query side when their rows see at least
+# BWD_LONG_ROW_KEYS keys on average. Measured on an H100 against SDPA in
+# the same alternating rounds (bench/NOTES.md run 42,
+# bench/hopper_backward_schedules.py --schedules q64,q128): 128-row blocks
+# 1.05x / 1.03x at 4k (64-row: 0.96x / 0.99x), 1.08x / 1.02x at 16k (0.99x /
+# 0.96x), 0.98x / 1.03x at 2k (0.91x / 1.02x), 0.97x at 1k (0.96x), but
+# 1.02x at causal 1k (512 keys a row on average) against 1.06x.
+BWD_FUSED_TILES = {64: FusedTile(64, 3, 2), 128: FusedTile(64, 2, 1)}
+BWD_LONG_ROW_TILES = {64: FusedTile(128, 2, 1)}
+BWD_LONG_ROW_KEYS = 1024
+# Rows of dQ per program of the convert kernel, and of the fused backward's
+# prologue (``fused_row_inputs``).
 BWD_CONVERT_ROWS = 64
 # The fused backward's per-row inputs are padded to a multiple of this many
-# rows, the rows per program of their kernel: a multiple of the kernel's
-# query block, so that no block it streams reaches past the padding.
-BWD_ROW_PAD = 64
-assert BWD_ROW_PAD % BWD_BLOCK_M == 0
+# rows: a multiple of every query block, so that no block the kernel
+# streams reaches past the padding.
+BWD_ROW_PAD = 128
+assert all(BWD_ROW_PAD % t.block_m == 0 and BWD_ROW_PAD % BWD_CONVERT_ROWS == 0
+           for t in (*BWD_FUSED_TILES.values(), *BWD_LONG_ROW_TILES.values()))
+
+
+def fused_tile(p: AttentionProblem) -> FusedTile:
+    """The fused backward's query side for ``p``: ``BWD_LONG_ROW_TILES`` for
+    a call without a mask tensor whose rows see at least
+    ``BWD_LONG_ROW_KEYS`` keys on average, where its head dim has one;
+    ``BWD_FUSED_TILES`` otherwise."""
+    if p.mask is None and p.D in BWD_LONG_ROW_TILES and _mean_keys(p) >= BWD_LONG_ROW_KEYS:
+        return BWD_LONG_ROW_TILES[p.D]
+    return BWD_FUSED_TILES[p.D]
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,8 +379,7 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, backw
         return "symbolic sequence lengths (a graph traced with dynamic shapes)"
     if p.N == 0 or p.M == 0:
         return "an empty sequence"
-    keys = mean_visible_keys(p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
-                             p.has_window_right)
+    keys = _mean_keys(p)
     min_keys = BWD_MIN_KEYS if backward else MIN_KEYS
     if keys < min_keys[p.D]:
         return f"{keys:.0f} visible keys per query row on average (fewer than {min_keys[p.D]} at D = {p.D})"
@@ -347,6 +387,12 @@ def problem_refusal(p: AttentionProblem, dropout_p: float, softcap, sinks, backw
         return (f"a mask tensor with {keys:.0f} visible keys per query row on average (the Hopper backward "
                 f"reads masks from {BWD_MASK_MIN_KEYS[p.D]} at D = {p.D})")
     return None
+
+
+def _mean_keys(p: AttentionProblem) -> float:
+    """``mean_visible_keys`` under ``p``'s band."""
+    return mean_visible_keys(p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
+                             p.has_window_right)
 
 
 def mask_refusal(p: AttentionProblem, backward: bool = False) -> str | None:
@@ -509,19 +555,19 @@ def _query_tile_blocks(N: int, M: int, diag_off: int, window_left: int, window_r
 
 
 def _key_tile_blocks(N: int, M: int, diag_off: int, window_left: int, window_right: int, has_window_left: bool,
-                     has_window_right: bool) -> torch.Tensor:
-    """The q/dO blocks of one query head that each of one key/value head's
-    fused-backward tiles streams, in the order the kernel numbers them
-    (``hopper_gluon._bwd_tile``: first key block first), as
+                     has_window_right: bool, block_m: int = BWD_BLOCK_M) -> torch.Tensor:
+    """The ``block_m``-row q/dO blocks of one query head that each of one
+    key/value head's fused-backward tiles streams, in the order the kernel
+    numbers them (``hopper_gluon._bwd_tile``: first key block first), as
     ``hopper_gluon._query_range`` counts them."""
     n0 = torch.arange(cdiv(M, BWD_BLOCK_N), dtype=torch.int64) * BWD_BLOCK_N
     lo = torch.zeros_like(n0)
     hi = torch.full_like(n0, N)
     if has_window_right:
-        lo = torch.clamp(n0 - diag_off - window_right, min=0) // BWD_BLOCK_M * BWD_BLOCK_M
+        lo = torch.clamp(n0 - diag_off - window_right, min=0) // block_m * block_m
     if has_window_left:
         hi = torch.clamp(n0 + BWD_BLOCK_N - diag_off + window_left, max=N)
-    return torch.clamp(hi - lo, min=0).add(BWD_BLOCK_M - 1).div(BWD_BLOCK_M, rounding_mode="floor").double()
+    return torch.clamp(hi - lo, min=0).add(block_m - 1).div(block_m, rounding_mode="floor").double()
 
 
 def _balanced_grid(per_tile: torch.Tensor, sms: int, fixed: float) -> tuple[int, float]:
@@ -713,25 +759,27 @@ def backward_programs(p: AttentionProblem, persistent: bool) -> int:
 def _backward_plan(p: AttentionProblem) -> tuple[int, bool]:
     """``_backward_grid_plan`` for ``p`` on its device."""
     return _backward_grid_plan(p.B * p.Hkv, p.Hq // p.Hkv, p.N, p.M, p.diag_off, p.window_left, p.window_right,
-                               p.has_window_left, p.has_window_right, _device_sms(p))
+                               p.has_window_left, p.has_window_right, _device_sms(p), fused_tile(p).block_m)
 
 
 @functools.lru_cache(maxsize=1024)
 def _backward_grid_plan(heads: int, group: int, N: int, M: int, diag_off: int, window_left: int,
                         window_right: int, has_window_left: bool, has_window_right: bool,
-                        sms: int) -> tuple[int, bool]:
+                        sms: int, block_m: int = BWD_BLOCK_M) -> tuple[int, bool]:
     """``(programs, persistent)`` for the fused backward's key tiles
     (``heads``: batch times key/value heads; ``group``: query heads per
-    key/value head): one program per tile when they are at most ``sms``,
-    else the persistent grid ``_balanced_grid`` finds, a tile's work being
-    its q/dO blocks (``_key_tile_blocks``). Unlike the
-    forward's plan this one does not weigh the two grids: the persistent one
-    measured faster wherever it applies (bench/NOTES.md run 25)."""
+    key/value head; ``block_m``: rows per q/dO block): one program per tile
+    when they are at most ``sms``, else the persistent grid
+    ``_balanced_grid`` finds, a tile's work being its q/dO blocks
+    (``_key_tile_blocks``) counted in 64-row blocks, the unit of
+    ``BWD_FIXED_BLOCKS``. Unlike the forward's plan this one does not weigh
+    the two grids: the persistent one measured faster wherever it applies
+    (bench/NOTES.md run 25)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        per_tile = (_key_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left, has_window_right)
-                    * group).repeat(heads)
+        per_tile = (_key_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left, has_window_right,
+                                     block_m) * (group * block_m / 64)).repeat(heads)
         if per_tile.numel() <= sms:
             return per_tile.numel(), False
         return _balanced_grid(per_tile, sms, BWD_FIXED_BLOCKS)[0], True
@@ -774,7 +822,9 @@ def fused_kernel_args(p: AttentionProblem, grad_out, q, k, v, rows: RowInputs, d
         persistent = backward_persistent(p)
     args, meta = _dkdv_args(p, grad_out, q, k, v, rows, dk, dv, dq_acc)
     mask, table, mask_strides = _mask_operands(p, query_table, (q, rows.shift))
-    meta = dict(meta, DQ_TMA=how == "tma", DQ_BUFFERS=BWD_DQ_BUFFERS[p.D] if how == "tma" else 1,
+    tile = fused_tile(p)
+    meta = dict(meta, BLOCK_M=tile.block_m, STAGES=tile.stages, DQ_TMA=how == "tma",
+                DQ_BUFFERS=tile.dq_buffers if how == "tma" else 1,
                 MASK_KIND=p.mask_kind, COL_GROUP=COL_GROUP, COALESCED_MASK=BWD_MASK_LOADS[p.D] == "coalesced",
                 SPLIT_RUNS=BWD_MASK_SPLIT_RUNS[p.D])
     return (*args, mask, table, *mask_strides), meta, backward_programs(p, persistent)
@@ -841,10 +891,10 @@ def fused_row_inputs(p: AttentionProblem, lse: torch.Tensor, delta: torch.Tensor
     stride along D) zeroed by the same launch."""
     rows = fused_row_buffers(p, lse.device)
     _direct("_fused_bwd_prologue")(
-        (rows.shift.shape[-1] // BWD_ROW_PAD, p.Hq, p.B),
+        (rows.shift.shape[-1] // BWD_CONVERT_ROWS, p.Hq, p.B),
         (lse, delta, *rows, dq_acc, *lse.stride()[:3], *delta.stride()[:3], *rows.shift.stride()[:2],
          *dq_acc.stride()[:3], p.N),
-        dict(FLOAT_MASK=p.mask_kind == MASK_FLOAT, HEAD_DIM=p.D, BLOCK=BWD_ROW_PAD))
+        dict(FLOAT_MASK=p.mask_kind == MASK_FLOAT, HEAD_DIM=p.D, BLOCK=BWD_CONVERT_ROWS))
     return rows
 
 

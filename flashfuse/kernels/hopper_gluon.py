@@ -768,10 +768,12 @@ def _query_range(n0, N, G, diag_off, window_left, window_right, HAS_WINDOW_LEFT:
 
 
 @gluon.jit
-def _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, M, diag_off, window_left,
+def _mask_transposed_if_crossing(st, m0, kj, right_from, left_to, past_end, M, diag_off, window_left,
                                  window_right, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
-                                 HIDES_PAST_END: gl.constexpr):
-    """Transposed scores (keys ``kj`` by queries ``qi``) set to -inf outside
+                                 HIDES_PAST_END: gl.constexpr, BLOCK_M: gl.constexpr, col: gl.constexpr):
+    """Transposed scores (keys ``kj`` by queries ``m0 .. m0 + BLOCK_M - 1``,
+    their indices made here in the columns' layout ``col``: only crossing
+    blocks need them, and a 128-row block's are 32 registers) set to -inf outside
     the band, only for a query block starting at ``m0`` that crosses an edge
     of it (``right_from`` / ``left_to``: the block starts between which every
     row sees all of this consumer's keys). With HIDES_PAST_END also at keys
@@ -787,7 +789,7 @@ def _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, 
     if HAS_WINDOW_LEFT:
         need = need | (m0 > left_to)
     if need:
-        i2 = gl.expand_dims(qi, 0)
+        i2 = gl.expand_dims(m0 + gl.arange(0, BLOCK_M, layout=col), 0)
         if HIDES_PAST_END:
             vis = (kj < M) & (i2 >= 0)
         else:
@@ -919,8 +921,8 @@ def _dkdv_consumer(dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem
         st = warpgroup_mma_wait(1, deps=(st_tok, ))
         # Keys past the end stay as they are here: their dK and dV rows are
         # not stored, and this kernel forms no dQ.
-        st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, False, 0, diag_off, window_left,
-                                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, False)
+        st = _mask_transposed_if_crossing(st, m0, kj, right_from, left_to, False, 0, diag_off, window_left,
+                                          window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, False, BLOCK_M, col)
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -1259,7 +1261,6 @@ def _bwd_step(i, mi, head, c, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_hal
     slot = g % STAGES
     phase = (g // STAGES) & 1
     m0 = lo_m + mi * BLOCK_M
-    qi = m0 + gl.arange(0, BLOCK_M, layout=col)
     # The next iteration's block: the next one of this head, or the first
     # of the next head.
     wraps = mi + 1 == n_m
@@ -1277,9 +1278,8 @@ def _bwd_step(i, mi, head, c, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_hal
     gl.thread_barrier()  # every thread's element, not only its own
     stats = stat_smem.index(2 * HALF + i % 2)
     shift = stats.slice(0, BLOCK_M).load(col)
-    delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
-    st = _mask_transposed_if_crossing(st, m0, qi, kj, right_from, left_to, past_end, M, diag_off, window_left,
-                                      window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, True)
+    st = _mask_transposed_if_crossing(st, m0, kj, right_from, left_to, past_end, M, diag_off, window_left,
+                                      window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, True, BLOCK_M, col)
     # Probabilities as the unmasked kernel recomputes them (scale
     # and shift in one FMA), except in blocks that read the mask:
     # there a bool mask hides raw scores, a float one is added to
@@ -1301,6 +1301,7 @@ def _bwd_step(i, mi, head, c, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_hal
                 st = _masked_scores_t(st, mask_base, m0, j0, N, M, stride_mask_q, stride_mask_k,
                                       MASK_KIND, HALF_N, BLOCK_M, st_layout)
             else:
+                qi = m0 + gl.arange(0, BLOCK_M, layout=col)
                 st = _masked_scores_t_direct(st, mask_base, qi, kj, N, M, stride_mask_q, stride_mask_k,
                                              MASK_KIND)
     pt = gl.exp2(st * sc - gl.expand_dims(shift, 0))
@@ -1308,6 +1309,9 @@ def _bwd_step(i, mi, head, c, n_m, lo_m, n_iters, dk, dv, q_smem, do_smem, k_hal
         if reads_mask:
             pt = gl.minimum(pt, gl.expand_dims(_row_caps(stats, BLOCK_M, col), 0))
     dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+    # delta read only now: with 128-row blocks a column vector is 32
+    # registers a thread, and shift and delta together beside Sᵀ and dPᵀ spill.
+    delta = stats.slice(BLOCK_M, BLOCK_M).load(col)
     dst = pt * (dpt - gl.expand_dims(delta, 0))
     # dSᵀ to shared memory first: the other consumer waits for it.
     # Two buffers, alternating with the block counter g: before this

@@ -204,6 +204,8 @@ def test_backward_grid_rule(monkeypatch):
     assert plan(256, 1, 1024, 1024, 0, 0, 0, False, False, 132) == (132, True)  # 2048 short tiles
     # Causal 16k, 16 heads: 128 key tiles a head; 128 programs pair long tiles with short.
     assert plan(16, 1, 16384, 16384, 0, 0, 0, False, True, 132)[0] == 128
+    # The same on 128-row q/dO blocks: the same work in half as many blocks.
+    assert plan(16, 1, 16384, 16384, 0, 0, 0, False, True, 132, 128)[0] == 128
     q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
     p = _problem(q, k, v)
     assert not hopper.backward_persistent(p) and hopper.backward_programs(p, False) == 16
@@ -216,22 +218,24 @@ def test_backward_grid_rule(monkeypatch):
     assert not hopper.backward_persistent(pg)
 
 
+@pytest.mark.parametrize("bm", [64, 128])
 @pytest.mark.parametrize("N,M,band", [(1000, 1000, {}), (1000, 1000, dict(window_right=0)),
                                       (129, 4097, dict(window_right=0, bottom_right=True)),
                                       (2048, 640, dict(window_left=100, window_right=0)),
                                       (300, 1, dict(window_left=37, window_right=50, bottom_right=True))])
-def test_backward_plan_counts_the_kernels_blocks(N, M, band):
-    """The plan's per-tile work is the q/dO blocks each key tile streams:
-    from the first block with a row that sees one of the tile's keys under
-    the band to the last, give or take a block at the band's edge."""
+def test_backward_plan_counts_the_kernels_blocks(N, M, band, bm):
+    """The plan's per-tile work is the ``bm``-row q/dO blocks each key tile
+    streams: from the first block with a row that sees one of the tile's
+    keys under the band to the last, give or take a block at the band's
+    edge."""
     q, k = torch.randn(1, 1, N, 64), torch.randn(1, 1, M, 64)
     p = _problem(q, k, k, **band)
     seen = ref.visibility_mask(N, M, **_kernel_band(band))
     if seen is None:
         seen = torch.ones(N, M, dtype=torch.bool)
     blocks = hopper._key_tile_blocks(N, M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
-                                     p.has_window_right)
-    bm, bn = hopper.BWD_BLOCK_M, hopper.BWD_BLOCK_N
+                                     p.has_window_right, bm)
+    bn = hopper.BWD_BLOCK_N
     assert blocks.numel() == -(-M // bn)
     for t in range(blocks.numel()):
         rows = seen[:, t * bn:(t + 1) * bn].any(dim=1).nonzero().flatten()
@@ -1121,8 +1125,10 @@ def test_fused_backward_launches(monkeypatch, how):
     assert [c[0] for c in calls] == ["fused"]
     name, grid, meta = calls[0]
     assert grid == (8, ) and meta["DQ_TMA"] is (how == "tma") and meta["HEAD_DIM"] == 64  # 4 key tiles x 2 heads
-    assert meta["DQ_BUFFERS"] == (hopper.BWD_DQ_BUFFERS[64] if how == "tma" else 1)
-    assert meta["STAGES"] == hopper.BWD_STAGES[64] and meta["BLOCK_M"] == hopper.BWD_BLOCK_M
+    tile = hopper.BWD_FUSED_TILES[64]  # causal 300 x 500: short rows
+    assert hopper.fused_tile(p) == tile
+    assert meta["DQ_BUFFERS"] == (tile.dq_buffers if how == "tma" else 1)
+    assert meta["STAGES"] == tile.stages and meta["BLOCK_M"] == tile.block_m
     assert meta["COALESCED_MASK"] is (hopper.BWD_MASK_LOADS[64] == "coalesced")
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
     want = torch.arange(4 * 300 * 64, dtype=torch.float32).reshape(1, 4, 300, 64) / 1024 * p.scale
@@ -1294,6 +1300,85 @@ def test_fused_backward_layouts(monkeypatch, layout, D, how, grid):
     assert torch.equal(got[1], sep[1]) and torch.equal(got[2], sep[2])
     for g, exp in zip(got, _reference_grads(q, k, v, dout, kw)):
         assert _rel(g.cpu(), exp) < 2 * REL_TOL[torch.bfloat16]
+
+
+# Both query sides the fused backward has at D = 64: 64-row q/dO blocks
+# (masked calls and short rows) and 128-row ones (unmasked long rows), with
+# their slots and staging tiles.
+FUSED_TILES_D64 = {"q64": hopper.FusedTile(64, 3, 2), "q128": hopper.FusedTile(128, 2, 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", list(FUSED_TILES_D64))
+@pytest.mark.parametrize("grid", ["tiles", "three_programs"])
+@pytest.mark.parametrize("band", list(BANDS))
+@pytest.mark.parametrize("B,Hq,Hkv,N,M", [(1, 8, 2, 129, 4097), (2, 2, 1, 2048, 640), (1, 3, 1, 77, 200),
+                                          (1, 4, 1, 300, 1)])
+def test_fused_tiles_against_reference(monkeypatch, tile, grid, band, B, Hq, Hkv, N, M):
+    """Each D = 64 query side of the fused kernel (dQ by the copy engine's
+    reduce) without a mask, against float64 at odd sizes with NaN in the
+    inputs' padding and poisoned outputs; dK and dV bitwise the
+    deterministic kernels' (64-row blocks: the same products in the same
+    order, the 128-row blocks' k-steps in the same sequence)."""
+    _require_hopper()
+    monkeypatch.setitem(hopper.BWD_FUSED_TILES, 64, FUSED_TILES_D64[tile])
+    monkeypatch.setitem(hopper.BWD_LONG_ROW_TILES, 64, FUSED_TILES_D64[tile])
+    persistent = _grid(monkeypatch, grid)
+    gen = torch.Generator(device="cuda").manual_seed(N * 31 + M + len(band))
+    q, k, v = _inputs(B, Hq, Hkv, N, M, 64, torch.bfloat16, "nan_padded", gen)
+    dout = in_nan_padding(torch.randn(B, Hq, N, 64, generator=gen, device="cuda").to(torch.bfloat16))
+    kw = BANDS[band]
+    poison_empty(monkeypatch)
+    got = _hopper_grads(q, k, v, dout, kw, path="tma", persistent=persistent)
+    sep = _hopper_grads(q, k, v, dout, kw, path="separate")
+    for g, exp in zip(got, _reference_grads(q, k, v, dout, kw)):
+        assert not g.isnan().any()
+        if exp.norm() == 0:
+            assert g.float().abs().max().item() < 1e-3
+        else:
+            assert _rel(g.cpu(), exp) < 2 * REL_TOL[torch.bfloat16]
+    assert torch.equal(got[1], sep[1]) and torch.equal(got[2], sep[2])
+
+
+def test_fused_tile_rule():
+    """128-row q/dO blocks at D = 64 for unmasked calls whose rows see at
+    least BWD_LONG_ROW_KEYS keys on average; 64-row blocks for shorter rows,
+    for calls that read a mask, and at D = 128; the launch and the grid
+    plan take the chosen side."""
+    long_tile, short_tile = hopper.BWD_LONG_ROW_TILES[64], hopper.BWD_FUSED_TILES[64]
+    assert long_tile.block_m == 128 and short_tile.block_m == 64 and 128 not in hopper.BWD_LONG_ROW_TILES
+    x = torch.randn(1, 2, 1024, 64, dtype=torch.bfloat16)
+    assert hopper.fused_tile(_bwd_problem(x, x, x)) == long_tile  # 1024 keys a row
+    assert hopper.fused_tile(_bwd_problem(x, x, x, window_right=0)) == short_tile  # 512 on average
+    x2k = torch.randn(1, 2, 2048, 64, dtype=torch.bfloat16)
+    causal_2k = _bwd_problem(x2k, x2k, x2k, window_right=0)
+    assert hopper.fused_tile(causal_2k) == long_tile
+    assert hopper.fused_tile(_bwd_problem(x2k, x2k, x2k, torch.ones(2048, 2048, dtype=torch.bool))) == short_tile
+    x128 = torch.randn(1, 2, 4096, 128, dtype=torch.bfloat16)
+    assert hopper.fused_tile(_bwd_problem(x128, x128, x128)) == hopper.BWD_FUSED_TILES[128]
+    go, lse = torch.randn_like(x2k), torch.randn(1, 2, 2048)
+    rows = hopper.fused_row_buffers(causal_2k, x2k.device)
+    acc = torch.empty(1, 2, 2048, 64)
+    meta = hopper.fused_kernel_args(causal_2k, go, x2k, x2k, x2k, rows, acc, x2k, x2k, "tma")[1]
+    assert (meta["BLOCK_M"], meta["STAGES"], meta["DQ_BUFFERS"]) == tuple(long_tile)
+    assert hopper._backward_plan(causal_2k) == hopper._backward_grid_plan(
+        2, 1, 2048, 2048, 0, 0, 0, False, True, hopper._device_sms(causal_2k), 128)
+
+
+def test_fused_tiles_fit_shared_memory():
+    """Every query side in the tile tables fits a Hopper block's 227 KiB of
+    shared memory at its head dim, counted as the kernel allocates it: q and
+    dO slots, the K and V tile, dSᵀ of both consumers twice, the dQ staging
+    tiles, and the per-row inputs (shift, delta and cap, two buffers per
+    consumer), plus the barriers."""
+    for tables in (hopper.BWD_FUSED_TILES, hopper.BWD_LONG_ROW_TILES):
+        for D, t in tables.items():
+            ring = 2 * t.stages * t.block_m * D * 2
+            kv = 2 * hopper.BWD_BLOCK_N * D * 2
+            ds = 4 * (hopper.BWD_BLOCK_N // 2) * t.block_m * 2
+            dq = 2 * t.dq_buffers * t.block_m * (D // 2) * 4
+            stats = 4 * 4 * t.block_m * 4
+            assert ring + kv + ds + dq + stats + 1024 <= 227 * 1024, (D, t)
 
 
 @pytest.mark.gpu

@@ -236,8 +236,8 @@ BWD_MASK_SPLIT_RUNS = {64: False, 128: True}
 # float32 (B, Hq, N, D) buffer, then scaled and rounded by a convert kernel.
 # How dQ reaches the buffer: "tma" (the copy engine's reduce-add from a
 # float32 staging tile in shared memory, one instruction per q/dO block and
-# D/2 columns; the staging tiles are ``BWD_FUSED_TILES``') or "atomic"
-# (relaxed float32 adds from the consumers' registers). Measured
+# D/2 columns; how many tiles: the query side's, ``fused_tile``) or
+# "atomic" (relaxed float32 adds from the consumers' registers). Measured
 # (bench/results/hopper_backward_schedules_run23.csv, bench/NOTES.md run 23,
 # an H100): "tma" is the fastest schedule at every timed shape, 1.02-1.18x
 # the two kernels at D = 128 and 1.12-1.28x at D = 64; "atomic" the slowest.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+from unittest.mock import patch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,20 +61,14 @@ def run_schedule(schedule, p, do, q, k, v, lse, delta):
         return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="atomic", persistent=False)
     if schedule == "persistent":
         return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma", persistent=True)
-    saved = dict(hopper.BWD_FUSED_TILES), dict(hopper.BWD_LONG_ROW_TILES)
-    if schedule in TILE_SCHEDULES:  # that query side at D = 64, whatever the rows' length
-        hopper.BWD_FUSED_TILES[64] = hopper.BWD_LONG_ROW_TILES[64] = hopper.FusedTile(*TILE_SCHEDULES[schedule])
+    if schedule in TILE_SCHEDULES:  # that query side, whatever the rows' length
+        tile = hopper.FusedTile(*TILE_SCHEDULES[schedule])
     else:  # tma1, tma2: the call's own query side with that many staging tiles
         tile = hopper.fused_tile(p)._replace(dq_buffers=int(schedule[-1]))
-        hopper.BWD_FUSED_TILES[p.D] = tile
-        hopper.BWD_LONG_ROW_TILES.pop(p.D, None)
-    try:
+    # Both tables at p's head dim, so that fused_tile answers ``tile`` for any rows.
+    with patch.dict(hopper.BWD_FUSED_TILES, {p.D: tile}), patch.dict(hopper.BWD_LONG_ROW_TILES, {p.D: tile}):
         return hopper.hopper_backward_fused(p, do, q, k, v, lse, delta, how="tma",
                                             persistent=schedule in TILE_SCHEDULES)
-    finally:
-        for table, old in zip((hopper.BWD_FUSED_TILES, hopper.BWD_LONG_ROW_TILES), saved):
-            table.clear()
-            table.update(old)
 
 
 def check(job):

@@ -88,6 +88,16 @@ def _consumer_runs(p, q, k, v, counts):
     return [(f"consumers {n}", lambda n=n: run(n)) for n in counts]
 
 
+def _errors_against(runs, want) -> dict:
+    """Each run's output (its first result) against ``want``: relative
+    error in the Frobenius norm, by run name."""
+    errors = {}
+    for name, run in runs:
+        out = run()[0].float()
+        errors[name] = ((out - want).norm() / want.norm()).item()
+    return errors
+
+
 def _variant_name(folds, poly):
     return f"softmax {folds},{poly}"
 
@@ -158,15 +168,11 @@ def main():
                         res.add(**case, provider=name, status="error", error=common.short_error(exc))
                 if variants:
                     runs = _variant_runs(p, q, k, v, variants)
-                    for name, run in runs:
-                        out = run()[0].float()
-                        errors[name] = ((out - want).norm() / want.norm()).item()
+                    errors.update(_errors_against(runs, want))
                     times.update(common.timed_in_rounds(runs, device, args.rounds))
                 if counts:
                     runs = _consumer_runs(p, q, k, v, counts)
-                    for name, run in runs:
-                        out = run()[0].float()
-                        errors[name] = ((out - want).norm() / want.norm()).item()
+                    errors.update(_errors_against(runs, want))
                     sdpa = ("sdpa rounds", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     times.update(common.timed_in_rounds(runs + [sdpa], device, args.rounds))
                 chosen = "persistent" if hopper.forward_persistent(p) else "tiles"

@@ -98,7 +98,8 @@ __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes"
 # Triton versions whose Gluon API this module is written for and was run on.
 SUPPORTED_TRITON = ("3.6",)
 
-# Tile: 128 query rows (two warp groups of 64) by 128 keys.
+# Tile: 128 query rows (two warp groups of 64) by 128 keys; the forward's
+# rows per tile for a call are ``forward_block_m``'s (192 with three groups).
 BLOCK_M = 128
 BLOCK_N = 128
 # The forward's consumer warp groups per head dim, 64 query rows each, for
@@ -489,7 +490,7 @@ def forward_persistent(p: AttentionProblem) -> bool:
 
 def forward_consumers(p: AttentionProblem) -> int:
     """The forward's consumer warp groups for ``p`` (``FWD_CONSUMERS``)."""
-    if p.mask_kind == 0 and min(p.N, p.M) >= FWD_THREE_CONSUMERS_MIN:
+    if p.mask is None and min(p.N, p.M) >= FWD_THREE_CONSUMERS_MIN:
         return FWD_CONSUMERS[p.D]
     return 2
 
@@ -771,15 +772,15 @@ def _backward_grid_plan(heads: int, group: int, N: int, M: int, diag_off: int, w
     key/value head; ``block_m``: rows per q/dO block): one program per tile
     when they are at most ``sms``, else the persistent grid
     ``_balanced_grid`` finds, a tile's work being its q/dO blocks
-    (``_key_tile_blocks``) counted in 64-row blocks, the unit of
-    ``BWD_FIXED_BLOCKS``. Unlike the forward's plan this one does not weigh
+    (``_key_tile_blocks``) counted in blocks of ``BWD_BLOCK_M`` rows, the
+    unit of ``BWD_FIXED_BLOCKS``. Unlike the forward's plan this one does not weigh
     the two grids: the persistent one measured faster wherever it applies
     (bench/NOTES.md run 25)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
         per_tile = (_key_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left, has_window_right,
-                                     block_m) * (group * block_m / 64)).repeat(heads)
+                                     block_m) * (group * block_m / BWD_BLOCK_M)).repeat(heads)
         if per_tile.numel() <= sms:
             return per_tile.numel(), False
         return _balanced_grid(per_tile, sms, BWD_FIXED_BLOCKS)[0], True

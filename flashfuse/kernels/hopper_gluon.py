@@ -692,10 +692,12 @@ def _hopper_attn_fwd(
     unused, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES, CONSUMERS)
 
     # The consumers' argument lists differ only in PART but are written out
-    # in full: a tuple built once and concatenated ((PART, ) + rest) reaches
-    # the partition with its constexprs turned into tensors (Gluon 3.6). For
-    # the same reason the two partition lists, which differ only in the third
-    # consumer, are written out in full.
+    # in full, and so are the two partition lists, which differ only in the
+    # third consumer: in Gluon 3.6 an argument tuple kept in a local, or
+    # built once and concatenated ((PART, ) + rest), reaches the partition
+    # with its constexprs turned into tensors, and a (function, arguments)
+    # pair cannot be kept in a local at all (a JIT function is no tensor);
+    # both tried, neither compiles.
     if CONSUMERS == 3:
         # 16 warps at launch, 128 registers each (the launcher's maxnreg);
         # the copy warp's group gives up all but 24, the three consumers

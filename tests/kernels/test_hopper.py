@@ -204,8 +204,22 @@ def test_backward_grid_rule(monkeypatch):
     assert plan(256, 1, 1024, 1024, 0, 0, 0, False, False, 132) == (132, True)  # 2048 short tiles
     # Causal 16k, 16 heads: 128 key tiles a head; 128 programs pair long tiles with short.
     assert plan(16, 1, 16384, 16384, 0, 0, 0, False, True, 132)[0] == 128
-    # The same on 128-row q/dO blocks: the same work in half as many blocks.
+    # On 128-row q/dO blocks the plan weighs each tile in 64-row units: the
+    # same work per tile as on 64-row blocks, give or take the block at the
+    # band's edge, and so the same grid.
+    weights = {}
+
+    def recording(per_tile, sms, fixed):
+        weights[len(weights)] = per_tile.clone()
+        return real_balanced(per_tile, sms, fixed)
+
+    real_balanced = hopper._balanced_grid
+    monkeypatch.setattr(hopper, "_balanced_grid", recording)
+    plan.cache_clear()
+    assert plan(16, 1, 16384, 16384, 0, 0, 0, False, True, 132, 64)[0] == 128
     assert plan(16, 1, 16384, 16384, 0, 0, 0, False, True, 132, 128)[0] == 128
+    assert torch.all((weights[1] - weights[0]).abs() <= 1)  # uncounted, 128-row blocks would weigh half
+    monkeypatch.undo()
     q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
     p = _problem(q, k, v)
     assert not hopper.backward_persistent(p) and hopper.backward_programs(p, False) == 16
@@ -1340,7 +1354,7 @@ def test_fused_tiles_against_reference(monkeypatch, tile, grid, band, B, Hq, Hkv
     assert torch.equal(got[1], sep[1]) and torch.equal(got[2], sep[2])
 
 
-def test_fused_tile_rule():
+def test_fused_tile_rule(monkeypatch):
     """128-row q/dO blocks at D = 64 for unmasked calls whose rows see at
     least BWD_LONG_ROW_KEYS keys on average; 64-row blocks for shorter rows,
     for calls that read a mask, and at D = 128; the launch and the grid
@@ -1361,8 +1375,11 @@ def test_fused_tile_rule():
     acc = torch.empty(1, 2, 2048, 64)
     meta = hopper.fused_kernel_args(causal_2k, go, x2k, x2k, x2k, rows, acc, x2k, x2k, "tma")[1]
     assert (meta["BLOCK_M"], meta["STAGES"], meta["DQ_BUFFERS"]) == tuple(long_tile)
-    assert hopper._backward_plan(causal_2k) == hopper._backward_grid_plan(
-        2, 1, 2048, 2048, 0, 0, 0, False, True, hopper._device_sms(causal_2k), 128)
+    planned = []
+    monkeypatch.setattr(hopper, "_backward_grid_plan", lambda *a: planned.append(a[-1]) or (1, False))
+    hopper._backward_plan(causal_2k)
+    hopper._backward_plan(_bwd_problem(x, x, x, window_right=0))
+    assert planned == [long_tile.block_m, short_tile.block_m]  # the plan counts the launch's blocks
 
 
 def test_fused_tiles_fit_shared_memory():

@@ -18,7 +18,11 @@ process, ``do_bench`` medians of:
 * with ``--consumers``, the forward with each count of consumer warp
   groups (``hopper.FWD_CONSUMERS`` at the head dim: 2 makes 128-row
   tiles, 3 makes 192-row tiles), each on the grid the op's rule takes for
-  it, and SDPA ("sdpa rounds"), in alternating rounds likewise.
+  it, and SDPA ("sdpa rounds"), in alternating rounds likewise;
+* with ``--tails``, the three-consumer forward with its last query block
+  of each head run as a split tail or not (``hopper.FWD_SPLIT_TAIL``:
+  ``off``, the op's ``rule``, ``forced`` wherever the shape allows), beside
+  SDPA in alternating rounds likewise.
 
 Each Hopper output is checked against the portable one first (relative
 error in the CSV; the float64 checks are the GPU tests). The column "the
@@ -31,6 +35,7 @@ Writes bench/results/hopper_schedules.csv.
     python bench/hopper_schedules.py --d 128 --n 4096 --causal yes
     python bench/hopper_schedules.py --d 64 --n 4096,16384 --softmax "3,0 0,1"
     python bench/hopper_schedules.py --d 64 --n 1024,4096,16384 --consumers "2 3"
+    python bench/hopper_schedules.py --d 64 --n 4096,16384 --tails "off rule forced"
 """
 
 from __future__ import annotations
@@ -88,6 +93,27 @@ def _consumer_runs(p, q, k, v, counts):
     return [(f"consumers {n}", lambda n=n: run(n)) for n in counts]
 
 
+TAIL_MODES = ("off", "rule", "forced")
+
+
+def _tail_runs(p, q, k, v, modes):
+    """(name, run) of the forward with each split-tail mode ("tails MODE"):
+    ``off`` (``hopper.FWD_SPLIT_TAIL`` empty), ``rule`` (the op's rule) and
+    ``forced`` (split wherever the tile shape allows, whatever the plan
+    says), each on the grid the op's rule takes."""
+    def run(mode):
+        saved = hopper.FWD_SPLIT_TAIL, hopper._split_tail_pays
+        if mode == "off":
+            hopper.FWD_SPLIT_TAIL = ()
+        elif mode == "forced":
+            hopper._split_tail_pays = lambda *a: True
+        try:
+            return hopper.hopper_forward(p, q, k, v)
+        finally:
+            hopper.FWD_SPLIT_TAIL, hopper._split_tail_pays = saved
+    return [(f"tails {m}", lambda m=m: run(m)) for m in modes]
+
+
 def _errors_against(runs, want) -> dict:
     """Each run's output (its first result) against ``want``: relative
     error in the Frobenius norm, by run name."""
@@ -116,8 +142,11 @@ def parse_args():
     p.add_argument("--consumers", default="",
                    help="consumer warp group counts timed beside SDPA in alternating rounds: space-separated "
                         "(hopper.FWD_CONSUMERS), e.g. '2 3'")
+    p.add_argument("--tails", default="",
+                   help="split-tail modes of the three-consumer forward timed beside SDPA in alternating rounds: "
+                        f"space-separated, of {' '.join(TAIL_MODES)} (hopper.FWD_SPLIT_TAIL), e.g. 'off rule'")
     p.add_argument("--rounds", type=int, default=7,
-                   help="rounds of the --softmax and --consumers timings (medians reported)")
+                   help="rounds of the --softmax, --consumers and --tails timings (medians reported)")
     return p.parse_args()
 
 
@@ -129,8 +158,13 @@ def main():
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     variants = [common.softmax_pair(item) for item in args.softmax.split()]
     counts = [int(c) for c in args.consumers.split()]
+    tails = args.tails.split()
+    if any(m not in TAIL_MODES for m in tails):
+        sys.exit(f"--tails takes {', '.join(TAIL_MODES)}")
     providers = PROVIDERS + (["softmax default"] + [_variant_name(*v) for v in variants] if variants else [])
-    providers += [f"consumers {n}" for n in counts] + (["sdpa rounds"] if counts else [])
+    providers += [f"consumers {n}" for n in counts] + [f"tails {m}" for m in tails]
+    providers += ["sdpa rounds"] if counts or tails else []
+    rounds = [f"consumers {n}" for n in counts] + [f"tails {m}" for m in tails]
     res = common.Results(args.out, "hopper_schedules.csv", common.env_info(device))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -170,8 +204,8 @@ def main():
                     runs = _variant_runs(p, q, k, v, variants)
                     errors.update(_errors_against(runs, want))
                     times.update(common.timed_in_rounds(runs, device, args.rounds))
-                if counts:
-                    runs = _consumer_runs(p, q, k, v, counts)
+                if counts or tails:
+                    runs = _consumer_runs(p, q, k, v, counts) + _tail_runs(p, q, k, v, tails)
                     errors.update(_errors_against(runs, want))
                     sdpa = ("sdpa rounds", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     times.update(common.timed_in_rounds(runs + [sdpa], device, args.rounds))
@@ -188,16 +222,16 @@ def main():
                 row += [common.fmt(times["sdpa"] / times[chosen], 2) if chosen in times else "-",
                         f"{max(errors.values()):.1e}" if errors else "-", chosen if why is None else "portable"]
                 table.append(row)
-                if counts:
-                    ratios.append([D, N, causal] + [common.fmt(times["sdpa rounds"] / times[f"consumers {n}"], 3)
-                                                    for n in counts])
+                if rounds:
+                    ratios.append([D, N, causal, hopper.forward_split_tail(p)]
+                                  + [common.fmt(times["sdpa rounds"] / times[name], 3) for name in rounds])
                 del q, k, v
                 common.free_memory()
     common.tables_header()
     common.print_table(table, ["D", "N", "causal", "persistent grid", *providers, "op's grid / sdpa",
                                "max rel err vs portable", "the op takes"], title=f"Forward TFLOP/s, {args.dtype}")
     if ratios:
-        common.print_table(ratios, ["D", "N", "causal", *(f"consumers {n} / sdpa" for n in counts)],
+        common.print_table(ratios, ["D", "N", "causal", "rule splits tails", *(f"{name} / sdpa" for name in rounds)],
                            title=f"Speed against SDPA in the same alternating rounds (medians of {args.rounds})")
     print(f"\nCSV: {res.path}")
 

@@ -92,7 +92,7 @@ from .. import config
 __all__ = ["hopper_forward", "hopper_refusal", "problem_refusal", "traced_takes", "gluon_available",
            "mean_visible_keys", "hopper_backward", "backward_refusal", "backward_problem_refusal",
            "traced_backward_takes", "backward_path", "hopper_backward_separate", "hopper_backward_fused",
-           "forward_persistent", "forward_programs", "forward_consumers", "forward_block_m",
+           "forward_persistent", "forward_programs", "forward_consumers", "forward_block_m", "forward_split_tail",
            "backward_persistent", "backward_programs", "fused_tile"]
 
 # Triton versions whose Gluon API this module is written for and was run on.
@@ -115,6 +115,19 @@ BLOCK_N = 128
 # per tile weighs more.
 FWD_CONSUMERS = {64: 3, 128: 2}
 FWD_THREE_CONSUMERS_MIN = 4096
+# With three consumers a head's last query block holds one part of rows
+# where N % 192 is 1-64 (4096 = 21 x 192 + 64): run as a normal tile, the
+# other two parts compute on rows past N and the tile costs about a full
+# one (bench/NOTES.md run 42), which at 4k rounds the busiest program up to
+# 22 tiles where the rows are worth 20.7. A split tail gives every consumer
+# those rows and a third of the key blocks, merged at the end
+# (``hopper_gluon._fwd_tail_part``); tails run last, where the hand-out
+# gives them to the programs with fewer full tiles. FWD_SPLIT_TAIL: the
+# head dims that take them (at D = 128 three consumers' shared memory has
+# no room for the 32 KiB of partials). FWD_TAIL_COST: a split tail's cost in
+# full tiles of as many key blocks, for the grid plan.
+FWD_SPLIT_TAIL = (64, )
+FWD_TAIL_COST = 0.4
 # K/V slots per head dim (shared memory at D = 128: q 32 KiB + 2 x 2 x 32 KiB).
 WS_STAGES = {64: 3, 128: 2}
 
@@ -500,6 +513,17 @@ def forward_block_m(p: AttentionProblem) -> int:
     return 64 * forward_consumers(p)
 
 
+def forward_split_tail(p: AttentionProblem) -> bool:
+    """Whether the forward runs each head's last query block of ``p`` as a
+    split tail: three consumers (192-row tiles), a head dim in
+    ``FWD_SPLIT_TAIL``, one part of rows in that block, and a plan that
+    ends sooner with it (``_split_tail_pays``)."""
+    if not (p.D in FWD_SPLIT_TAIL and forward_block_m(p) == 192 and 0 < p.N % 192 <= 64):
+        return False
+    return _split_tail_pays(p.B * p.Hq, p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
+                            p.has_window_right, _device_sms(p))
+
+
 def forward_programs(p: AttentionProblem, persistent: bool) -> int:
     """The program count of the forward's grid: the tile count, or the
     persistent grid the plan chose."""
@@ -512,30 +536,67 @@ def forward_programs(p: AttentionProblem, persistent: bool) -> int:
 def _plan(p: AttentionProblem) -> tuple[int, bool]:
     """``_grid_plan`` for ``p`` on its device."""
     return _grid_plan(p.B * p.Hq, p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
-                      p.has_window_right, _device_sms(p), forward_block_m(p))
+                      p.has_window_right, _device_sms(p), forward_block_m(p), forward_split_tail(p))
 
 
 @functools.lru_cache(maxsize=1024)
 def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, window_right: int,
-               has_window_left: bool, has_window_right: bool, sms: int, block_m: int = BLOCK_M) -> tuple[int, bool]:
+               has_window_left: bool, has_window_right: bool, sms: int, block_m: int = BLOCK_M,
+               split_tail: bool = False) -> tuple[int, bool]:
     """``(programs, faster)``: the persistent grid that ends first under the
     cost model (``FWD_FIXED_BLOCKS``), and whether it beats one program per
     tile. Tile t of program p in round r is ``_fwd_tile``'s (round r hands
-    tiles r·P .. r·P + P - 1 out in program order, reversed in odd rounds).
-    Plain CPU arithmetic, also when a dispatch mode (a fake-tensor trace, a
-    profiler's mode) is active around the launch."""
+    tiles r·P .. r·P + P - 1 out in program order, reversed in odd rounds;
+    with ``split_tail``, each head's last tile comes after all full tiles,
+    at FWD_TAIL_COST of its blocks). Plain CPU arithmetic, also when a
+    dispatch mode (a fake-tensor trace, a profiler's mode) is active around
+    the launch."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        per_tile = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
-                                      has_window_right, block_m).repeat(heads)
-        if per_tile.numel() <= sms:
-            return per_tile.numel(), False
-        fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
-        programs, busiest = _balanced_grid(per_tile, sms, fixed_p)
-        one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
-        # Each persistent program's first tile pays the full fixed part.
-        return programs, busiest + fixed_t - fixed_p < one_each
+        per_head = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
+                                      has_window_right, block_m)
+        return _grid_cost(_tiles_in_order(per_head, heads, split_tail), sms)[:2]
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_tail_pays(heads: int, N: int, M: int, diag_off: int, window_left: int, window_right: int,
+                     has_window_left: bool, has_window_right: bool, sms: int) -> bool:
+    """Whether the cost model ends the forward's 192-row tiles sooner with
+    split tails than without: without a band it always does (the busiest
+    program's count of full tiles drops); under a causal band a head's
+    last tile is its longest and the hand-out may balance better without."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        per_head = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
+                                      has_window_right, 192)
+        return _grid_cost(_tiles_in_order(per_head, heads, True), sms)[2] <= \
+            _grid_cost(_tiles_in_order(per_head, heads, False), sms)[2]
+
+
+def _tiles_in_order(per_head: torch.Tensor, heads: int, split_tail: bool) -> torch.Tensor:
+    """Every forward tile's work in the kernel's numbering: ``heads`` heads
+    of ``per_head`` (one head's tiles, last query block first), with
+    ``split_tail`` each head's first entry (its last block) moved after all
+    full tiles at FWD_TAIL_COST."""
+    if not split_tail:
+        return per_head.repeat(heads)
+    return torch.cat([per_head[1:].repeat(heads), per_head[:1].repeat(heads) * FWD_TAIL_COST])
+
+
+def _grid_cost(per_tile: torch.Tensor, sms: int) -> tuple[int, bool, float]:
+    """``(programs, persistent, cost)`` for tiles of ``per_tile`` work: the
+    persistent grid of ``_balanced_grid``, whether it beats one program per
+    tile, and the cost of the faster (``FWD_FIXED_BLOCKS``)."""
+    fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
+    one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
+    if per_tile.numel() <= sms:
+        return per_tile.numel(), False, one_each
+    programs, busiest = _balanced_grid(per_tile, sms, fixed_p)
+    # Each persistent program's first tile pays the full fixed part.
+    persistent = busiest + fixed_t - fixed_p
+    return programs, persistent < one_each, min(persistent, one_each)
 
 
 def _query_tile_blocks(N: int, M: int, diag_off: int, window_left: int, window_right: int,
@@ -660,7 +721,7 @@ def kernel_args(p: AttentionProblem, q, k, v, out, lse, persistent: bool | None 
                 HEAD_DIM=p.D, BLOCK_M=forward_block_m(p), BLOCK_N=BLOCK_N, STAGES=WS_STAGES[p.D], MASK_KIND=p.mask_kind,
                 GROUP=ROW_GROUP, ROW_MAX_FOLDS=FWD_SOFTMAX[p.D]["row_max_folds"],
                 EXP_POLY=FWD_SOFTMAX[p.D]["exp_poly"], SPLIT_RUNS=FWD_MASK_SPLIT_RUNS, CONSUMERS=consumers,
-                num_warps=4, maxnreg=168 if consumers == 2 else 128)
+                SPLIT_TAIL=forward_split_tail(p), num_warps=4, maxnreg=168 if consumers == 2 else 128)
     return args, meta, forward_programs(p, persistent)
 
 

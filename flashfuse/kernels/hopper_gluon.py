@@ -349,14 +349,39 @@ def _masked_scores_t(st, mask_base, q0, k0, N, M, stride_mask_q, stride_mask_k, 
 @gluon.jit
 def _fwd_tile(r, n_m, Hq, BLOCK_M: gl.constexpr):
     """The query tile program p takes in its round ``r``: ``(m0, h, b)``
-    (the hand-out: ``_round_tile``). Tiles are numbered
-    with the query blocks of one (batch, head) consecutive, last block first:
-    tiles running together share K and V in L2, and under a causal band the
-    longest rows start first."""
+    (the hand-out: ``_round_tile``). Tiles are numbered with the ``n_m``
+    query blocks of one (batch, head) consecutive, last block first: tiles
+    running together share K and V in L2, and under a causal band the
+    longest rows start first. Split tails (``_fwd_tails``) come after all
+    of them."""
     t = _round_tile(r)
     bh = t // n_m
     m0 = (n_m - 1 - t % n_m) * BLOCK_M
     return m0, bh % Hq, bh // Hq
+
+
+@gluon.jit
+def _fwd_tail_tile(r, first, n_m, Hq, BLOCK_M: gl.constexpr):
+    """The split tail program p takes in its round ``r``: ``(m0, h, b)``.
+    Tiles ``first`` on are the tails, tail t the last of the ``n_m``
+    query blocks of (batch, head) t. Last, so that the hand-out gives them
+    to the programs with fewer full tiles."""
+    t = _round_tile(r) - first
+    return (n_m - 1) * BLOCK_M, t % Hq, t // Hq
+
+
+@gluon.jit
+def _fwd_tails(N, B, Hq, BLOCK_M: gl.constexpr, PART_M: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+    """``(tails, n_m)``: the split tails (one per (batch, head) when a
+    head's last query block holds one part of rows, else none) and the
+    other query blocks per head. Without SPLIT_TAIL, none."""
+    n_m = gl.cdiv(N, BLOCK_M)
+    if SPLIT_TAIL:
+        rest = N % BLOCK_M
+        lone = ((rest > 0) & (rest <= PART_M)).to(gl.int32)
+        return lone * (B * Hq), n_m - lone
+    else:
+        return n_m * 0, n_m
 
 
 @gluon.jit
@@ -427,35 +452,62 @@ def _consumer_scores(s, qk_scale, start_n, free_lo, free_hi, key_end, mask_base,
 
 
 @gluon.jit
+def _fwd_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                   v_empty, m0, h, b, hk, q_step, c, n_done, N, M, diag_off, window_left, window_right, KeyTable,
+                   tab_off, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, PART_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_TABLE: gl.constexpr,
+                   GROUP: gl.constexpr, CONSUMERS: gl.constexpr):
+    """One tile's loads: q part p from row ``m0 + p * q_step`` (each once
+    its consumer has issued the last product that reads the previous
+    tile's; ``q_step`` 0 gives every consumer the same rows), then the
+    tile's K and V blocks into the ring from its ``c``-th slot use. Returns
+    the number of blocks."""
+    q_bytes: gl.constexpr = PART_M * HEAD_DIM * 2
+    lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                        HAS_WINDOW_RIGHT, CONSUMERS * PART_M, BLOCK_N, KeyTable, tab_off, HAS_TABLE,
+                                        GROUP, 1)
+    for part in gl.static_range(CONSUMERS):
+        mbarrier.wait(q_empty.index(part), (n_done & 1) ^ 1)  # a fresh barrier's previous phase counts as done
+        mbarrier.expect(q_ready.index(part), q_bytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + part * q_step, 0], q_ready.index(part),
+                                        q_smem.index(part).reshape([1, 1, PART_M, HEAD_DIM]))
+    for i in range(n_blocks):
+        _load_ring_pair(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, c + i, b, hk,
+                        lo + i * BLOCK_N, BLOCK_N, HEAD_DIM, STAGES)
+    return n_blocks
+
+
+@gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable, stride_tab_b,
+                B, Hq, Hkv, N, M, n_tiles, diag_off, window_left, window_right, KeyTable, stride_tab_b,
                 stride_tab_h, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr, PART_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_TABLE: gl.constexpr,
-                GROUP: gl.constexpr, CONSUMERS: gl.constexpr):
+                GROUP: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_TAIL: gl.constexpr):
     """The copy warp: for each of the program's tiles, q's CONSUMERS parts of
-    PART_M rows (each once its consumer has issued the last product that
-    reads the previous tile's), then the tile's K and V blocks into the ring
-    of slots, whose counter runs on across tiles."""
-    q_bytes: gl.constexpr = PART_M * HEAD_DIM * 2
+    PART_M rows, then the tile's K and V blocks into the ring of slots,
+    whose counter runs on across tiles. Split tails last (every part the
+    same rows; ``_fwd_tail_part``)."""
+    BLOCK_M: gl.constexpr = CONSUMERS * PART_M
+    tails, n_m = _fwd_tails(N, B, Hq, BLOCK_M, PART_M, SPLIT_TAIL)
+    full_rounds = _program_rounds(n_tiles - tails)
     c = 0
     n_done = 0
-    for r in range(_program_rounds(n_tiles)):
-        m0, h, b = _fwd_tile(r, n_m, Hq, CONSUMERS * PART_M)
-        hk = h // (Hq // Hkv)
+    for r in range(full_rounds):
+        m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)
         tab_off = b.to(gl.int64) * stride_tab_b + h.to(gl.int64) * stride_tab_h
-        lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
-                                            HAS_WINDOW_RIGHT, CONSUMERS * PART_M, BLOCK_N, KeyTable, tab_off, HAS_TABLE,
-                                            GROUP, 1)
-        for part in gl.static_range(CONSUMERS):
-            mbarrier.wait(q_empty.index(part), (n_done & 1) ^ 1)  # a fresh barrier's previous phase counts as done
-            mbarrier.expect(q_ready.index(part), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + part * PART_M, 0], q_ready.index(part),
-                                            q_smem.index(part).reshape([1, 1, PART_M, HEAD_DIM]))
-        for i in range(n_blocks):
-            _load_ring_pair(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, c + i, b, hk,
-                            lo + i * BLOCK_N, BLOCK_N, HEAD_DIM, STAGES)
-        c += n_blocks
+        c += _fwd_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, m0, h, b, h // (Hq // Hkv), PART_M, c, n_done, N, M, diag_off,
+                            window_left, window_right, KeyTable, tab_off, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M,
+                            BLOCK_N, HEAD_DIM, STAGES, HAS_TABLE, GROUP, CONSUMERS)
         n_done += 1
+    if SPLIT_TAIL:
+        for r in range(full_rounds, _program_rounds(n_tiles)):
+            m0, h, b = _fwd_tail_tile(r, n_tiles - tails, n_m + 1, Hq, BLOCK_M)
+            c += _fwd_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                v_ready, v_empty, m0, h, b, h // (Hq // Hkv), 0, c, n_done, N, M, diag_off,
+                                window_left, window_right, KeyTable, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M,
+                                BLOCK_N, HEAD_DIM, STAGES, False, GROUP, CONSUMERS)
+            n_done += 1
 
 
 @gluon.jit
@@ -496,14 +548,124 @@ def _fwd_step(j, c, lo, p, m_i, l_i, acc, q_part, k_smem, v_smem, k_ready, k_emp
 
 
 @gluon.jit
+def _fwd_tail_part(i_tail, m0, h, b, c, n_done, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
+                   k_ready, k_empty, v_ready, v_empty, part_acc, part_m, part_l, merge_ready, merge_free, Hq, N, M,
+                   qk_scale, diag_off, window_left, window_right, PART: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr,
+                   HAS_WINDOW_RIGHT: gl.constexpr, PART_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr,
+                   EXP_POLY: gl.constexpr, CONSUMERS: gl.constexpr, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+    """Consumer PART's share of a split tail: a head's last query block
+    when it holds one part of rows (``_fwd_tails``). Every consumer has
+    those rows' q, and consumer p takes the tile's key blocks p, p +
+    CONSUMERS, ...: run as a normal tile, two of the three would compute
+    on rows past N, and the tile would cost about as much as a full one
+    (bench/NOTES.md run 42). A block it does not take it only releases,
+    once loaded (an empty barrier counts every consumer's release of each
+    load). Its own blocks are not pipelined (the product with V waits for
+    the softmax): V's slot is then free at the end of the block, so the
+    copy warp, which loads in order, never waits three blocks for it.
+    Consumers 1 and 2 then hand their running max, sum and accumulator to
+    consumer 0 through shared memory, which merges them and stores the
+    rows. Returns the K/V slot uses of the tile."""
+    dtype: gl.constexpr = q_smem.dtype
+    BLOCK_M: gl.constexpr = CONSUMERS * PART_M
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
+                                        HAS_WINDOW_RIGHT, BLOCK_M, BLOCK_N, Lse, 0, False, GROUP, 4)
+    last_row = gl.minimum(m0 + PART_M, N) - 1
+    full_end = key_end - BLOCK_N
+    right_edge = m0 + diag_off + window_right - BLOCK_N + 1
+    left_edge = last_row + diag_off - window_left
+    q_part = q_smem.index(PART)
+    zero_s = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([PART_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([PART_M], gl.float32, row_s)
+    acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_ready.index(PART), n_done & 1)
+    for j in range(n_blocks):
+        slot = (c + j) % STAGES
+        phase = ((c + j) // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        if j % CONSUMERS == PART:
+            s_tok = warpgroup_mma(q_part, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(slot))
+            s = _mask_if_crossing(s, lo + j * BLOCK_N, m0, key_end, full_end, right_edge, left_edge, diag_off,
+                                  window_left, window_right, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N,
+                                  s_layout)
+            m_new = gl.maximum(m_i, _row_max(s, ROW_MAX_FOLDS, s_layout) * qk_scale)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = _exp2(s * qk_scale - gl.expand_dims(m_use, 1), EXP_POLY)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(v_ready.index(slot), phase)
+            o_tok = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(slot))
+        else:
+            mbarrier.arrive(k_empty.index(slot))
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot))
+    mbarrier.arrive(q_empty.index(PART))
+
+    if PART != 0:
+        # The previous tail's partials have been read (a fresh barrier's
+        # previous phase counts as done).
+        mbarrier.wait(merge_free, (i_tail & 1) ^ 1)
+        part_acc.index(PART - 1).store(acc)
+        part_m.index(PART - 1).store(m_i)
+        part_l.index(PART - 1).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(merge_ready)
+    else:
+        mbarrier.wait(merge_ready, i_tail & 1)
+        m_all = m_i
+        for i in gl.static_range(CONSUMERS - 1):
+            m_all = gl.maximum(m_all, part_m.index(i).load(row_s))
+        m_use = gl.where(m_all == float("-inf"), 0.0, m_all)
+        w = gl.exp2(m_i - m_use)
+        l_all = l_i * w
+        acc = acc * gl.expand_dims(gl.convert_layout(w, row_o), 1)
+        for i in gl.static_range(CONSUMERS - 1):
+            w = gl.exp2(part_m.index(i).load(row_s) - m_use)
+            l_all += part_l.index(i).load(row_s) * w
+            acc += part_acc.index(i).load(o_layout) * gl.expand_dims(gl.convert_layout(w, row_o), 1)
+        gl.thread_barrier()
+        mbarrier.arrive(merge_free)
+
+        l_o = gl.convert_layout(l_all, row_o)
+        m_o = gl.convert_layout(m_all, row_o)
+        empty = l_o == 0.0
+        inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
+        out = acc * gl.expand_dims(inv_l, 1)
+        lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+        rows = m0 + gl.arange(0, PART_M, layout=row_o)
+        gl.store(Lse + ((b.to(gl.int64) * Hq + h) * N + rows), lse, mask=rows < N)
+        o_part = o_smem.index(0)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        o_part.store(out.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(o_desc, [b, h, m0, 0], o_part.reshape([1, 1, PART_M, HEAD_DIM]))
+    return n_blocks
+
+
+@gluon.jit
 def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                  Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                  part_acc, part_m, part_l, merge_ready, merge_free,
+                  B, Hq, N, M, n_tiles, qk_scale, diag_off, window_left, window_right,
                   Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                   stride_tab_h,
                   PART: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
                   PART_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   MASK_KIND: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr,
-                  EXP_POLY: gl.constexpr, SPLIT_RUNS: gl.constexpr, CONSUMERS: gl.constexpr):
+                  EXP_POLY: gl.constexpr, SPLIT_RUNS: gl.constexpr, CONSUMERS: gl.constexpr,
+                  SPLIT_TAIL: gl.constexpr):
     """One warp group: part PART of each of the program's tiles, its rows
     PART * PART_M .. (PART + 1) * PART_M - 1 (64 of the CONSUMERS * 64), the
     whole online softmax for them. Iteration j issues S_j = q·K_jᵀ and
@@ -524,9 +686,11 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
     o_part = o_smem.index(PART)
     zero_s = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
     # c: K/V blocks consumed before this tile; n_done: tiles before it.
+    tails, n_m = _fwd_tails(N, B, Hq, BLOCK_M, PART_M, SPLIT_TAIL)
+    full_rounds = _program_rounds(n_tiles - tails)
     c = 0
     n_done = 0
-    for r in range(_program_rounds(n_tiles)):
+    for r in range(full_rounds):
         m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)
         tab_off = b.to(gl.int64) * stride_tab_b + h.to(gl.int64) * stride_tab_h
         lo, n_blocks, key_end = _fwd_blocks(m0, N, M, diag_off, window_left, window_right, HAS_WINDOW_LEFT,
@@ -628,6 +792,15 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], o_part.reshape([1, 1, PART_M, HEAD_DIM]))
+    if SPLIT_TAIL:
+        for r in range(full_rounds, _program_rounds(n_tiles)):
+            m0, h, b = _fwd_tail_tile(r, n_tiles - tails, n_m + 1, Hq, BLOCK_M)
+            c += _fwd_tail_part(r - full_rounds, m0, h, b, c, n_done, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
+                                q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, part_acc, part_m, part_l,
+                                merge_ready, merge_free, Hq, N, M, qk_scale, diag_off, window_left, window_right, PART,
+                                HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES, GROUP,
+                                ROW_MAX_FOLDS, EXP_POLY, CONSUMERS, s_layout, o_layout, p_layout, row_o)
+            n_done += 1
     tma.store_wait(0)
 
 
@@ -655,7 +828,7 @@ def _hopper_attn_fwd(
     HAS_WINDOW_LEFT: gl.constexpr, HAS_WINDOW_RIGHT: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     MASK_KIND: gl.constexpr, GROUP: gl.constexpr, ROW_MAX_FOLDS: gl.constexpr, EXP_POLY: gl.constexpr,
-    SPLIT_RUNS: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
+    SPLIT_RUNS: gl.constexpr, CONSUMERS: gl.constexpr, SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The forward over tiles of BLOCK_M query rows of one (batch, head),
     P programs taking one tile per round (``_fwd_tile``): one program per
@@ -666,11 +839,12 @@ def _hopper_attn_fwd(
     rows, strides 0 where it broadcasts); without, both are unread.
     CONSUMERS (2 or 3) consumer warp groups take 64 rows of a tile each
     (BLOCK_M = 64 * CONSUMERS); three only without a mask (the tables'
-    row groups assume a power-of-two tile)."""
+    row groups assume a power-of-two tile). With SPLIT_TAIL (three
+    consumers, no mask) a head's last query block, when it holds one part
+    of rows, runs as a split tail (``_fwd_tail_part``) after the others."""
     dtype: gl.constexpr = Q.dtype.element_ty
     PART_M: gl.constexpr = BLOCK_M // CONSUMERS
-    n_m = gl.cdiv(N, BLOCK_M)
-    n_tiles = n_m * Hq * B
+    n_tiles = gl.cdiv(N, BLOCK_M) * Hq * B
     q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PART_M, HEAD_DIM], dtype)
     kv2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, PART_M, HEAD_DIM], dtype)
@@ -690,6 +864,23 @@ def _hopper_attn_fwd(
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     unused, k_ready, k_empty, v_ready, v_empty = _stream_barriers(STAGES, CONSUMERS)
+    # A split tail's partials, handed from consumers 1 and 2 to consumer 0
+    # (a token allocation without SPLIT_TAIL: at D = 128 the shared memory
+    # has no 33 KiB to spare).
+    stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    acc_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    if SPLIT_TAIL:
+        part_acc = gl.allocate_shared_memory(gl.float32, [CONSUMERS - 1, PART_M, HEAD_DIM], acc_layout)
+        part_m = gl.allocate_shared_memory(gl.float32, [CONSUMERS - 1, PART_M], stat_layout)
+        part_l = gl.allocate_shared_memory(gl.float32, [CONSUMERS - 1, PART_M], stat_layout)
+    else:
+        part_acc = gl.allocate_shared_memory(gl.float32, [1, 1, 16], acc_layout)
+        part_m = gl.allocate_shared_memory(gl.float32, [1, 16], stat_layout)
+        part_l = gl.allocate_shared_memory(gl.float32, [1, 16], stat_layout)
+    merge_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    merge_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(merge_ready, count=CONSUMERS - 1)
+    mbarrier.init(merge_free, count=1)
 
     # The consumers' argument lists differ only in PART but are written out
     # in full, and so are the two partition lists, which differ only in the
@@ -704,41 +895,46 @@ def _hopper_attn_fwd(
         # share the rest.
         gl.warp_specialize([
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             v_empty, part_acc, part_m, part_l, merge_ready, merge_free, B, Hq, N, M, n_tiles, qk_scale,
+                             diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                              stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
-                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS, SPLIT_TAIL)),
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             v_empty, part_acc, part_m, part_l, merge_ready, merge_free, B, Hq, N, M, n_tiles, qk_scale,
+                             diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                              stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
-                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS, SPLIT_TAIL)),
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             v_empty, part_acc, part_m, part_l, merge_ready, merge_free, B, Hq, N, M, n_tiles, qk_scale,
+                             diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                              stride_tab_h, 2, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
-                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS, SPLIT_TAIL)),
             (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
+                           v_empty, B, Hq, Hkv, N, M, n_tiles, diag_off, window_left, window_right, KeyTable,
                            stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM,
-                           STAGES, MASK_KIND != 0, GROUP, CONSUMERS)),
+                           STAGES, MASK_KIND != 0, GROUP, CONSUMERS, SPLIT_TAIL)),
         ], [4, 4, 1], [160, 160, 24])
     else:
         gl.warp_specialize([
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             v_empty, part_acc, part_m, part_l, merge_ready, merge_free, B, Hq, N, M, n_tiles, qk_scale,
+                             diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                              stride_tab_h, 0, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
-                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS, SPLIT_TAIL)),
             (_fwd_consumer, (o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, Hq, N, M, n_m, n_tiles, qk_scale, diag_off, window_left, window_right,
+                             v_empty, part_acc, part_m, part_l, merge_ready, merge_free, B, Hq, N, M, n_tiles, qk_scale,
+                             diag_off, window_left, window_right,
                              Mask, KeyTable, stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_tab_b,
                              stride_tab_h, 1, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM, STAGES,
-                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS)),
+                             MASK_KIND, GROUP, ROW_MAX_FOLDS, EXP_POLY, SPLIT_RUNS, CONSUMERS, SPLIT_TAIL)),
             (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                           v_empty, Hq, Hkv, N, M, n_m, n_tiles, diag_off, window_left, window_right, KeyTable,
+                           v_empty, B, Hq, Hkv, N, M, n_tiles, diag_off, window_left, window_right, KeyTable,
                            stride_tab_b, stride_tab_h, HAS_WINDOW_LEFT, HAS_WINDOW_RIGHT, PART_M, BLOCK_N, HEAD_DIM,
-                           STAGES, MASK_KIND != 0, GROUP, CONSUMERS)),
+                           STAGES, MASK_KIND != 0, GROUP, CONSUMERS, SPLIT_TAIL)),
         ], [4, 1], [240, 24])
 
 

@@ -20,9 +20,9 @@ process, ``do_bench`` medians of:
   tiles, 3 makes 192-row tiles), each on the grid the op's rule takes for
   it, and SDPA ("sdpa rounds"), in alternating rounds likewise;
 * with ``--tails``, the three-consumer forward with its last query block
-  of each head run as a split tail or not (``hopper.FWD_SPLIT_TAIL``:
-  ``off``, the op's ``rule``, ``forced`` wherever the shape allows), beside
-  SDPA in alternating rounds likewise.
+  of each head run as a split tail (``on``, the op's rule) or not
+  (``off``: ``hopper.FWD_SPLIT_TAIL`` empty), beside SDPA in alternating
+  rounds likewise.
 
 Each Hopper output is checked against the portable one first (relative
 error in the CSV; the float64 checks are the GPU tests). The column "the
@@ -35,13 +35,14 @@ Writes bench/results/hopper_schedules.csv.
     python bench/hopper_schedules.py --d 128 --n 4096 --causal yes
     python bench/hopper_schedules.py --d 64 --n 4096,16384 --softmax "3,0 0,1"
     python bench/hopper_schedules.py --d 64 --n 1024,4096,16384 --consumers "2 3"
-    python bench/hopper_schedules.py --d 64 --n 4096,16384 --tails "off rule forced"
+    python bench/hopper_schedules.py --d 64 --n 4096,16384 --tails "off on"
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,24 +94,16 @@ def _consumer_runs(p, q, k, v, counts):
     return [(f"consumers {n}", lambda n=n: run(n)) for n in counts]
 
 
-TAIL_MODES = ("off", "rule", "forced")
+TAIL_MODES = ("off", "on")
 
 
 def _tail_runs(p, q, k, v, modes):
-    """(name, run) of the forward with each split-tail mode ("tails MODE"):
-    ``off`` (``hopper.FWD_SPLIT_TAIL`` empty), ``rule`` (the op's rule) and
-    ``forced`` (split wherever the tile shape allows, whatever the plan
-    says), each on the grid the op's rule takes."""
+    """(name, run) of the forward with split tails ("tails on", the op's
+    rule) or without ("tails off": ``hopper.FWD_SPLIT_TAIL`` empty), each
+    on the grid the op's rule takes."""
     def run(mode):
-        saved = hopper.FWD_SPLIT_TAIL, hopper._split_tail_pays
-        if mode == "off":
-            hopper.FWD_SPLIT_TAIL = ()
-        elif mode == "forced":
-            hopper._split_tail_pays = lambda *a: True
-        try:
+        with mock.patch.object(hopper, "FWD_SPLIT_TAIL", hopper.FWD_SPLIT_TAIL if mode == "on" else ()):
             return hopper.hopper_forward(p, q, k, v)
-        finally:
-            hopper.FWD_SPLIT_TAIL, hopper._split_tail_pays = saved
     return [(f"tails {m}", lambda m=m: run(m)) for m in modes]
 
 
@@ -144,7 +137,7 @@ def parse_args():
                         "(hopper.FWD_CONSUMERS), e.g. '2 3'")
     p.add_argument("--tails", default="",
                    help="split-tail modes of the three-consumer forward timed beside SDPA in alternating rounds: "
-                        f"space-separated, of {' '.join(TAIL_MODES)} (hopper.FWD_SPLIT_TAIL), e.g. 'off rule'")
+                        f"space-separated, of {' '.join(TAIL_MODES)} (hopper.FWD_SPLIT_TAIL), e.g. 'off on'")
     p.add_argument("--rounds", type=int, default=7,
                    help="rounds of the --softmax, --consumers and --tails timings (medians reported)")
     return p.parse_args()

@@ -122,10 +122,13 @@ FWD_THREE_CONSUMERS_MIN = 4096
 # 22 tiles where the rows are worth 20.7. A split tail gives every consumer
 # those rows and a third of the key blocks, merged at the end
 # (``hopper_gluon._fwd_tail_part``); tails run last, where the hand-out
-# gives them to the programs with fewer full tiles. FWD_SPLIT_TAIL: the
-# head dims that take them (at D = 128 three consumers' shared memory has
-# no room for the 32 KiB of partials). FWD_TAIL_COST: a split tail's cost in
-# full tiles of as many key blocks, for the grid plan.
+# gives them to the programs with fewer full tiles. On an H100 (run 43,
+# ``bench/hopper_schedules.py --tails``) the forward at 4k ran 7.5 % faster
+# without a band and 2.5-4 % faster causal, 16k unchanged within noise, so
+# every such call takes them. FWD_SPLIT_TAIL: the head dims that do (at
+# D = 128 three consumers' shared memory has no room for the 32 KiB of
+# partials). FWD_TAIL_COST: a split tail's cost in full tiles of as many
+# key blocks, for the grid plan (a guess; the plan is not fitted to it).
 FWD_SPLIT_TAIL = (64, )
 FWD_TAIL_COST = 0.4
 # K/V slots per head dim (shared memory at D = 128: q 32 KiB + 2 x 2 x 32 KiB).
@@ -516,12 +519,8 @@ def forward_block_m(p: AttentionProblem) -> int:
 def forward_split_tail(p: AttentionProblem) -> bool:
     """Whether the forward runs each head's last query block of ``p`` as a
     split tail: three consumers (192-row tiles), a head dim in
-    ``FWD_SPLIT_TAIL``, one part of rows in that block, and a plan that
-    ends sooner with it (``_split_tail_pays``)."""
-    if not (p.D in FWD_SPLIT_TAIL and forward_block_m(p) == 192 and 0 < p.N % 192 <= 64):
-        return False
-    return _split_tail_pays(p.B * p.Hq, p.N, p.M, p.diag_off, p.window_left, p.window_right, p.has_window_left,
-                            p.has_window_right, _device_sms(p))
+    ``FWD_SPLIT_TAIL`` and one part of rows in that block."""
+    return p.D in FWD_SPLIT_TAIL and forward_block_m(p) == 192 and 0 < p.N % 192 <= 64
 
 
 def forward_programs(p: AttentionProblem, persistent: bool) -> int:
@@ -557,22 +556,6 @@ def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, wind
         per_head = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
                                       has_window_right, block_m)
         return _grid_cost(_tiles_in_order(per_head, heads, split_tail), sms)[:2]
-
-
-@functools.lru_cache(maxsize=1024)
-def _split_tail_pays(heads: int, N: int, M: int, diag_off: int, window_left: int, window_right: int,
-                     has_window_left: bool, has_window_right: bool, sms: int) -> bool:
-    """Whether the cost model ends the forward's 192-row tiles sooner with
-    split tails than without: without a band it always does (the busiest
-    program's count of full tiles drops); under a causal band a head's
-    last tile is its longest and the hand-out may balance better without."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        per_head = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
-                                      has_window_right, 192)
-        return _grid_cost(_tiles_in_order(per_head, heads, True), sms)[2] <= \
-            _grid_cost(_tiles_in_order(per_head, heads, False), sms)[2]
 
 
 def _tiles_in_order(per_head: torch.Tensor, heads: int, split_tail: bool) -> torch.Tensor:

@@ -548,6 +548,37 @@ def _fwd_step(j, c, lo, p, m_i, l_i, acc, q_part, k_smem, v_smem, k_ready, k_emp
 
 
 @gluon.jit
+def _normalized(acc, l_i, m_i, row_o: gl.constexpr):
+    """``(out, lse, l, m)`` of a part's rows from its accumulator, running
+    sum and base-2 running max: a row that saw no key gets 0 and lse +inf;
+    l and m come back in the output's row layout."""
+    l_o = gl.convert_layout(l_i, row_o)
+    m_o = gl.convert_layout(m_i, row_o)
+    empty = l_o == 0.0
+    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
+    out = acc * gl.expand_dims(inv_l, 1)
+    lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+    return out, lse, l_o, m_o
+
+
+@gluon.jit
+def _store_part(out, lse, o_part, o_desc, Lse, b, h, r0, Hq, N, PART_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                row_o: gl.constexpr):
+    """Rows ``r0 .. r0 + PART_M - 1`` of (b, h): their lse, and their
+    output through the part's staging tile ``o_part`` by the copy engine."""
+    rows = r0 + gl.arange(0, PART_M, layout=row_o)
+    gl.store(Lse + ((b.to(gl.int64) * Hq + h) * N + rows), lse, mask=rows < N)
+    # The previous tile's output has left o_part: the issuing thread
+    # waits for its store, the barrier holds the others until it has.
+    tma.store_wait(0)
+    gl.thread_barrier()
+    o_part.store(out.to(o_part.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], o_part.reshape([1, 1, PART_M, HEAD_DIM]))
+
+
+@gluon.jit
 def _fwd_tail_part(i_tail, m0, h, b, c, n_done, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                    k_ready, k_empty, v_ready, v_empty, part_acc, part_m, part_l, merge_ready, merge_free, Hq, N, M,
                    qk_scale, diag_off, window_left, window_right, PART: gl.constexpr, HAS_WINDOW_LEFT: gl.constexpr,
@@ -637,21 +668,8 @@ def _fwd_tail_part(i_tail, m0, h, b, c, n_done, o_desc, Lse, q_smem, o_smem, k_s
         gl.thread_barrier()
         mbarrier.arrive(merge_free)
 
-        l_o = gl.convert_layout(l_all, row_o)
-        m_o = gl.convert_layout(m_all, row_o)
-        empty = l_o == 0.0
-        inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
-        out = acc * gl.expand_dims(inv_l, 1)
-        lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
-        rows = m0 + gl.arange(0, PART_M, layout=row_o)
-        gl.store(Lse + ((b.to(gl.int64) * Hq + h) * N + rows), lse, mask=rows < N)
-        o_part = o_smem.index(0)
-        tma.store_wait(0)
-        gl.thread_barrier()
-        o_part.store(out.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [b, h, m0, 0], o_part.reshape([1, 1, PART_M, HEAD_DIM]))
+        out, lse, l_o, m_o = _normalized(acc, l_all, m_all, row_o)
+        _store_part(out, lse, o_smem.index(0), o_desc, Lse, b, h, m0, Hq, N, PART_M, HEAD_DIM, row_o)
     return n_blocks
 
 
@@ -769,29 +787,14 @@ def _fwd_consumer(o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
         c += n_blocks
         n_done += 1
 
-        l_o = gl.convert_layout(l_i, row_o)
-        m_o = gl.convert_layout(m_i, row_o)
-        empty = l_o == 0.0
-        inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
-        out = acc * gl.expand_dims(inv_l, 1)
-        lse = gl.where(empty, float("inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * 0.6931471805599453)
+        out, lse, l_o, m_o = _normalized(acc, l_i, m_i, row_o)
         if MASK_KIND == 2:
             # Rows a finite mask value hides entirely: the marker holding l
             # (m + log2(l) would round to m).
             marked = (m_o <= AVERAGE_AT_BASE2) & (l_o > 0.0)
             lse = gl.where(marked, -FLT_MAX + gl.minimum(l_o, LSE_MARK_MAX_KEYS) * LSE_MARK_UNIT, lse)
         m0, h, b = _fwd_tile(r, n_m, Hq, BLOCK_M)  # recomputed: fewer registers live across the loop
-        r0 = m0 + PART * PART_M
-        rows = r0 + gl.arange(0, PART_M, layout=row_o)
-        gl.store(Lse + ((b.to(gl.int64) * Hq + h) * N + rows), lse, mask=rows < N)
-        # The previous tile's output has left o_part: the issuing thread
-        # waits for its store, the barrier holds the others until it has.
-        tma.store_wait(0)
-        gl.thread_barrier()
-        o_part.store(out.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], o_part.reshape([1, 1, PART_M, HEAD_DIM]))
+        _store_part(out, lse, o_part, o_desc, Lse, b, h, m0 + PART * PART_M, Hq, N, PART_M, HEAD_DIM, row_o)
     if SPLIT_TAIL:
         for r in range(full_rounds, _program_rounds(n_tiles)):
             m0, h, b = _fwd_tail_tile(r, n_tiles - tails, n_m + 1, Hq, BLOCK_M)

@@ -423,10 +423,10 @@ def _shaped(B, Hq, Hkv, N, M, D=64):
             torch.empty(B, Hkv, M, D, dtype=torch.bfloat16))
 
 
-def test_forward_split_tail_rule():
+def test_forward_split_tail_rule(monkeypatch):
     """Split tails where three consumers leave one part of rows in a head's
     last block (N % 192 in 1..64), at the head dims FWD_SPLIT_TAIL lists,
-    without a mask, and where the plan ends sooner with them."""
+    without a mask, under any band."""
     assert hopper.forward_split_tail(_problem(*_shaped(4, 32, 32, 4096, 4096)))  # 4096 = 21 x 192 + 64
     assert hopper.forward_split_tail(_problem(*_shaped(1, 2, 2, 4225, 4225)))  # a 1-row tail
     assert not hopper.forward_split_tail(_problem(*_shaped(4, 32, 32, 4160, 4160)))  # two parts of rows left
@@ -434,23 +434,20 @@ def test_forward_split_tail_rule():
     assert not hopper.forward_split_tail(_problem(*_shaped(4, 16, 16, 4096, 4096, D=128)))  # two consumers
     q, k, v = _shaped(4, 32, 32, 4096, 4096)
     assert not hopper.forward_split_tail(_problem(q, k, v, torch.ones(4096, 4096, dtype=torch.bool)))  # masked
-    # Causal 4k, 128 heads: the tails are each head's longest tiles, and the
-    # hand-out balances better without splitting them (_split_tail_pays).
-    assert not hopper.forward_split_tail(_problem(q, k, v, window_right=0))
+    assert hopper.forward_split_tail(_problem(q, k, v, window_right=0))  # causal
     p = _problem(q, k, v)
     meta = hopper.kernel_args(p, q, k, v, torch.empty_like(q), torch.empty(4, 32, 4096), True)[1]
     assert (meta["BLOCK_M"], meta["CONSUMERS"], meta["SPLIT_TAIL"]) == (192, 3, True)
-    off = dict(hopper.kernel_args(_problem(q, k, v, window_right=0), q, k, v, torch.empty_like(q),
-                                  torch.empty(4, 32, 4096), True)[1])
-    assert off["SPLIT_TAIL"] is False
+    monkeypatch.setattr(hopper, "FWD_SPLIT_TAIL", ())
+    assert not hopper.forward_split_tail(p)
+    assert hopper.kernel_args(p, q, k, v, torch.empty_like(q), torch.empty(4, 32, 4096), True)[1]["SPLIT_TAIL"] is False
 
 
-def test_forward_split_tail_plan(monkeypatch):
+def test_forward_split_tail_plan():
     """The plan's tiles in the kernel's numbering with split tails: every
     head's full tiles, then every head's tail at FWD_TAIL_COST of its
     blocks; at 4k without a band the busiest program then runs 21 full
-    tiles instead of 22 (its cost falls), and the op's rule follows the
-    cost."""
+    tiles instead of 22."""
     per_head = hopper._query_tile_blocks(4096, 4096, 0, 0, 0, False, True, 192)
     order = hopper._tiles_in_order(per_head, 3, True)
     assert order[:21 * 3].tolist() == per_head[1:].repeat(3).tolist()
@@ -465,12 +462,8 @@ def test_forward_split_tail_plan(monkeypatch):
     assert split[2] == pytest.approx(21 * full + hopper.FWD_FIXED_BLOCKS["tiles"] - fixed)
     hopper._grid_plan.cache_clear()
     assert hopper._grid_plan(128, 4096, 4096, 0, 0, 0, False, False, 132, 192, True) == split[:2]
-    monkeypatch.setattr(hopper, "FWD_TAIL_COST", 1.5)  # a tail dearer than a full tile: not split
-    hopper._split_tail_pays.cache_clear()
-    try:
-        assert not hopper.forward_split_tail(_problem(*_shaped(4, 32, 32, 4096, 4096)))
-    finally:
-        hopper._split_tail_pays.cache_clear()
+    p = _problem(*_shaped(4, 32, 32, 4096, 4096))
+    assert hopper._plan(p) == split[:2]  # the op's plan takes the split tails
 
 
 @pytest.mark.gpu
@@ -482,7 +475,6 @@ def test_forward_split_tails_against_reference(monkeypatch, grid):
     takes no block of the tail), grouped heads, M != N, NaN padding and
     poisoned outputs, on every grid (with three programs each takes many
     tails, so the merge's barriers change phase), both dtypes."""
-    monkeypatch.setattr(hopper, "_split_tail_pays", lambda *a: True)
     cases = (("none", (1, 4, 4, 4096, 4096)), ("causal", (1, 2, 1, 4225, 4225)),
              ("window", (2, 4, 2, 4287, 4500)), ("two_sided_bottom_right", (1, 4, 4, 4096, 5000)),
              ("causal_bottom_right", (1, 2, 2, 4096, 4097)))

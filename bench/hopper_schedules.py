@@ -40,6 +40,7 @@ Writes bench/results/hopper_schedules.csv.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from unittest import mock
@@ -102,7 +103,7 @@ def _tail_runs(p, q, k, v, modes):
     rule) or without ("tails off": ``hopper.FWD_SPLIT_TAIL`` empty), each
     on the grid the op's rule takes."""
     def run(mode):
-        with mock.patch.object(hopper, "FWD_SPLIT_TAIL", hopper.FWD_SPLIT_TAIL if mode == "on" else ()):
+        with mock.patch.object(hopper, "FWD_SPLIT_TAIL", ()) if mode == "off" else contextlib.nullcontext():
             return hopper.hopper_forward(p, q, k, v)
     return [(f"tails {m}", lambda m=m: run(m)) for m in modes]
 

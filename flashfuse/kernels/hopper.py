@@ -519,8 +519,8 @@ def forward_block_m(p: AttentionProblem) -> int:
 def forward_split_tail(p: AttentionProblem) -> bool:
     """Whether the forward runs each head's last query block of ``p`` as a
     split tail: three consumers (192-row tiles), a head dim in
-    ``FWD_SPLIT_TAIL`` and one part of rows in that block."""
-    return p.D in FWD_SPLIT_TAIL and forward_block_m(p) == 192 and 0 < p.N % 192 <= 64
+    ``FWD_SPLIT_TAIL`` and one part of rows (64, one consumer's) in that block."""
+    return p.D in FWD_SPLIT_TAIL and forward_consumers(p) == 3 and 0 < p.N % forward_block_m(p) <= 64
 
 
 def forward_programs(p: AttentionProblem, persistent: bool) -> int:
@@ -555,7 +555,14 @@ def _grid_plan(heads: int, N: int, M: int, diag_off: int, window_left: int, wind
     with _disable_current_modes():
         per_head = _query_tile_blocks(N, M, diag_off, window_left, window_right, has_window_left,
                                       has_window_right, block_m)
-        return _grid_cost(_tiles_in_order(per_head, heads, split_tail), sms)[:2]
+        per_tile = _tiles_in_order(per_head, heads, split_tail)
+        if per_tile.numel() <= sms:
+            return per_tile.numel(), False
+        fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
+        programs, busiest = _balanced_grid(per_tile, sms, fixed_p)
+        one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
+        # Each persistent program's first tile pays the full fixed part.
+        return programs, busiest + fixed_t - fixed_p < one_each
 
 
 def _tiles_in_order(per_head: torch.Tensor, heads: int, split_tail: bool) -> torch.Tensor:
@@ -566,20 +573,6 @@ def _tiles_in_order(per_head: torch.Tensor, heads: int, split_tail: bool) -> tor
     if not split_tail:
         return per_head.repeat(heads)
     return torch.cat([per_head[1:].repeat(heads), per_head[:1].repeat(heads) * FWD_TAIL_COST])
-
-
-def _grid_cost(per_tile: torch.Tensor, sms: int) -> tuple[int, bool, float]:
-    """``(programs, persistent, cost)`` for tiles of ``per_tile`` work: the
-    persistent grid of ``_balanced_grid``, whether it beats one program per
-    tile, and the cost of the faster (``FWD_FIXED_BLOCKS``)."""
-    fixed_t, fixed_p = FWD_FIXED_BLOCKS["tiles"], FWD_FIXED_BLOCKS["persistent"]
-    one_each = max(float((per_tile + fixed_t).sum()) / sms, float(per_tile.max()) + fixed_t)
-    if per_tile.numel() <= sms:
-        return per_tile.numel(), False, one_each
-    programs, busiest = _balanced_grid(per_tile, sms, fixed_p)
-    # Each persistent program's first tile pays the full fixed part.
-    persistent = busiest + fixed_t - fixed_p
-    return programs, persistent < one_each, min(persistent, one_each)
 
 
 def _query_tile_blocks(N: int, M: int, diag_off: int, window_left: int, window_right: int,

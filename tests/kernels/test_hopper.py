@@ -443,27 +443,28 @@ def test_forward_split_tail_rule(monkeypatch):
     assert hopper.kernel_args(p, q, k, v, torch.empty_like(q), torch.empty(4, 32, 4096), True)[1]["SPLIT_TAIL"] is False
 
 
-def test_forward_split_tail_plan():
+def test_forward_split_tail_plan(monkeypatch):
     """The plan's tiles in the kernel's numbering with split tails: every
     head's full tiles, then every head's tail at FWD_TAIL_COST of its
     blocks; at 4k without a band the busiest program then runs 21 full
-    tiles instead of 22."""
+    tiles instead of 22, and the op's plan is made with the tails."""
     per_head = hopper._query_tile_blocks(4096, 4096, 0, 0, 0, False, True, 192)
     order = hopper._tiles_in_order(per_head, 3, True)
     assert order[:21 * 3].tolist() == per_head[1:].repeat(3).tolist()
     assert order[21 * 3:].tolist() == [32 * hopper.FWD_TAIL_COST] * 3  # the causal tails see every key
     flat = hopper._query_tile_blocks(4096, 4096, 0, 0, 0, False, False, 192)
-    unsplit = hopper._grid_cost(hopper._tiles_in_order(flat, 128, False), 132)
-    split = hopper._grid_cost(hopper._tiles_in_order(flat, 128, True), 132)
     fixed = hopper.FWD_FIXED_BLOCKS["persistent"]
-    assert unsplit[1] and split[1]  # persistent both ways
     full = 32 + fixed  # one full tile of 32 key blocks
-    assert unsplit[2] == pytest.approx(22 * full + hopper.FWD_FIXED_BLOCKS["tiles"] - fixed)
-    assert split[2] == pytest.approx(21 * full + hopper.FWD_FIXED_BLOCKS["tiles"] - fixed)
+    assert hopper._balanced_grid(hopper._tiles_in_order(flat, 128, False), 132, fixed)[1] == pytest.approx(22 * full)
+    assert hopper._balanced_grid(hopper._tiles_in_order(flat, 128, True), 132, fixed)[1] == pytest.approx(21 * full)
     hopper._grid_plan.cache_clear()
-    assert hopper._grid_plan(128, 4096, 4096, 0, 0, 0, False, False, 132, 192, True) == split[:2]
-    p = _problem(*_shaped(4, 32, 32, 4096, 4096))
-    assert hopper._plan(p) == split[:2]  # the op's plan takes the split tails
+    assert hopper._grid_plan(128, 4096, 4096, 0, 0, 0, False, False, 132, 192, False)[1]  # persistent both ways
+    assert hopper._grid_plan(128, 4096, 4096, 0, 0, 0, False, False, 132, 192, True)[1]
+    planned = []
+    monkeypatch.setattr(hopper, "_grid_plan", lambda *a: planned.append(a[-2:]) or (132, True))
+    hopper._plan(_problem(*_shaped(4, 32, 32, 4096, 4096)))
+    hopper._plan(_problem(*_shaped(4, 32, 32, 4224, 4224)))  # 22 x 192: no tail
+    assert planned == [(192, True), (192, False)]  # the op's plan takes the split tails where the rule does
 
 
 @pytest.mark.gpu
